@@ -1,0 +1,373 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `contrastive::loss<Element, Temperature, Scaler, Algorithm>`: the compile-time configuration and one training step
+/// on the host.
+///
+/// A step runs, in this order:
+///   1. validate every input and policy setting (a failure returns a status and changes nothing);
+///   2. forward at tau = Temperature::tau(), backward of loss_scale * loss (dQ, dK in Element, still scaled: they are
+///      activation gradients the caller back-propagates further);
+///   3. unscale-and-check: d(loss)/d(log s) is divided by the loss scale, and every gradient is tested for finiteness
+///      in the pass that produces it (dQ/dK are tested on their scaled Element values; caller gradients passed to
+///      `unscale_and_check` are tested *after* unscaling, in the same pass that multiplies them by 1/loss_scale);
+///   4. `finish_step`: the scaler's `update(found_inf)`; then, only if the step was finite, the temperature's
+///      `advance(grad)`.
+/// `step()` is 2-4 at once for callers whose only gradients are dQ and dK.
+
+#include <contrastive/host/engine.hpp>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/policy/scaler.hpp>
+#include <contrastive/policy/temperature.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace contrastive
+{
+template <class A>
+inline constexpr bool is_algorithm_v = std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized>;
+
+/// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
+/// checks). `need_grads` also requires dq/dk.
+template <class T>
+status check_problem(const problem<T>& p, const void* dq = nullptr, const void* dk = nullptr, bool need_grads = false)
+{
+  if (p.n_q == 0)
+  {
+    return {errc::empty_input, "n_q", "no queries (n_q = 0)"};
+  }
+  if (p.n_k == 0)
+  {
+    return {errc::empty_input, "n_k", "no keys (n_k = 0)"};
+  }
+  if (p.dim == 0)
+  {
+    return {errc::empty_input, "dim", "embedding dimension is 0"};
+  }
+  if (p.q == nullptr)
+  {
+    return {errc::null_pointer, "q", "null pointer with n_q = " + std::to_string(p.n_q)};
+  }
+  if (p.k == nullptr)
+  {
+    return {errc::null_pointer, "k", "null pointer with n_k = " + std::to_string(p.n_k)};
+  }
+  if (need_grads && dq == nullptr)
+  {
+    return {errc::null_pointer, "dq", "null gradient output for q"};
+  }
+  if (need_grads && dk == nullptr)
+  {
+    return {errc::null_pointer, "dk", "null gradient output for k"};
+  }
+  if (p.obj != objective::symmetric && p.obj != objective::info_nce)
+  {
+    return {errc::invalid_argument, "obj", "unknown objective"};
+  }
+  if (p.obj == objective::symmetric)
+  {
+    if (p.n_q != p.n_k)
+    {
+      return {errc::shape_mismatch,
+              "n_k",
+              "the symmetric loss needs n_q == n_k (got n_q = " + std::to_string(p.n_q) +
+                ", n_k = " + std::to_string(p.n_k) + ")"};
+    }
+    if (p.labels != nullptr)
+    {
+      return {errc::invalid_argument, "labels", "the symmetric loss takes its positives from the diagonal; pass null"};
+    }
+  }
+  else if (p.labels == nullptr && p.n_q > p.n_k)
+  {
+    return {errc::shape_mismatch,
+            "labels",
+            "null labels mean the diagonal, which needs n_q <= n_k (got n_q = " + std::to_string(p.n_q) +
+              ", n_k = " + std::to_string(p.n_k) + ")"};
+  }
+  if (p.labels != nullptr)
+  {
+    for (std::size_t i = 0; i < p.n_q; ++i)
+    {
+      const std::int64_t l = p.labels[i];
+      if (l < 0 || static_cast<std::size_t>(l) >= p.n_k)
+      {
+        return {errc::label_out_of_range,
+                "labels",
+                "labels[" + std::to_string(i) + "] = " + std::to_string(l) + " is outside [0, n_k = " +
+                  std::to_string(p.n_k) + ")"};
+      }
+    }
+  }
+  return {};
+}
+
+/// The loss with its policies. Element: float, __half or __nv_bfloat16. Policies come last, with defaults.
+template <class Element,
+          class Temperature = temperature::learnable,
+          class Scaler = scaler::static_scale,
+          class Algorithm = algorithm::fused>
+class loss
+{
+  static_assert(is_element_type_v<Element>, "Element must be float, __half or __nv_bfloat16");
+  static_assert(temperature::is_temperature_policy_v<Temperature>,
+                "Temperature must be a trivially copyable policy with is_learnable, scale(), tau(), "
+                "wants_gradient(), advance(float) and validate()");
+  static_assert(scaler::is_scaler_policy_v<Scaler>,
+                "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
+  static_assert(is_algorithm_v<Algorithm>, "Algorithm must be algorithm::fused or algorithm::materialized");
+
+public:
+  using element_type = Element;
+  using temperature_type = Temperature;
+  using scaler_type = Scaler;
+  using algorithm_type = Algorithm;
+  using problem_type = problem<Element>;
+
+  /// Everything a training run must save to resume bit-exactly (trivially copyable).
+  struct checkpoint
+  {
+    Temperature temperature;
+    Scaler scaler;
+    std::int64_t step;
+  };
+
+  explicit loss(Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
+      : temperature_(t)
+      , scaler_(s)
+      , engine_(threads)
+  {}
+
+  const Temperature& temperature() const noexcept
+  {
+    return temperature_;
+  }
+  const Scaler& scaler() const noexcept
+  {
+    return scaler_;
+  }
+  std::int64_t steps() const noexcept
+  {
+    return step_;
+  }
+  float tau() const noexcept
+  {
+    return temperature_.tau();
+  }
+  float loss_scale() const noexcept
+  {
+    return scaler_.loss_scale();
+  }
+  unsigned threads() const noexcept
+  {
+    return engine_.threads();
+  }
+  /// Bytes of host memory held between calls (operands, saved statistics, scratch, materialized logits).
+  std::size_t bytes_held() const noexcept
+  {
+    return engine_.bytes_held();
+  }
+
+  checkpoint save() const noexcept
+  {
+    return {temperature_, scaler_, step_};
+  }
+
+  /// Restores a checkpoint after validating it; on error nothing changes.
+  status restore(const checkpoint& c)
+  {
+    if (const char* why = c.temperature.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_temperature, "checkpoint.temperature", why};
+    }
+    if (const char* why = c.scaler.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_scaler, "checkpoint.scaler", why};
+    }
+    if (c.step < 0)
+    {
+      return {errc::invalid_argument, "checkpoint.step", "negative step count"};
+    }
+    temperature_ = c.temperature;
+    scaler_ = c.scaler;
+    step_ = c.step;
+    return {};
+  }
+
+  /// Loss at the current temperature; per-row (and, symmetric, per-column) log-sum-exps if the pointers are given
+  /// (n_q and n_k floats). Changes no policy state. Keep `p` alive until `backward`.
+  status forward(const problem_type& p, float& loss_value, float* row_lse = nullptr, float* col_lse = nullptr)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(validate(p, nullptr, nullptr, false));
+    const host::forward_result r = engine_.template forward<Algorithm>(temperature_.scale());
+    last_forward_ = r;
+    forward_ready_ = true;
+    loss_value = r.loss;
+    if (row_lse != nullptr)
+    {
+      std::copy(engine_.row_lse().begin(), engine_.row_lse().end(), row_lse);
+    }
+    if (col_lse != nullptr && p.obj == objective::symmetric)
+    {
+      std::copy(engine_.col_lse().begin(), engine_.col_lse().end(), col_lse);
+    }
+    return {};
+  }
+
+  /// Backward of the last `forward` at the current loss scale: dq, dk (Element, multiplied by the loss scale) and
+  /// d(loss_scale * loss)/d(log s) in `grad_logit_scale_scaled`. Changes no policy state.
+  status backward(Element* dq, Element* dk, float& grad_logit_scale_scaled)
+  {
+    if (!forward_ready_)
+    {
+      return {errc::invalid_argument, "forward", "backward needs a successful forward on the same problem first"};
+    }
+    if (dq == nullptr)
+    {
+      return {errc::null_pointer, "dq", "null gradient output for q"};
+    }
+    if (dk == nullptr)
+    {
+      return {errc::null_pointer, "dk", "null gradient output for k"};
+    }
+    last_backward_ = engine_.template backward<Algorithm>(scaler_.loss_scale(), dq, dk);
+    grad_logit_scale_scaled = last_backward_.grad_logit_scale;
+    forward_ready_ = false;
+    return {};
+  }
+
+  /// Steps 1-3 of a training step (see the file comment). On success `rec.pending` is true and `finish_step` must
+  /// follow (after any `unscale_and_check` of the caller's own gradients). On error nothing changes.
+  status forward_backward(const problem_type& p, Element* dq, Element* dk, step_record& rec)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(validate(p, dq, dk, true));
+    const float ls = scaler_.loss_scale();
+    const host::forward_result fr = engine_.template forward<Algorithm>(temperature_.scale());
+    const host::backward_result br = engine_.template backward<Algorithm>(ls, dq, dk);
+    forward_ready_ = false;
+    rec = step_record{};
+    rec.step = step_;
+    rec.loss = fr.loss;
+    rec.tau = temperature_.tau();
+    rec.loss_scale = ls;
+    rec.grad_logit_scale = br.grad_logit_scale / ls;
+    rec.pending = true;
+    if (fr.logits_nonfinite)
+    {
+      rec.first_nonfinite = nonfinite_site::logits;
+    }
+    else if (!std::isfinite(fr.loss))
+    {
+      rec.first_nonfinite = nonfinite_site::loss;
+    }
+    else if (br.dq_nonfinite)
+    {
+      rec.first_nonfinite = nonfinite_site::grad_q;
+    }
+    else if (br.dk_nonfinite)
+    {
+      rec.first_nonfinite = nonfinite_site::grad_k;
+    }
+    else if (temperature_.wants_gradient() && !std::isfinite(rec.grad_logit_scale))
+    {
+      rec.first_nonfinite = nonfinite_site::grad_logit_scale;
+    }
+    return {};
+  }
+
+  /// One pass over a caller gradient buffer (e.g. encoder weight gradients from back-propagating dQ/dK): multiplies
+  /// by 1/loss_scale and records `parameters` as the non-finite site if any unscaled value is not finite.
+  status unscale_and_check(float* grads, std::size_t n, step_record& rec) const
+  {
+    if (!rec.pending)
+    {
+      return {errc::invalid_argument, "rec", "no step in progress (call forward_backward first)"};
+    }
+    if (grads == nullptr && n != 0)
+    {
+      return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
+    }
+    const float inv = static_cast<float>(1.0 / static_cast<double>(rec.loss_scale));
+    float poison = 0.0f;
+    for (std::size_t i = 0; i < n; ++i)
+    {
+      const float g = grads[i] * inv;
+      poison += g * 0.0f;
+      grads[i] = g;
+    }
+    if (poison != 0.0f && rec.first_nonfinite == nonfinite_site::none)
+    {
+      rec.first_nonfinite = nonfinite_site::parameters;
+    }
+    return {};
+  }
+
+  /// Step 4: scaler update, then (finite steps only) the temperature update. Fills `skipped` and `next_loss_scale`.
+  status finish_step(step_record& rec)
+  {
+    if (!rec.pending)
+    {
+      return {errc::invalid_argument, "rec", "no step in progress, or finish_step already called for it"};
+    }
+    const bool found_inf = rec.first_nonfinite != nonfinite_site::none;
+    scaler_.update(found_inf);
+    if (!found_inf)
+    {
+      temperature_.advance(rec.grad_logit_scale);
+    }
+    rec.skipped = found_inf;
+    rec.next_loss_scale = scaler_.loss_scale();
+    rec.pending = false;
+    ++step_;
+    return {};
+  }
+
+  /// A whole training step whose only gradients are dq and dk.
+  status step(const problem_type& p, Element* dq, Element* dk, step_record& rec)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, rec));
+    return finish_step(rec);
+  }
+
+private:
+  status validate(const problem_type& p, const void* dq, const void* dk, bool need_grads)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, need_grads));
+    if (const char* why = temperature_.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_temperature, "temperature", why};
+    }
+    if (const char* why = scaler_.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_scaler, "scaler", why};
+    }
+    const std::ptrdiff_t bad = engine_.prepare(p);
+    if (bad != 0)
+    {
+      const bool in_q = bad > 0;
+      const std::size_t idx = static_cast<std::size_t>((in_q ? bad : -bad) - 1);
+      const char* name = in_q ? "q" : "k";
+      return {errc::non_finite_input,
+              name,
+              std::string(name) + "[" + std::to_string(idx / p.dim) + "][" + std::to_string(idx % p.dim) +
+                "] is not finite"};
+    }
+    return {};
+  }
+
+  Temperature temperature_;
+  Scaler scaler_;
+  host::engine<Element> engine_;
+  std::int64_t step_ = 0;
+  host::forward_result last_forward_{};
+  host::backward_result last_backward_{};
+  bool forward_ready_ = false;
+};
+} // namespace contrastive

@@ -1,0 +1,86 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Running log-sum-exp state and the per-row loss it yields.
+///
+/// The state keeps the *negatives* (every logit but the positive one) apart from the positive logit. The loss of a row
+/// is log(1 + sum_{j != p} exp(S_j - S_p)) = log1p(rest) when the positive is the largest logit, and the small
+/// `rest` is then never added to 1 before the logarithm: that is what keeps all digits of a loss like 2.51e-05 (the
+/// seed's second row at tau = 0.05), where `lse - S_p` computed naively loses most of them.
+
+#include <contrastive/detail/config.hpp>
+#include <contrastive/numeric/math.hpp>
+
+#include <cmath>
+
+namespace contrastive
+{
+/// (max, sum) of exp over a stream of logits; merge is associative, so tiles can be combined in any order.
+struct online_lse
+{
+  float max = -detail::infinity_f; ///< largest value seen, -inf when empty
+  float sum = 0.0f;                ///< sum of exp(x - max)
+
+  /// Adds one value.
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE void push(float x) noexcept
+  {
+    merge(online_lse{x, 1.0f});
+  }
+
+  /// Combines two states. Guards: an empty side contributes nothing; max = +inf keeps +inf (the sum becomes NaN, as
+  /// an overflowed logit must poison the loss); NaN propagates through `max`.
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE void merge(online_lse o) noexcept
+  {
+    if (o.max == -detail::infinity_f)
+    {
+      return;
+    }
+    if (max == -detail::infinity_f)
+    {
+      *this = o;
+      return;
+    }
+    const float m = max > o.max ? max : o.max;
+    sum = sum * detail::exp_approx(max - m) + o.sum * detail::exp_approx(o.max - m);
+    max = (max != max || o.max != o.max) ? max + o.max : m;
+  }
+
+  /// log(sum exp(x)); -inf when empty.
+  CONTRASTIVE_HOST_DEVICE float value() const noexcept
+  {
+    return max == -detail::infinity_f ? max : max + std::log(sum);
+  }
+};
+
+/// Log-sum-exp and cross-entropy of one row from its negatives' state and its positive logit.
+struct row_loss
+{
+  float lse;  ///< log sum_j exp(S_j), the positive included
+  float loss; ///< lse - S_p, computed without cancellation
+};
+
+CONTRASTIVE_HOST_DEVICE inline row_loss finish_row(online_lse negatives, float positive) noexcept
+{
+  if (positive != positive || negatives.max != negatives.max)
+  {
+    const float nan = positive + negatives.max + detail::infinity_f * 0.0f;
+    return {nan, nan};
+  }
+  if (negatives.max == -detail::infinity_f) // only the positive: loss 0
+  {
+    return {positive, 0.0f};
+  }
+  if (positive >= negatives.max)
+  {
+    // rest = sum_{j != p} exp(S_j - S_p) <= number of negatives; the loss is log1p(rest) exactly.
+    const float rest = negatives.sum * detail::exp_approx(negatives.max - positive);
+    const float l = std::log1p(rest);
+    return {positive + l, l};
+  }
+  // The positive is not the largest logit, so the loss is at least log 2 and the plain difference keeps its digits.
+  const float m = negatives.max;
+  const float lse = m + std::log(negatives.sum + detail::exp_approx(positive - m));
+  return {lse, lse - positive};
+}
+} // namespace contrastive

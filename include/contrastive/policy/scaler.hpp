@@ -1,0 +1,191 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Loss-scaler policies. `loss_scale()` is the factor the backward pass multiplies gradients by; `update(found_inf)`
+/// runs once per step, after the unscale-and-check pass, skipped steps included (that is how the scale backs off).
+///
+/// `dynamic` implements one parameterised rule that covers the three frameworks' rules exactly (see its presets):
+///
+///   found_inf:  good = 0; bad += 1;
+///               if bad == backoff_interval: scale = max(float(scale * backoff_factor), min_scale); bad = 0
+///   otherwise:  bad = 0; good += 1;
+///               if good == growth_interval: s = float(scale * growth_factor);
+///                                           if refuse_nonfinite_growth and s is not finite: s = scale;
+///                                           scale = min(s, max_scale); good = 0
+///
+/// Products are formed in double and rounded once to float (the scale is an fp32 value in every framework); with
+/// float factors this equals the float product bit for bit, with PyTorch's double factors it is what PyTorch does.
+
+#include <contrastive/detail/config.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace contrastive
+{
+namespace scaler
+{
+/// One constant loss scale; 1 disables scaling. State: the scale. `update` changes nothing.
+struct static_scale
+{
+  static constexpr bool is_dynamic = false;
+  static constexpr const char* name = "static";
+
+  float scale = 1.0f;
+
+  constexpr static_scale() = default;
+  constexpr explicit static_scale(float s) noexcept
+      : scale(s)
+  {}
+
+  CONTRASTIVE_HOST_DEVICE float loss_scale() const noexcept
+  {
+    return scale;
+  }
+  CONTRASTIVE_HOST_DEVICE void update(bool) noexcept {}
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    return (scale > 0.0f && scale < 3.0e38f) ? "" : "loss scale must be finite and > 0";
+  }
+};
+
+/// Dynamic loss scaling. State: scale, good (consecutive finite steps), bad (consecutive non-finite steps).
+struct dynamic
+{
+  static constexpr bool is_dynamic = true;
+  static constexpr const char* name = "dynamic";
+
+  float scale = 65536.0f;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  std::int32_t growth_interval = 2000;
+  std::int32_t backoff_interval = 1;
+  float min_scale = 0.0f;                    ///< floor after a back-off; 0 = none
+  float max_scale = __builtin_huge_valf();   ///< cap after a growth; inf = none
+  bool refuse_nonfinite_growth = true;       ///< a growth that would overflow float is refused
+  std::int32_t good = 0;
+  std::int32_t bad = 0;
+
+  /// `torch.amp.GradScaler()` defaults: 2^16, x2 every 2000 finite steps, x0.5 on every non-finite step, no floor,
+  /// growth to inf refused (aten `_amp_update_scale_`).
+  static constexpr dynamic torch() noexcept
+  {
+    return dynamic{};
+  }
+
+  /// Paddle dynamic graph, `paddle.amp.GradScaler()` defaults (python `AmpScaler._update`): 2^16, x2 every 2000
+  /// finite steps, x0.5 after every 1 non-finite step; no floor and no finiteness check on growth.
+  static constexpr dynamic paddle_dygraph(float init = 65536.0f,
+                                          float incr_ratio = 2.0f,
+                                          float decr_ratio = 0.5f,
+                                          std::int32_t incr_every_n_steps = 2000,
+                                          std::int32_t decr_every_n_nan_or_inf = 1) noexcept
+  {
+    dynamic d{};
+    d.scale = init;
+    d.growth_factor = incr_ratio;
+    d.backoff_factor = decr_ratio;
+    d.growth_interval = incr_every_n_steps;
+    d.backoff_interval = decr_every_n_nan_or_inf;
+    d.refuse_nonfinite_growth = false;
+    return d;
+  }
+
+  /// Paddle static graph, `update_loss_scaling` operator with `fluid.contrib.mixed_precision.decorate` defaults:
+  /// 2^15, x2 every 1000 finite steps, x0.8 after 2 consecutive non-finite steps, floored at 1, growth to a
+  /// non-finite value refused.
+  static constexpr dynamic paddle_static(float init = 32768.0f,
+                                         float incr_ratio = 2.0f,
+                                         float decr_ratio = 0.8f,
+                                         std::int32_t incr_every_n_steps = 1000,
+                                         std::int32_t decr_every_n_nan_or_inf = 2) noexcept
+  {
+    dynamic d{};
+    d.scale = init;
+    d.growth_factor = incr_ratio;
+    d.backoff_factor = decr_ratio;
+    d.growth_interval = incr_every_n_steps;
+    d.backoff_interval = decr_every_n_nan_or_inf;
+    d.min_scale = 1.0f;
+    d.refuse_nonfinite_growth = true;
+    return d;
+  }
+
+  CONTRASTIVE_HOST_DEVICE float loss_scale() const noexcept
+  {
+    return scale;
+  }
+
+  CONTRASTIVE_HOST_DEVICE void update(bool found_inf) noexcept
+  {
+    if (found_inf)
+    {
+      good = 0;
+      bad += 1;
+      if (bad == backoff_interval)
+      {
+        float s = static_cast<float>(static_cast<double>(scale) * backoff_factor);
+        scale = s < min_scale ? min_scale : s;
+        bad = 0;
+      }
+      return;
+    }
+    bad = 0;
+    good += 1;
+    if (good == growth_interval)
+    {
+      float s = static_cast<float>(static_cast<double>(scale) * growth_factor);
+      const bool finite = s - s == 0.0f;
+      if (refuse_nonfinite_growth && !finite)
+      {
+        s = scale;
+      }
+      scale = s > max_scale ? max_scale : s;
+      good = 0;
+    }
+  }
+
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    // 0 and +inf are reachable states (no floor / unchecked growth) and must keep stepping, so only NaN and negative
+    // values are rejected.
+    if (!(scale >= 0.0f))
+    {
+      return "loss scale must be >= 0 (not NaN)";
+    }
+    if (!(growth_factor >= 1.0 && growth_factor < 1e30) || !(backoff_factor > 0.0 && backoff_factor <= 1.0))
+    {
+      return "growth_factor must be >= 1 and backoff_factor in (0, 1]";
+    }
+    if (growth_interval < 1 || backoff_interval < 1)
+    {
+      return "growth_interval and backoff_interval must be >= 1";
+    }
+    if (!(min_scale >= 0.0f) || !(max_scale >= min_scale))
+    {
+      return "need 0 <= min_scale <= max_scale";
+    }
+    if (good < 0 || good >= growth_interval || bad < 0 || bad >= backoff_interval)
+    {
+      return "counters out of range for the intervals";
+    }
+    return "";
+  }
+};
+
+template <class P, class = void>
+struct is_scaler_policy : std::false_type
+{};
+template <class P>
+struct is_scaler_policy<P,
+                        std::void_t<decltype(P::is_dynamic),
+                                    decltype(std::declval<const P&>().loss_scale()),
+                                    decltype(std::declval<P&>().update(true)),
+                                    decltype(std::declval<const P&>().validate())>>
+    : std::bool_constant<std::is_trivially_copyable_v<P>>
+{};
+template <class P>
+inline constexpr bool is_scaler_policy_v = is_scaler_policy<P>::value;
+} // namespace scaler
+} // namespace contrastive

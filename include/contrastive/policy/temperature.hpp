@@ -1,0 +1,293 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Temperature policies: the *kind* is a compile-time choice, the values are runtime members.
+///
+/// Every policy stores theta = log(1/tau) (CLIP's `logit_scale`) and offers:
+///   `scale()`            s = 1/tau used by this step's logits S_ij = s <q_i, k_j>;
+///   `tau()`, `logit_scale()`;
+///   `wants_gradient()`   whether this step's d(loss)/d(theta) is used (the loss skips no work for it: it is the
+///                        O(N D) dot product <dQ, Q>);
+///   `advance(g)`         called once per *finite* step with the unscaled gradient; updates theta and the step count;
+///   `validate()`         empty string when the settings are in their domain, else what is wrong.
+/// A skipped step never calls `advance`: theta, the optimiser state and the step count stay exactly as they were.
+/// Policies are trivially copyable: copying one saves it, assigning a copy back restores it.
+
+#include <contrastive/detail/config.hpp>
+#include <contrastive/policy/optimizer.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace contrastive
+{
+namespace temperature
+{
+/// theta = log(1/tau) computed in double and stored as float.
+CONTRASTIVE_HOST_DEVICE inline float logit_scale_of(float tau) noexcept
+{
+  return static_cast<float>(-::log(static_cast<double>(tau)));
+}
+
+/// tau never changes and no gradient is used. State: tau.
+struct fixed
+{
+  static constexpr bool is_learnable = false;
+  static constexpr const char* name = "fixed";
+
+  float tau_value = 0.07f;
+
+  constexpr fixed() = default;
+  constexpr explicit fixed(float tau) noexcept
+      : tau_value(tau)
+  {}
+
+  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
+  {
+    return tau_value;
+  }
+  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
+  {
+    return static_cast<float>(1.0 / static_cast<double>(tau_value));
+  }
+  CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
+  {
+    return logit_scale_of(tau_value);
+  }
+  CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
+  {
+    return false;
+  }
+  CONTRASTIVE_HOST_DEVICE void advance(float) noexcept {}
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    return (tau_value > 0.0f && tau_value < 3.0e38f) ? "" : "tau must be finite and > 0";
+  }
+};
+
+/// Trains theta = log(1/tau) with `optimizer` (CLIP's logit_scale; default init log(1/0.07), Adam lr 1e-3).
+/// State: theta, the optimiser's moments and step count, and `steps` (finite steps applied).
+struct learnable
+{
+  static constexpr bool is_learnable = true;
+  static constexpr const char* name = "learnable";
+
+  float theta = 2.65926003693f; ///< log(1/0.07)
+  contrastive::optimizer opt = contrastive::optimizer::adam(1e-3f);
+  optimizer_state opt_state{};
+  std::int64_t steps = 0;
+
+  constexpr learnable() = default;
+  explicit learnable(float initial_tau, contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
+      : theta(logit_scale_of(initial_tau))
+      , opt(o)
+  {}
+
+  CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
+  {
+    return theta;
+  }
+  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
+  {
+    return static_cast<float>(::exp(static_cast<double>(theta)));
+  }
+  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
+  {
+    return static_cast<float>(::exp(-static_cast<double>(theta)));
+  }
+  CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
+  {
+    return true;
+  }
+  CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
+  {
+    theta = apply_update(opt, opt_state, theta, grad_theta);
+    ++steps;
+  }
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    if (!(theta > -80.0f && theta < 80.0f))
+    {
+      return "tau must be finite and > 0 (logit scale log(1/tau) outside (-80, 80))";
+    }
+    return opt.valid() ? "" : "optimizer settings out of range (lr >= 0, 0 <= betas/momentum < 1, eps > 0)";
+  }
+};
+
+/// Learnable, with theta kept in [log(1/tau_max), log(1/tau_min)] after every update and at construction
+/// (open_clip's default: 0 <= theta <= ln 100, i.e. 0.01 <= tau <= 1).
+struct clamped : learnable
+{
+  static constexpr const char* name = "clamped";
+
+  float min_theta = 0.0f;            ///< log(1/tau_max)
+  float max_theta = 4.605170186f;    ///< log(1/tau_min) = ln 100
+
+  constexpr clamped() = default;
+  clamped(float initial_tau,
+          float tau_min,
+          float tau_max,
+          contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
+      : learnable(initial_tau, o)
+      , min_theta(logit_scale_of(tau_max))
+      , max_theta(logit_scale_of(tau_min))
+  {
+    theta = clamp(theta);
+  }
+
+  CONTRASTIVE_HOST_DEVICE float clamp(float t) const noexcept
+  {
+    return t < min_theta ? min_theta : (t > max_theta ? max_theta : t);
+  }
+  CONTRASTIVE_HOST_DEVICE float tau_min() const noexcept
+  {
+    return static_cast<float>(::exp(-static_cast<double>(max_theta)));
+  }
+  CONTRASTIVE_HOST_DEVICE float tau_max() const noexcept
+  {
+    return static_cast<float>(::exp(-static_cast<double>(min_theta)));
+  }
+  CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
+  {
+    learnable::advance(grad_theta);
+    theta = clamp(theta);
+  }
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    if (!(min_theta <= max_theta))
+    {
+      return "tau_min must be <= tau_max, both finite and > 0";
+    }
+    return learnable::validate();
+  }
+};
+
+enum class schedule_kind : std::int32_t
+{
+  freeze_then_learn = 0, ///< the seed's remedy: tau fixed at tau_start until `unfreeze_step`, learnable after
+  linear = 1,            ///< tau moves linearly from tau_start to tau_end over `duration` steps, then stays
+  cosine = 2,            ///< tau follows half a cosine from tau_start to tau_end over `duration` steps, then stays
+};
+
+/// Step-driven temperature. `steps` counts finite steps, so skipped steps do not advance the schedule.
+/// freeze_then_learn: theta starts at log(1/tau_start) and is learnt (with optional clamping, off by default) once
+/// `steps >= unfreeze_step`. linear/cosine: deterministic, no gradient used.
+struct scheduled : clamped
+{
+  static constexpr const char* name = "scheduled";
+
+  schedule_kind kind = schedule_kind::freeze_then_learn;
+  float tau_start = 0.05f;
+  float tau_end = 0.05f;
+  std::int64_t unfreeze_step = 1000; ///< freeze_then_learn only
+  std::int64_t duration = 1000;      ///< linear/cosine only
+
+  scheduled() noexcept
+      : scheduled(freeze_then_learn(0.05f, 1000))
+  {}
+
+  /// The seed's remedy: tau fixed at `tau` for `unfreeze_step` finite steps, then learnable, clamped to
+  /// [tau_min, tau_max] (unbounded by default).
+  static scheduled freeze_then_learn(float tau,
+                                     std::int64_t unfreeze_step,
+                                     contrastive::optimizer o = contrastive::optimizer::adam(1e-3f),
+                                     float tau_min = 0.0f,
+                                     float tau_max = __builtin_huge_valf()) noexcept
+  {
+    scheduled s(0);
+    s.kind = schedule_kind::freeze_then_learn;
+    s.tau_start = s.tau_end = tau;
+    s.unfreeze_step = unfreeze_step;
+    s.opt = o;
+    s.min_theta = tau_max == __builtin_huge_valf() ? -__builtin_huge_valf() : logit_scale_of(tau_max);
+    s.max_theta = tau_min == 0.0f ? __builtin_huge_valf() : logit_scale_of(tau_min);
+    s.theta = logit_scale_of(tau);
+    return s;
+  }
+
+  /// Deterministic schedule of tau over `duration` finite steps.
+  static scheduled deterministic(schedule_kind kind, float tau_start, float tau_end, std::int64_t duration) noexcept
+  {
+    scheduled s(0);
+    s.kind = kind;
+    s.tau_start = tau_start;
+    s.tau_end = tau_end;
+    s.duration = duration;
+    s.min_theta = -__builtin_huge_valf();
+    s.max_theta = __builtin_huge_valf();
+    s.theta = logit_scale_of(tau_start);
+    return s;
+  }
+
+  CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
+  {
+    return kind == schedule_kind::freeze_then_learn && steps >= unfreeze_step;
+  }
+
+  CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
+  {
+    if (wants_gradient())
+    {
+      clamped::advance(grad_theta);
+      return;
+    }
+    ++steps;
+    if (kind != schedule_kind::freeze_then_learn)
+    {
+      theta = logit_scale_of(tau_at(steps));
+    }
+  }
+
+  /// tau of a deterministic schedule after `step` finite steps.
+  CONTRASTIVE_HOST_DEVICE float tau_at(std::int64_t step) const noexcept
+  {
+    if (kind == schedule_kind::freeze_then_learn || duration <= 0)
+    {
+      return kind == schedule_kind::freeze_then_learn ? tau_start : tau_end;
+    }
+    const double x = step >= duration ? 1.0 : static_cast<double>(step) / static_cast<double>(duration);
+    const double f = kind == schedule_kind::linear ? x : 0.5 * (1.0 - ::cos(3.14159265358979323846 * x));
+    return static_cast<float>(tau_start + (static_cast<double>(tau_end) - tau_start) * f);
+  }
+
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    if (!(tau_start > 0.0f && tau_start < 3.0e38f && tau_end > 0.0f && tau_end < 3.0e38f))
+    {
+      return "tau_start and tau_end must be finite and > 0";
+    }
+    if (kind != schedule_kind::freeze_then_learn && kind != schedule_kind::linear && kind != schedule_kind::cosine)
+    {
+      return "unknown schedule kind";
+    }
+    if (unfreeze_step < 0 || duration < 0)
+    {
+      return "unfreeze_step and duration must be >= 0";
+    }
+    return clamped::validate();
+  }
+
+private:
+  explicit scheduled(int) noexcept {}
+};
+
+/// Requirements of a temperature policy, checked once by the owning template.
+template <class P, class = void>
+struct is_temperature_policy : std::false_type
+{};
+template <class P>
+struct is_temperature_policy<P,
+                             std::void_t<decltype(P::is_learnable),
+                                         decltype(std::declval<const P&>().scale()),
+                                         decltype(std::declval<const P&>().tau()),
+                                         decltype(std::declval<const P&>().wants_gradient()),
+                                         decltype(std::declval<P&>().advance(0.0f)),
+                                         decltype(std::declval<const P&>().validate())>>
+    : std::bool_constant<std::is_trivially_copyable_v<P>>
+{};
+template <class P>
+inline constexpr bool is_temperature_policy_v = is_temperature_policy<P>::value;
+} // namespace temperature
+} // namespace contrastive

@@ -1,0 +1,109 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// What a call computes: the inputs, the objective, the algorithm tags, and the per-step record.
+
+#include <contrastive/detail/config.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace contrastive
+{
+/// Which cross-entropy is taken over the logits S_ij = s <q_i, k_j>.
+enum class objective : std::int32_t
+{
+  /// CLIP's loss: 0.5 * (mean_i CE(S_i., i) + mean_j CE(S_.j, j)); needs n_q == n_k, positives on the diagonal.
+  symmetric = 0,
+  /// One-directional InfoNCE: mean_i CE(S_i., p_i) with p_i = labels[i] (default i); n_k may exceed n_q (MoCo queue).
+  info_nce = 1,
+};
+
+inline const char* to_string(objective o) noexcept
+{
+  return o == objective::symmetric ? "symmetric" : "info_nce";
+}
+
+namespace algorithm
+{
+/// Builds the n_q x n_k logits in the element type, as frameworks' autocast does: A = round_T(Q K^T) (float
+/// accumulation), S = round_T(s * A), cross-entropy in float; backward forms dS = round_T(loss_scale * dL/dS) and
+/// dA = round_T(s * dS) in the element type, then dQ = round_T(dA K), dK = round_T(dA^T Q). Memory O(n_q n_k).
+/// On this path a large s overflows fp16 logits exactly as in the seed.
+struct materialized
+{
+  static constexpr const char* name = "materialized";
+};
+
+/// Tiled, online log-sum-exp (flash-attention style): logits live only in float tiles, never in memory; backward
+/// recomputes them from the saved row/column log-sum-exps. The only rounding to the element type is the final
+/// dQ = round_T(loss_scale * s * sum_j G_ij k_j) and dK likewise. Memory O((n_q + n_k) d).
+struct fused
+{
+  static constexpr const char* name = "fused";
+};
+} // namespace algorithm
+
+/// Inputs of one call. Row-major, contiguous rows: q is n_q x dim, k is n_k x dim.
+template <class T>
+struct problem
+{
+  const T* q = nullptr;
+  const T* k = nullptr;
+  std::size_t n_q = 0;
+  std::size_t n_k = 0;
+  std::size_t dim = 0;
+  /// info_nce only: positive key of each query (n_q entries in [0, n_k)); null means the diagonal p_i = i.
+  const std::int32_t* labels = nullptr;
+  objective obj = objective::symmetric;
+};
+
+/// Where a step's first non-finite value appeared, in the order the step computes them.
+enum class nonfinite_site : std::int32_t
+{
+  none = 0,
+  logits,           ///< a logit S_ij (materialized: its element-type value) is +-inf or NaN
+  loss,             ///< the loss value
+  grad_q,           ///< dQ after scaling and rounding to the element type
+  grad_k,           ///< dK after scaling and rounding to the element type
+  grad_logit_scale, ///< d(loss)/d(log s), only when the temperature policy uses it
+  parameters,       ///< a caller-supplied gradient passed to `unscale_and_check`
+};
+
+inline const char* to_string(nonfinite_site s) noexcept
+{
+  switch (s)
+  {
+    case nonfinite_site::none:
+      return "none";
+    case nonfinite_site::logits:
+      return "logits";
+    case nonfinite_site::loss:
+      return "loss";
+    case nonfinite_site::grad_q:
+      return "grad_q";
+    case nonfinite_site::grad_k:
+      return "grad_k";
+    case nonfinite_site::grad_logit_scale:
+      return "grad_logit_scale";
+    case nonfinite_site::parameters:
+      return "parameters";
+  }
+  return "unknown";
+}
+
+/// Outcome of one training step.
+struct step_record
+{
+  std::int64_t step = 0;         ///< index of this step (counts every call, skipped or not)
+  float loss = 0.0f;             ///< unscaled loss
+  float tau = 0.0f;              ///< temperature used by this step
+  float loss_scale = 0.0f;       ///< loss scale used by this step's backward
+  float next_loss_scale = 0.0f;  ///< loss scale after the scaler's update
+  float grad_logit_scale = 0.0f; ///< unscaled d(loss)/d(log s)
+  bool skipped = false;          ///< a non-finite value was found: the temperature did not move
+  nonfinite_site first_nonfinite = nonfinite_site::none;
+  bool pending = false; ///< forward/backward done, `finish_step` not yet called
+};
+} // namespace contrastive

@@ -1,0 +1,112 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Error reporting for the host API: a status the caller tests, with a message naming the offending argument.
+/// The library never throws for bad input, never aborts and never prints.
+
+#include <string>
+#include <utility>
+
+namespace contrastive
+{
+enum class errc
+{
+  success = 0,
+  null_pointer,        ///< a required pointer is null
+  empty_input,         ///< a size is zero
+  shape_mismatch,      ///< sizes that must agree do not
+  label_out_of_range,  ///< a positive-key index is outside [0, n_k)
+  non_finite_input,    ///< an input holds NaN or +-inf
+  invalid_temperature, ///< tau <= 0, non-finite, or bounds that are empty
+  invalid_scaler,      ///< a loss-scaler setting is out of its domain
+  invalid_argument,    ///< any other argument outside its domain
+  workspace_too_small, ///< the caller's workspace is smaller than required
+  cuda_error,          ///< a CUDA runtime call failed
+};
+
+/// Short name of an error code.
+inline const char* to_string(errc e) noexcept
+{
+  switch (e)
+  {
+    case errc::success:
+      return "success";
+    case errc::null_pointer:
+      return "null_pointer";
+    case errc::empty_input:
+      return "empty_input";
+    case errc::shape_mismatch:
+      return "shape_mismatch";
+    case errc::label_out_of_range:
+      return "label_out_of_range";
+    case errc::non_finite_input:
+      return "non_finite_input";
+    case errc::invalid_temperature:
+      return "invalid_temperature";
+    case errc::invalid_scaler:
+      return "invalid_scaler";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::workspace_too_small:
+      return "workspace_too_small";
+    case errc::cuda_error:
+      return "cuda_error";
+  }
+  return "unknown";
+}
+
+/// Result of a host call. `ok()` is true on success; otherwise `code()` classifies the error, `argument()` names the
+/// argument at fault and `message()` says what was wrong with it.
+class [[nodiscard]] status
+{
+public:
+  status() = default;
+  status(errc code, std::string argument, std::string message)
+      : code_(code)
+      , argument_(std::move(argument))
+      , message_(std::move(message))
+  {}
+
+  bool ok() const noexcept
+  {
+    return code_ == errc::success;
+  }
+  explicit operator bool() const noexcept
+  {
+    return ok();
+  }
+  errc code() const noexcept
+  {
+    return code_;
+  }
+  const std::string& argument() const noexcept
+  {
+    return argument_;
+  }
+  /// "argument: message", or "success".
+  std::string message() const
+  {
+    return ok() ? std::string("success") : argument_ + ": " + message_;
+  }
+
+private:
+  errc code_ = errc::success;
+  std::string argument_;
+  std::string message_;
+};
+
+inline status ok_status()
+{
+  return {};
+}
+} // namespace contrastive
+
+/// Returns early from the enclosing function when `expr` yields a failed status.
+#define CONTRASTIVE_RETURN_IF_ERROR(expr)                                                                              \
+  do                                                                                                                   \
+  {                                                                                                                    \
+    ::contrastive::status contrastive_status_ = (expr);                                                                \
+    if (!contrastive_status_.ok())                                                                                     \
+      return contrastive_status_;                                                                                      \
+  } while (0)
