@@ -258,6 +258,7 @@ public:
     rec.tau = temperature_.tau();
     rec.loss_scale = ls;
     rec.grad_logit_scale = br.grad_logit_scale / ls;
+    rec.max_logit = fr.max_logit;
     rec.pending = true;
     if (fr.logits_nonfinite)
     {
@@ -309,7 +310,8 @@ public:
     return {};
   }
 
-  /// Step 4: scaler update, then (finite steps only) the temperature update. Fills `skipped` and `next_loss_scale`.
+  /// Step 4: scaler update, then (finite steps only) the temperature update, then the temperature's optional
+  /// `observe(rec, max_finite)` hook (policies that react to the scaler or the element type's range). Fills `skipped` and `next_loss_scale`.
   status finish_step(step_record& rec)
   {
     if (!rec.pending)
@@ -324,6 +326,11 @@ public:
     }
     rec.skipped = found_inf;
     rec.next_loss_scale = scaler_.loss_scale();
+    if constexpr (temperature::has_observe_v<Temperature>)
+    {
+      // Optional policy hook: sees every finished step (skipped ones too) and the element type's largest finite value.
+      temperature_.observe(rec, element_traits<Element>::max_finite());
+    }
     rec.pending = false;
     ++step_;
     return {};

@@ -102,6 +102,7 @@ struct step_record
   float loss_scale = 0.0f;       ///< loss scale used by this step's backward
   float next_loss_scale = 0.0f;  ///< loss scale after the scaler's update
   float grad_logit_scale = 0.0f; ///< unscaled d(loss)/d(log s)
+  float max_logit = 0.0f;        ///< largest logit S_ij of the step (materialized: its element-type value)
   bool skipped = false;          ///< a non-finite value was found: the temperature did not move
   nonfinite_site first_nonfinite = nonfinite_site::none;
   bool pending = false; ///< forward/backward done, `finish_step` not yet called

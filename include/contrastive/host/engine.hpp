@@ -44,6 +44,7 @@ inline std::size_t round_up(std::size_t x, std::size_t m) noexcept
 struct forward_result
 {
   float loss = 0.0f;
+  float max_logit = 0.0f; ///< largest logit S_ij (materialized: its element-type value)
   bool logits_nonfinite = false;
 };
 
@@ -138,6 +139,7 @@ public:
     scale_ = scale;
     row_lse_.assign(n_q_, 0.0f);
     row_loss_.assign(n_q_, 0.0f);
+    row_max_.assign(n_q_, 0.0f);
     pos_.assign(n_q_, 0.0f);
     const bool sym = obj_ == objective::symmetric;
     ensure_scratch(sym);
@@ -165,11 +167,14 @@ public:
       r.logits_nonfinite |= b != 0;
     }
     double row_sum = 0.0;
+    float max_logit = -contrastive::detail::infinity_f;
     for (std::size_t i = 0; i < n_q_; ++i)
     {
       row_sum += row_loss_[i];
       r.logits_nonfinite |= !std::isfinite(pos_[i]);
+      max_logit = std::max(max_logit, std::max(row_max_[i], pos_[i]));
     }
+    r.max_logit = max_logit;
     double total = row_sum / static_cast<double>(n_q_);
     if (sym)
     {
@@ -576,6 +581,7 @@ private:
       const row_loss rl = finish_row(row_state[ii], pos_[i0 + ii]);
       row_lse_[i0 + ii] = rl.lse;
       row_loss_[i0 + ii] = rl.loss;
+      row_max_[i0 + ii] = row_state[ii].max;
     }
     return bad;
   }
@@ -821,7 +827,7 @@ private:
   const std::int32_t* labels_ = nullptr;
   float scale_ = 1.0f;
   std::vector<float> qf_, kf_, qp_, kp_;
-  std::vector<float> row_lse_, row_loss_, pos_, col_lse_;
+  std::vector<float> row_lse_, row_loss_, row_max_, pos_, col_lse_;
   std::vector<T> logits_;
   std::vector<worker_scratch> scratch_;
 };

@@ -16,6 +16,7 @@
 
 #include <contrastive/detail/config.hpp>
 #include <contrastive/policy/optimizer.hpp>
+#include <contrastive/problem.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -289,5 +290,16 @@ struct is_temperature_policy<P,
 {};
 template <class P>
 inline constexpr bool is_temperature_policy_v = is_temperature_policy<P>::value;
+
+/// Optional hook `void observe(const step_record&, float element_max_finite)`, called after every finished step.
+template <class P, class = void>
+struct has_observe : std::false_type
+{};
+template <class P>
+struct has_observe<P, std::void_t<decltype(std::declval<P&>().observe(std::declval<const step_record&>(), 0.0f))>>
+    : std::true_type
+{};
+template <class P>
+inline constexpr bool has_observe_v = has_observe<P>::value;
 } // namespace temperature
 } // namespace contrastive
