@@ -1,0 +1,344 @@
+// Typed tests over element type x temperature policy x scaler policy x algorithm against the float64 reference.
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <tuple>
+
+namespace ct = contrastive_test;
+namespace cl = contrastive;
+
+namespace
+{
+template <class P>
+P make_temperature();
+template <>
+cl::temperature::fixed make_temperature()
+{
+  return cl::temperature::fixed(0.1f);
+}
+template <>
+cl::temperature::learnable make_temperature()
+{
+  return cl::temperature::learnable(0.1f, cl::optimizer::adam(1e-2f));
+}
+template <>
+cl::temperature::clamped make_temperature()
+{
+  return cl::temperature::clamped(0.1f, 0.05f, 1.0f, cl::optimizer::adam(1e-2f));
+}
+template <>
+cl::temperature::scheduled make_temperature()
+{
+  return cl::temperature::scheduled::freeze_then_learn(0.1f, 1, cl::optimizer::adam(1e-2f));
+}
+
+template <class T, class S>
+S make_scaler();
+template <>
+cl::scaler::static_scale make_scaler<float, cl::scaler::static_scale>()
+{
+  return cl::scaler::static_scale(1.0f);
+}
+template <>
+cl::scaler::static_scale make_scaler<__half, cl::scaler::static_scale>()
+{
+  return cl::scaler::static_scale(512.0f);
+}
+template <>
+cl::scaler::static_scale make_scaler<__nv_bfloat16, cl::scaler::static_scale>()
+{
+  return cl::scaler::static_scale(8.0f);
+}
+template <>
+cl::scaler::dynamic make_scaler<float, cl::scaler::dynamic>()
+{
+  return cl::scaler::dynamic::torch();
+}
+template <>
+cl::scaler::dynamic make_scaler<__half, cl::scaler::dynamic>()
+{
+  return cl::scaler::dynamic::paddle_static(1024.0f); // 2^15 overflows fp16 dQ at n_q = 1: a real, tested back-off
+}
+template <>
+cl::scaler::dynamic make_scaler<__nv_bfloat16, cl::scaler::dynamic>()
+{
+  return cl::scaler::dynamic::paddle_dygraph();
+}
+
+template <class T>
+void poison(std::vector<T>& v)
+{
+  for (auto& x : v)
+  {
+    x = cl::element_traits<T>::from_float(-12345.0f);
+  }
+}
+
+struct shape
+{
+  std::size_t n_q, n_k, dim;
+  cl::objective obj;
+  bool labels;
+};
+
+// Not multiples of the tiles; n_q != n_k; dim not a multiple of 8; N = 1; a queue (n_k > n_q) with random labels.
+const shape shapes[] = {
+  {70, 70, 37, cl::objective::symmetric, false},
+  {130, 130, 65, cl::objective::symmetric, false},
+  {50, 300, 24, cl::objective::info_nce, true},
+  {40, 90, 16, cl::objective::info_nce, false},
+  {1, 1, 5, cl::objective::symmetric, false},
+  {1, 7, 3, cl::objective::info_nce, true},
+};
+} // namespace
+
+template <class Config>
+class LossTyped : public ::testing::Test
+{};
+
+template <class T, class Temp, class Scale, class Algo>
+struct config
+{
+  using element = T;
+  using temperature = Temp;
+  using scaler = Scale;
+  using algorithm = Algo;
+};
+
+using all_configs = ::testing::Types<
+#define CONTRASTIVE_CONFIGS_FOR(T)                                                                                     \
+  config<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused>,                                   \
+    config<T, cl::temperature::fixed, cl::scaler::dynamic, cl::algorithm::materialized>,                               \
+    config<T, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::materialized>,                      \
+    config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused>,                                  \
+    config<T, cl::temperature::clamped, cl::scaler::static_scale, cl::algorithm::fused>,                               \
+    config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::materialized>,                             \
+    config<T, cl::temperature::scheduled, cl::scaler::static_scale, cl::algorithm::materialized>,                      \
+    config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::fused>,                                  \
+    config<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized>,                          \
+    config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized>,                           \
+    config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::fused>,                                    \
+    config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::materialized>
+  CONTRASTIVE_CONFIGS_FOR(float),
+  CONTRASTIVE_CONFIGS_FOR(__half),
+  CONTRASTIVE_CONFIGS_FOR(__nv_bfloat16)
+#undef CONTRASTIVE_CONFIGS_FOR
+  >;
+
+class config_names
+{
+public:
+  template <class C>
+  static std::string GetName(int)
+  {
+    return std::string(cl::element_traits<typename C::element>::name) + "_" + C::temperature::name + "_" +
+           C::scaler::name + "_" + C::algorithm::name;
+  }
+};
+
+TYPED_TEST_SUITE(LossTyped, all_configs, config_names);
+
+// Loss, dQ, dK and d loss / d log s against float64, on every shape; then the policy updates exactly as documented.
+TYPED_TEST(LossTyped, MatchesFloat64ReferenceAndUpdatesPoliciesAsDocumented)
+{
+  using T = typename TypeParam::element;
+  using Temp = typename TypeParam::temperature;
+  using Scale = typename TypeParam::scaler;
+  using Algo = typename TypeParam::algorithm;
+  using tol = ct::tolerance<T, Algo>;
+  std::uint32_t seed = 1000;
+  for (const shape& sh : shapes)
+  {
+    SCOPED_TRACE("n_q " + std::to_string(sh.n_q) + " n_k " + std::to_string(sh.n_k) + " dim " +
+                 std::to_string(sh.dim) + " " + cl::to_string(sh.obj));
+    const auto q = ct::random_rows<T>(sh.n_q, sh.dim, ++seed);
+    const auto k = ct::random_rows<T>(sh.n_k, sh.dim, ++seed);
+    std::vector<std::int32_t> labels(sh.n_q);
+    std::mt19937 rng(++seed);
+    for (auto& l : labels)
+    {
+      l = static_cast<std::int32_t>(rng() % sh.n_k);
+    }
+    cl::problem<T> p;
+    p.q = q.data();
+    p.k = k.data();
+    p.n_q = sh.n_q;
+    p.n_k = sh.n_k;
+    p.dim = sh.dim;
+    p.labels = sh.labels ? labels.data() : nullptr;
+    p.obj = sh.obj;
+
+    cl::loss<T, Temp, Scale, Algo> l(make_temperature<Temp>(), make_scaler<T, Scale>());
+    for (int step = 0; step < 2; ++step)
+    {
+      SCOPED_TRACE("step " + std::to_string(step));
+      const double s = l.temperature().scale();
+      const ct::reference ref =
+        ct::compute_reference(ct::to_double(q), ct::to_double(k), sh.n_q, sh.n_k, sh.dim, p.labels, sh.obj, s);
+      std::vector<T> dq(sh.n_q * sh.dim), dk(sh.n_k * sh.dim);
+      poison(dq);
+      poison(dk);
+      const Temp temp_before = l.temperature();
+      Scale scaler_expected = l.scaler();
+      cl::step_record rec;
+      ASSERT_TRUE(l.forward_backward(p, dq.data(), dk.data(), rec).ok());
+      ASSERT_EQ(rec.first_nonfinite, cl::nonfinite_site::none);
+      const double ls = rec.loss_scale;
+      EXPECT_NEAR(rec.loss, ref.loss, tol::loss(ref.max_abs_logit));
+      EXPECT_LE(ct::max_rel_error(dq, ref.dq, 1.0 / ls), tol::grad(ref.max_abs_logit));
+      EXPECT_LE(ct::max_rel_error(dk, ref.dk, 1.0 / ls), tol::grad(ref.max_abs_logit));
+      EXPECT_NEAR(rec.grad_logit_scale,
+                  ref.grad_logit_scale,
+                  tol::grad(ref.max_abs_logit) * (1.0 + ref.max_abs_logit) + 1e-6);
+      ASSERT_TRUE(l.finish_step(rec).ok());
+      EXPECT_FALSE(rec.skipped);
+      // The scaler saw a finite step; the temperature advanced with exactly the recorded gradient.
+      scaler_expected.update(false);
+      EXPECT_EQ(std::memcmp(&scaler_expected, &l.scaler(), sizeof(Scale)), 0);
+      Temp temp_expected = temp_before;
+      temp_expected.advance(rec.grad_logit_scale);
+      EXPECT_EQ(l.temperature().tau(), temp_expected.tau());
+      if (!Temp::is_learnable)
+      {
+        EXPECT_EQ(l.temperature().tau(), temp_before.tau());
+      }
+      EXPECT_EQ(rec.next_loss_scale, l.scaler().loss_scale());
+    }
+  }
+}
+
+// Fused and materialized agree with each other (float; both against the same reference already, this is direct).
+TEST(LossAgreement, FusedAndMaterializedAgreeInFloat)
+{
+  const std::size_t n = 300, dim = 48;
+  const auto q = ct::random_rows<float>(n, dim, 5);
+  const auto k = ct::random_rows<float>(n, dim, 6);
+  cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  std::vector<float> dq1(n * dim), dk1(n * dim), dq2(n * dim), dk2(n * dim);
+  cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused> a(cl::temperature::fixed(0.05f));
+  cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized> b(
+    cl::temperature::fixed(0.05f));
+  cl::step_record r1, r2;
+  ASSERT_TRUE(a.step(p, dq1.data(), dk1.data(), r1).ok());
+  ASSERT_TRUE(b.step(p, dq2.data(), dk2.data(), r2).ok());
+  EXPECT_NEAR(r1.loss, r2.loss, 2e-6 * r1.loss);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < n * dim; ++i)
+  {
+    num = std::max(num, double(std::fabs(dq1[i] - dq2[i])));
+    den = std::max(den, double(std::fabs(dq1[i])));
+  }
+  EXPECT_LE(num / den, 1e-5);
+}
+
+// Forward also hands back the per-row (and per-column) log-sum-exps.
+TEST(LossForward, ReturnsRowAndColumnLogSumExps)
+{
+  const std::size_t n = 77, dim = 20;
+  const auto q = ct::random_rows<float>(n, dim, 8);
+  const auto k = ct::random_rows<float>(n, dim, 9);
+  cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  cl::loss<float, cl::temperature::fixed> l(cl::temperature::fixed(0.07f));
+  float value = 0.0f;
+  std::vector<float> row(n), col(n);
+  ASSERT_TRUE(l.forward(p, value, row.data(), col.data()).ok());
+  const auto ref = ct::compute_reference(ct::to_double(q), ct::to_double(k), n, n, dim, nullptr, p.obj, 1.0 / 0.07f);
+  for (std::size_t i = 0; i < n; ++i)
+  {
+    EXPECT_NEAR(row[i], ref.row_lse[i], 2e-6 * std::fabs(ref.row_lse[i]) + 1e-6);
+    EXPECT_NEAR(col[i], ref.col_lse[i], 2e-6 * std::fabs(ref.col_lse[i]) + 1e-6);
+  }
+  std::vector<float> dq(n * dim), dk(n * dim);
+  float g = 0.0f;
+  ASSERT_TRUE(l.backward(dq.data(), dk.data(), g).ok());
+  EXPECT_LE(ct::max_rel_error(dq, ref.dq), 1e-5);
+  EXPECT_NEAR(g, ref.grad_logit_scale, 1e-5);
+  // A second backward without a new forward is refused.
+  EXPECT_EQ(l.backward(dq.data(), dk.data(), g).code(), cl::errc::invalid_argument);
+}
+
+// The analytic gradients of the float64 reference match its own central differences (q, k and log s), and the
+// library's float gradients match central differences of the library's float loss.
+TEST(FiniteDifferences, ReferenceAndLibraryGradients)
+{
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce})
+  {
+    const std::size_t n = 9, dim = 6;
+    const auto qf = ct::random_rows<float>(n, dim, 21);
+    const auto kf = ct::random_rows<float>(n, dim, 22);
+    const std::vector<std::int32_t> labels = {3, 1, 0, 8, 4, 5, 2, 7, 6};
+    const std::int32_t* lab = obj == cl::objective::info_nce ? labels.data() : nullptr;
+    auto q = ct::to_double(qf);
+    auto k = ct::to_double(kf);
+    const double s = 8.0;
+    const ct::reference ref = ct::compute_reference(q, k, n, n, dim, lab, obj, s);
+    const double h = 1e-6;
+    for (std::size_t idx = 0; idx < n * dim; idx += 5)
+    {
+      auto qp = q, qm = q;
+      qp[idx] += h;
+      qm[idx] -= h;
+      const double fd = (ct::compute_reference(qp, k, n, n, dim, lab, obj, s).loss -
+                         ct::compute_reference(qm, k, n, n, dim, lab, obj, s).loss) /
+                        (2 * h);
+      EXPECT_NEAR(ref.dq[idx], fd, 1e-7);
+      auto kp = k, km = k;
+      kp[idx] += h;
+      km[idx] -= h;
+      const double fdk = (ct::compute_reference(q, kp, n, n, dim, lab, obj, s).loss -
+                          ct::compute_reference(q, km, n, n, dim, lab, obj, s).loss) /
+                         (2 * h);
+      EXPECT_NEAR(ref.dk[idx], fdk, 1e-7);
+    }
+    const double fds = (ct::compute_reference(q, k, n, n, dim, lab, obj, s * std::exp(h)).loss -
+                        ct::compute_reference(q, k, n, n, dim, lab, obj, s * std::exp(-h)).loss) /
+                       (2 * h);
+    EXPECT_NEAR(ref.grad_logit_scale, fds, 1e-7);
+
+    // Library, float, both algorithms: central differences with a step large enough for float's resolution.
+    auto lib_loss = [&](const std::vector<float>& qq, const std::vector<float>& kk, auto algo) {
+      using A = decltype(algo);
+      cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, A> l(cl::temperature::fixed(1.0f / 8.0f));
+      cl::problem<float> p{qq.data(), kk.data(), n, n, dim, lab, obj};
+      float v = 0.0f;
+      EXPECT_TRUE(l.forward(p, v).ok());
+      return static_cast<double>(v);
+    };
+    auto lib_grads = [&](auto algo) {
+      using A = decltype(algo);
+      cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, A> l(cl::temperature::fixed(1.0f / 8.0f));
+      cl::problem<float> p{qf.data(), kf.data(), n, n, dim, lab, obj};
+      std::vector<float> dq(n * dim), dk(n * dim);
+      cl::step_record r;
+      EXPECT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
+      return std::make_pair(dq, dk);
+    };
+    auto check = [&](auto algo) {
+      const auto [dq, dk] = lib_grads(algo);
+      const float hf = 2e-3f;
+      double gmax = 0.0;
+      for (float g : dq)
+      {
+        gmax = std::max(gmax, double(std::fabs(g)));
+      }
+      for (std::size_t idx = 0; idx < n * dim; idx += 3)
+      {
+        auto qp = qf, qm = qf;
+        qp[idx] += hf;
+        qm[idx] -= hf;
+        const double fd = (lib_loss(qp, kf, algo) - lib_loss(qm, kf, algo)) / (double(qp[idx]) - double(qm[idx]));
+        EXPECT_NEAR(dq[idx], fd, 2e-3 * gmax + 1e-4) << "dq " << idx;
+        auto kp = kf, km = kf;
+        kp[idx] += hf;
+        km[idx] -= hf;
+        const double fdk = (lib_loss(qf, kp, algo) - lib_loss(qf, km, algo)) / (double(kp[idx]) - double(km[idx]));
+        EXPECT_NEAR(dk[idx], fdk, 2e-3 * gmax + 1e-4) << "dk " << idx;
+      }
+    };
+    check(cl::algorithm::fused{});
+    check(cl::algorithm::materialized{});
+  }
+}

@@ -1,0 +1,189 @@
+// Element traits, the vectorisable exp, and the online log-sum-exp.
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+using contrastive::element_traits;
+
+namespace
+{
+std::uint32_t bits_of(float x)
+{
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+float float_of(std::uint32_t u)
+{
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+} // namespace
+
+// Every half converts exactly as the CUDA Toolkit's own conversion does.
+TEST(ElementTraits, HalfToFloatExhaustiveAgainstCudaToolkit)
+{
+  for (std::uint32_t b = 0; b < 65536; ++b)
+  {
+    const __half h = element_traits<__half>::from_bits(static_cast<std::uint16_t>(b));
+    const float mine = element_traits<__half>::to_float(h);
+    const float cuda = __half2float(h);
+    if (std::isnan(cuda))
+    {
+      ASSERT_TRUE(std::isnan(mine)) << b;
+    }
+    else
+    {
+      ASSERT_EQ(bits_of(mine), bits_of(cuda)) << "half bits " << b;
+    }
+  }
+}
+
+// float -> half/bf16 round to nearest even, bit for bit with cuda_fp16.h / cuda_bf16.h, over random floats of every
+// exponent and over the boundaries (largest finite, overflow threshold, subnormals, ties).
+TEST(ElementTraits, FloatToHalfAndBf16MatchCudaRounding)
+{
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::uint32_t> any;
+  std::vector<float> cases = {0.0f,
+                              -0.0f,
+                              65504.0f,
+                              65519.996f,
+                              65520.0f,
+                              -65520.0f,
+                              6.1035156e-05f,
+                              5.9604645e-08f,
+                              2.9802322e-08f,
+                              2.9802326e-08f,
+                              1.0f + 1.0f / 2048.0f,
+                              1.0f + 3.0f / 2048.0f,
+                              INFINITY,
+                              -INFINITY,
+                              3.3895314e38f,
+                              3.4028235e38f};
+  for (int i = 0; i < 400000; ++i)
+  {
+    cases.push_back(float_of(any(rng)));
+  }
+  for (float f : cases)
+  {
+    if (std::isnan(f))
+    {
+      EXPECT_TRUE(std::isnan(element_traits<__half>::to_float(element_traits<__half>::from_float(f))));
+      EXPECT_TRUE(std::isnan(element_traits<__nv_bfloat16>::to_float(element_traits<__nv_bfloat16>::from_float(f))));
+      continue;
+    }
+    ASSERT_EQ(element_traits<__half>::bits(element_traits<__half>::from_float(f)),
+              element_traits<__half>::bits(__float2half_rn(f)))
+      << f;
+    ASSERT_EQ(element_traits<__nv_bfloat16>::bits(element_traits<__nv_bfloat16>::from_float(f)),
+              element_traits<__nv_bfloat16>::bits(__float2bfloat16_rn(f)))
+      << f;
+  }
+}
+
+TEST(ElementTraits, RangeConstantsAndFiniteness)
+{
+  EXPECT_EQ(element_traits<__half>::max_finite(), 65504.0f);
+  EXPECT_EQ(element_traits<__half>::to_float(element_traits<__half>::from_float(65504.0f)), 65504.0f);
+  EXPECT_TRUE(std::isinf(contrastive::round_to<__half>(65520.0f)));
+  EXPECT_EQ(element_traits<__half>::min_normal(), std::ldexp(1.0f, -14));
+  EXPECT_EQ(element_traits<__half>::epsilon(), std::ldexp(1.0f, -10));
+  EXPECT_EQ(element_traits<__nv_bfloat16>::epsilon(), std::ldexp(1.0f, -7));
+  EXPECT_EQ(element_traits<__nv_bfloat16>::min_normal(), std::numeric_limits<float>::min());
+  EXPECT_EQ(contrastive::round_to<__nv_bfloat16>(element_traits<__nv_bfloat16>::max_finite()),
+            element_traits<__nv_bfloat16>::max_finite());
+  EXPECT_EQ(element_traits<float>::max_finite(), std::numeric_limits<float>::max());
+  EXPECT_EQ(element_traits<float>::epsilon(), std::numeric_limits<float>::epsilon());
+  EXPECT_TRUE(element_traits<__half>::is_finite(element_traits<__half>::from_float(65504.0f)));
+  EXPECT_FALSE(element_traits<__half>::is_finite(element_traits<__half>::from_float(1e6f)));
+  EXPECT_FALSE(element_traits<__half>::is_finite(element_traits<__half>::from_float(NAN)));
+  EXPECT_FALSE(element_traits<__nv_bfloat16>::is_finite(element_traits<__nv_bfloat16>::from_float(INFINITY)));
+  EXPECT_TRUE(element_traits<__nv_bfloat16>::is_finite(element_traits<__nv_bfloat16>::from_float(1e38f)));
+  EXPECT_FALSE(element_traits<float>::is_finite(NAN));
+  EXPECT_TRUE(element_traits<float>::is_finite(3e38f));
+}
+
+// exp_approx is within 2 ulp of the correctly rounded exp over the whole range where the result is a normal float,
+// and handles the edges.
+TEST(ExpApprox, WithinTwoUlpOverTheRange)
+{
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> x_dist(-87.0f, 88.7f);
+  double worst = 0.0;
+  for (int i = 0; i < 2000000; ++i)
+  {
+    const float x = i < 1000 ? -1.0f + i * 0.002f : x_dist(rng);
+    const double want = std::exp(static_cast<double>(x));
+    const float got = contrastive::detail::exp_approx(x);
+    const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(want)) - 23);
+    worst = std::max(worst, std::fabs(got - want) / ulp);
+  }
+  EXPECT_LE(worst, 2.0);
+  EXPECT_EQ(contrastive::detail::exp_approx(0.0f), 1.0f);
+  EXPECT_EQ(contrastive::detail::exp_approx(-INFINITY), 0.0f);
+  EXPECT_EQ(contrastive::detail::exp_approx(-200.0f), 0.0f);
+  EXPECT_TRUE(std::isinf(contrastive::detail::exp_approx(89.0f)));
+  EXPECT_TRUE(std::isinf(contrastive::detail::exp_approx(INFINITY)));
+  EXPECT_TRUE(std::isnan(contrastive::detail::exp_approx(NAN)));
+  // Subnormal results keep their relative accuracy to within an ulp of the subnormal grid.
+  const float sub = contrastive::detail::exp_approx(-95.0f);
+  EXPECT_NEAR(sub, std::exp(-95.0), std::ldexp(1.0, -149));
+}
+
+TEST(OnlineLse, MergeIsOrderIndependentAndMatchesDirectSum)
+{
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> d(-30.0f, 30.0f);
+  std::vector<float> xs(1000);
+  for (auto& x : xs)
+  {
+    x = d(rng);
+  }
+  contrastive::online_lse all, a, b;
+  for (std::size_t i = 0; i < xs.size(); ++i)
+  {
+    all.push(xs[i]);
+    (i % 3 == 0 ? a : b).push(xs[i]);
+  }
+  contrastive::online_lse ab = a, ba = b;
+  ab.merge(b);
+  ba.merge(a);
+  double m = -INFINITY, s = 0.0;
+  for (float x : xs)
+  {
+    m = std::max(m, double(x));
+  }
+  for (float x : xs)
+  {
+    s += std::exp(x - m);
+  }
+  const double want = m + std::log(s);
+  EXPECT_NEAR(all.value(), want, 4e-6 * std::fabs(want));
+  EXPECT_NEAR(ab.value(), want, 4e-6 * std::fabs(want));
+  EXPECT_NEAR(ba.value(), want, 4e-6 * std::fabs(want));
+  contrastive::online_lse empty;
+  EXPECT_EQ(empty.value(), -INFINITY);
+  ab.merge(empty);
+  EXPECT_NEAR(ab.value(), want, 4e-6 * std::fabs(want));
+}
+
+TEST(OnlineLse, OverflowedInputPoisonsTheResult)
+{
+  contrastive::online_lse st;
+  st.push(1.0f);
+  st.push(INFINITY);
+  st.push(2.0f);
+  const contrastive::row_loss r = contrastive::finish_row(st, 0.5f);
+  EXPECT_FALSE(std::isfinite(r.loss));
+  contrastive::online_lse n;
+  n.push(NAN);
+  EXPECT_TRUE(std::isnan(contrastive::finish_row(n, 1.0f).loss));
+}

@@ -1,0 +1,208 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Shared test helpers: random inputs, the float64 host reference, and tolerances derived from the element type.
+
+#include <contrastive/contrastive.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace contrastive_test
+{
+using contrastive::element_traits;
+
+/// Random L2-normalised rows (as CLIP features are), stored in T. Never zero.
+template <class T>
+std::vector<T> random_rows(std::size_t rows, std::size_t dim, std::uint32_t seed, float norm = 1.0f)
+{
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<T> out(rows * dim);
+  std::vector<float> row(dim);
+  for (std::size_t i = 0; i < rows; ++i)
+  {
+    double ss = 0.0;
+    for (auto& x : row)
+    {
+      x = normal(rng);
+      ss += double(x) * x;
+    }
+    const float inv = norm / static_cast<float>(std::sqrt(ss));
+    for (std::size_t c = 0; c < dim; ++c)
+    {
+      out[i * dim + c] = element_traits<T>::from_float(row[c] * inv);
+    }
+  }
+  return out;
+}
+
+template <class T>
+std::vector<double> to_double(const std::vector<T>& v)
+{
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i)
+  {
+    out[i] = element_traits<T>::to_float(v[i]);
+  }
+  return out;
+}
+
+/// Float64 reference of the loss and its gradients.
+struct reference
+{
+  double loss = 0.0;
+  std::vector<double> row_lse, col_lse;
+  std::vector<double> dq, dk; // d loss / d q, d loss / d k (unscaled)
+  double grad_logit_scale = 0.0;
+  double max_abs_logit = 0.0;
+};
+
+inline reference compute_reference(const std::vector<double>& q,
+                                   const std::vector<double>& k,
+                                   std::size_t n_q,
+                                   std::size_t n_k,
+                                   std::size_t dim,
+                                   const std::int32_t* labels,
+                                   contrastive::objective obj,
+                                   double s)
+{
+  reference r;
+  std::vector<double> S(n_q * n_k);
+  for (std::size_t i = 0; i < n_q; ++i)
+  {
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      double acc = 0.0;
+      for (std::size_t c = 0; c < dim; ++c)
+      {
+        acc += q[i * dim + c] * k[j * dim + c];
+      }
+      S[i * n_k + j] = s * acc;
+      r.max_abs_logit = std::max(r.max_abs_logit, std::fabs(s * acc));
+    }
+  }
+  auto pos = [&](std::size_t i) { return labels ? static_cast<std::size_t>(labels[i]) : i; };
+  const bool sym = obj == contrastive::objective::symmetric;
+  r.row_lse.resize(n_q);
+  double row_total = 0.0;
+  for (std::size_t i = 0; i < n_q; ++i)
+  {
+    double m = -INFINITY;
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      m = std::max(m, S[i * n_k + j]);
+    }
+    double sum = 0.0;
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      sum += std::exp(S[i * n_k + j] - m);
+    }
+    r.row_lse[i] = m + std::log(sum);
+    // log1p form keeps the digits of tiny losses.
+    double rest = 0.0;
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      if (j != pos(i))
+      {
+        rest += std::exp(S[i * n_k + j] - S[i * n_k + pos(i)]);
+      }
+    }
+    row_total += std::log1p(rest);
+  }
+  double col_total = 0.0;
+  if (sym)
+  {
+    r.col_lse.resize(n_k);
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      double m = -INFINITY;
+      for (std::size_t i = 0; i < n_q; ++i)
+      {
+        m = std::max(m, S[i * n_k + j]);
+      }
+      double sum = 0.0, rest = 0.0;
+      for (std::size_t i = 0; i < n_q; ++i)
+      {
+        sum += std::exp(S[i * n_k + j] - m);
+        if (i != j)
+        {
+          rest += std::exp(S[i * n_k + j] - S[j * n_k + j]);
+        }
+      }
+      r.col_lse[j] = m + std::log(sum);
+      col_total += std::log1p(rest);
+    }
+    r.loss = 0.5 * (row_total / n_q + col_total / n_k);
+  }
+  else
+  {
+    r.loss = row_total / n_q;
+  }
+  r.dq.assign(n_q * dim, 0.0);
+  r.dk.assign(n_k * dim, 0.0);
+  for (std::size_t i = 0; i < n_q; ++i)
+  {
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      const double x = S[i * n_k + j];
+      double g = sym ? 0.5 / n_q * std::exp(x - r.row_lse[i]) + 0.5 / n_k * std::exp(x - r.col_lse[j])
+                     : std::exp(x - r.row_lse[i]) / n_q;
+      if (j == pos(i))
+      {
+        g -= sym ? 1.0 / n_q : 1.0 / n_q;
+      }
+      r.grad_logit_scale += g * x;
+      for (std::size_t c = 0; c < dim; ++c)
+      {
+        r.dq[i * dim + c] += s * g * k[j * dim + c];
+        r.dk[j * dim + c] += s * g * q[i * dim + c];
+      }
+    }
+  }
+  return r;
+}
+
+/// Largest |a_i - b_i| / max_i |b_i| (a normwise relative error that does not explode on near-zero elements).
+template <class A>
+double max_rel_error(const std::vector<A>& got, const std::vector<double>& want, double factor = 1.0)
+{
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+  {
+    const double g = double(element_traits<A>::to_float(got[i])) * factor;
+    num = std::max(num, std::fabs(g - want[i]));
+    den = std::max(den, std::fabs(want[i]));
+    if (!std::isfinite(g))
+    {
+      return INFINITY;
+    }
+  }
+  return den > 0 ? num / den : num;
+}
+
+/// Tolerances derived from the element type: u_T = epsilon/2 is the unit roundoff of the storage type, u_f that of the
+/// float accumulator. Fused rounds once at the output; materialized also rounds every logit (error u_T |S|) and
+/// every logit gradient, so its error grows with the largest logit.
+template <class T, class Algorithm>
+struct tolerance
+{
+  static constexpr double u_t = element_traits<T>::epsilon() / 2.0;
+  static constexpr double u_f = 5.96e-8;
+  static constexpr bool materialized = std::is_same_v<Algorithm, contrastive::algorithm::materialized>;
+
+  /// Absolute tolerance of the loss value.
+  static double loss(double max_logit)
+  {
+    return materialized ? 4.0 * u_t * (1.0 + max_logit) + 64 * u_f : 64 * u_f * (1.0 + max_logit);
+  }
+  /// Normwise relative tolerance of dQ, dK.
+  static double grad(double max_logit)
+  {
+    return materialized ? 8.0 * u_t * (1.0 + max_logit) + 1e-5 : 4.0 * u_t + 1e-5;
+  }
+};
+} // namespace contrastive_test
