@@ -1,0 +1,284 @@
+// Scaler state sequences for every preset, and temperature policy behaviour.
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace cl = contrastive;
+namespace ct = contrastive_test;
+
+namespace
+{
+// Feeds `n` steps of the same outcome.
+void feed(cl::scaler::dynamic& d, bool found_inf, int n)
+{
+  for (int i = 0; i < n; ++i)
+  {
+    d.update(found_inf);
+  }
+}
+} // namespace
+
+// torch.amp.GradScaler(): 2^16, x0.5 on every inf step, x2 after 2000 finite steps (tracker reset by an inf),
+// growth to inf refused (tracker still reset), no floor: 166 consecutive infs from 2^16 reach exactly 0.
+TEST(DynamicScaler, TorchPresetSequence)
+{
+  auto d = cl::scaler::dynamic::torch();
+  EXPECT_EQ(d.loss_scale(), 65536.0f);
+  d.update(true);
+  EXPECT_EQ(d.scale, 32768.0f);
+  EXPECT_EQ(d.good, 0);
+  feed(d, false, 1999);
+  EXPECT_EQ(d.scale, 32768.0f);
+  EXPECT_EQ(d.good, 1999);
+  d.update(true); // resets the tracker
+  EXPECT_EQ(d.scale, 16384.0f);
+  EXPECT_EQ(d.good, 0);
+  feed(d, false, 2000);
+  EXPECT_EQ(d.scale, 32768.0f);
+  EXPECT_EQ(d.good, 0);
+  // Growth that would reach inf is refused; the tracker is reset anyway.
+  d.scale = std::ldexp(1.0f, 127);
+  feed(d, false, 2000);
+  EXPECT_EQ(d.scale, std::ldexp(1.0f, 127));
+  EXPECT_EQ(d.good, 0);
+  // No floor: from 2^16, 165 halvings reach 2^-149 (the smallest subnormal), the 166th rounds to 0 and stays there.
+  d = cl::scaler::dynamic::torch();
+  feed(d, true, 165);
+  EXPECT_EQ(d.scale, std::ldexp(1.0f, -149));
+  d.update(true);
+  EXPECT_EQ(d.scale, 0.0f);
+  feed(d, true, 5);
+  EXPECT_EQ(d.scale, 0.0f);
+  feed(d, false, 2000);
+  EXPECT_EQ(d.scale, 0.0f); // 0 * 2 = 0: a run that reaches 0 can never recover
+}
+
+// paddle.amp.GradScaler() (dygraph AmpScaler._update): same factors, but growth is unchecked and can reach inf.
+TEST(DynamicScaler, PaddleDygraphPresetSequence)
+{
+  auto d = cl::scaler::dynamic::paddle_dygraph();
+  EXPECT_EQ(d.scale, 65536.0f);
+  EXPECT_EQ(d.growth_interval, 2000);
+  EXPECT_EQ(d.backoff_interval, 1);
+  d.update(true);
+  EXPECT_EQ(d.scale, 32768.0f);
+  feed(d, false, 2000);
+  EXPECT_EQ(d.scale, 65536.0f);
+  d.scale = std::ldexp(1.0f, 127);
+  feed(d, false, 2000);
+  EXPECT_TRUE(std::isinf(d.scale));
+  EXPECT_EQ(d.good, 0);
+  // The seed's "decr_every_n_nan_or_inf": with 2, a single inf step leaves the scale alone.
+  auto e = cl::scaler::dynamic::paddle_dygraph(1024.0f, 2.0f, 0.5f, 1000, 2);
+  e.update(true);
+  EXPECT_EQ(e.scale, 1024.0f);
+  EXPECT_EQ(e.bad, 1);
+  e.update(false); // a finite step resets the bad counter
+  EXPECT_EQ(e.bad, 0);
+  EXPECT_EQ(e.good, 1);
+  e.update(true);
+  e.update(true);
+  EXPECT_EQ(e.scale, 512.0f);
+  EXPECT_EQ(e.bad, 0);
+  EXPECT_EQ(e.good, 0);
+}
+
+// fluid decorate() + update_loss_scaling op: 2^15, x0.8 (a float attribute) after 2 consecutive infs, floored at 1,
+// x2 after 1000 finite steps, growth to inf refused.
+TEST(DynamicScaler, PaddleStaticPresetSequence)
+{
+  auto d = cl::scaler::dynamic::paddle_static();
+  EXPECT_EQ(d.scale, 32768.0f);
+  d.update(true);
+  EXPECT_EQ(d.scale, 32768.0f);
+  EXPECT_EQ(d.bad, 1);
+  d.update(true);
+  // 2^15 * float(0.8) = 2^15 * 13421773 / 2^24 = 26214.400390625 exactly.
+  EXPECT_EQ(d.scale, 26214.400390625f);
+  EXPECT_EQ(d.bad, 0);
+  feed(d, false, 999);
+  EXPECT_EQ(d.scale, 26214.400390625f);
+  d.update(false);
+  EXPECT_EQ(d.scale, 52428.80078125f);
+  EXPECT_EQ(d.good, 0);
+  d.scale = 1.1f;
+  feed(d, true, 2);
+  EXPECT_EQ(d.scale, 1.0f); // 0.88 floored at 1
+  feed(d, true, 40);
+  EXPECT_EQ(d.scale, 1.0f);
+  d.scale = std::ldexp(1.0f, 127);
+  feed(d, false, 1000);
+  EXPECT_EQ(d.scale, std::ldexp(1.0f, 127));
+}
+
+TEST(DynamicScaler, CustomFloorCapAndValidation)
+{
+  cl::scaler::dynamic d;
+  d.min_scale = 4.0f;
+  d.max_scale = 128.0f;
+  d.scale = 64.0f;
+  d.growth_interval = 3;
+  feed(d, false, 3);
+  EXPECT_EQ(d.scale, 128.0f);
+  feed(d, false, 3);
+  EXPECT_EQ(d.scale, 128.0f);
+  feed(d, true, 10);
+  EXPECT_EQ(d.scale, 4.0f);
+  EXPECT_STREQ(d.validate(), "");
+  d.backoff_factor = 1.5;
+  EXPECT_STRNE(d.validate(), "");
+  cl::scaler::static_scale s(0.0f);
+  EXPECT_STRNE(s.validate(), "");
+  s.update(true);
+  EXPECT_EQ(s.scale, 0.0f);
+}
+
+TEST(Temperature, FixedNeverMoves)
+{
+  cl::temperature::fixed f(0.07f);
+  const float before = f.tau();
+  for (float g : {1e3f, -1e3f, 0.5f})
+  {
+    f.advance(g);
+  }
+  EXPECT_EQ(f.tau(), before);
+  EXPECT_FALSE(f.wants_gradient());
+  EXPECT_EQ(f.scale(), static_cast<float>(1.0 / double(0.07f)));
+}
+
+TEST(Temperature, LearnableSgdAndAdamUpdates)
+{
+  cl::temperature::learnable sgd(0.1f, cl::optimizer::sgd(0.5f));
+  const float t0 = sgd.theta;
+  sgd.advance(0.25f);
+  EXPECT_FLOAT_EQ(sgd.theta, t0 - 0.125f);
+  EXPECT_EQ(sgd.steps, 1);
+  // Adam's first step moves by lr * g / (|g| + eps) = lr in the gradient's direction.
+  cl::temperature::learnable adam(0.1f, cl::optimizer::adam(0.01f));
+  const float a0 = adam.theta;
+  adam.advance(-3.0f);
+  EXPECT_NEAR(adam.theta, a0 + 0.01f, 1e-6f);
+  EXPECT_EQ(adam.opt_state.t, 1);
+  // Defaults are CLIP's: tau 0.07.
+  EXPECT_NEAR(cl::temperature::learnable{}.tau(), 0.07f, 1e-7f);
+}
+
+TEST(Temperature, ClampHoldsBothBounds)
+{
+  cl::temperature::clamped c(0.07f, 0.01f, 1.0f, cl::optimizer::sgd(10.0f));
+  EXPECT_FLOAT_EQ(c.max_theta, std::log(100.0f));
+  EXPECT_FLOAT_EQ(c.min_theta, 0.0f);
+  for (int i = 0; i < 5; ++i)
+  {
+    c.advance(-100.0f); // pushes theta up: tau down
+    EXPECT_LE(c.theta, c.max_theta);
+  }
+  EXPECT_EQ(c.theta, c.max_theta);
+  EXPECT_NEAR(c.tau(), 0.01f, 1e-7f);
+  c.advance(1e4f);
+  EXPECT_EQ(c.theta, c.min_theta);
+  EXPECT_NEAR(c.tau(), 1.0f, 1e-7f);
+  // An initial tau outside the bounds is clamped at construction.
+  cl::temperature::clamped d(0.001f, 0.01f, 1.0f);
+  EXPECT_EQ(d.theta, d.max_theta);
+  cl::temperature::clamped bad(0.1f, 0.5f, 0.2f);
+  EXPECT_STRNE(bad.validate(), "");
+}
+
+TEST(Temperature, ScheduledUnfreezesAtItsStep)
+{
+  auto s = cl::temperature::scheduled::freeze_then_learn(0.05f, 3, cl::optimizer::sgd(0.1f));
+  for (int i = 0; i < 3; ++i)
+  {
+    EXPECT_FALSE(s.wants_gradient());
+    s.advance(-5.0f); // ignored while frozen
+    EXPECT_FLOAT_EQ(s.tau(), 0.05f);
+  }
+  EXPECT_EQ(s.steps, 3);
+  EXPECT_TRUE(s.wants_gradient());
+  const float theta = s.theta;
+  s.advance(-5.0f);
+  EXPECT_FLOAT_EQ(s.theta, theta + 0.5f);
+  // Optional clamp after unfreezing.
+  auto c = cl::temperature::scheduled::freeze_then_learn(0.05f, 0, cl::optimizer::sgd(10.0f), 0.02f, 1.0f);
+  c.advance(-100.0f);
+  EXPECT_NEAR(c.tau(), 0.02f, 1e-7f);
+}
+
+TEST(Temperature, DeterministicLinearAndCosineSchedules)
+{
+  auto lin = cl::temperature::scheduled::deterministic(cl::temperature::schedule_kind::linear, 0.1f, 0.02f, 10);
+  auto cosine = cl::temperature::scheduled::deterministic(cl::temperature::schedule_kind::cosine, 0.1f, 0.02f, 10);
+  EXPECT_FLOAT_EQ(lin.tau(), 0.1f);
+  EXPECT_FLOAT_EQ(cosine.tau(), 0.1f);
+  for (int i = 0; i < 5; ++i)
+  {
+    lin.advance(123.0f); // gradients are ignored
+    cosine.advance(123.0f);
+  }
+  EXPECT_NEAR(lin.tau(), 0.06f, 1e-6f);
+  EXPECT_NEAR(cosine.tau(), 0.06f, 1e-6f); // half way, cos(pi/2) = 0
+  lin.advance(0.0f);
+  cosine.advance(0.0f);
+  EXPECT_NEAR(lin.tau(), 0.1f - 0.08f * 0.6f, 1e-6f);
+  EXPECT_NEAR(cosine.tau(), 0.1f - 0.08f * 0.5f * (1.0f - std::cos(3.14159265f * 0.6f)), 1e-6f);
+  for (int i = 0; i < 20; ++i)
+  {
+    lin.advance(0.0f);
+  }
+  EXPECT_NEAR(lin.tau(), 0.02f, 1e-7f);
+  EXPECT_FALSE(lin.wants_gradient());
+}
+
+// Save, run, restore, run again: bit-identical records, policies and step counters.
+TEST(Checkpoint, SaveRestoreRoundTripsBitExactly)
+{
+  const std::size_t n = 40, dim = 16;
+  const auto q = ct::random_rows<__half>(n, dim, 31);
+  const auto k = ct::random_rows<__half>(n, dim, 32);
+  cl::problem<__half> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  using loss_t = cl::loss<__half, cl::temperature::clamped, cl::scaler::dynamic>;
+  auto dyn = cl::scaler::dynamic::torch();
+  dyn.growth_interval = 2; // so the scaler's state moves within a few steps
+  dyn.scale = 256.0f;
+  loss_t l(cl::temperature::clamped(0.1f, 0.01f, 1.0f, cl::optimizer::adam(0.05f)), dyn);
+  std::vector<__half> dq(n * dim), dk(n * dim);
+  cl::step_record r;
+  for (int i = 0; i < 3; ++i)
+  {
+    ASSERT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
+  }
+  const loss_t::checkpoint saved = l.save();
+  std::vector<cl::step_record> first;
+  for (int i = 0; i < 4; ++i)
+  {
+    ASSERT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
+    first.push_back(r);
+  }
+  const loss_t::checkpoint after = l.save();
+  ASSERT_TRUE(l.restore(saved).ok());
+  EXPECT_EQ(l.steps(), 3);
+  for (int i = 0; i < 4; ++i)
+  {
+    ASSERT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
+    EXPECT_EQ(r.step, first[i].step);
+    EXPECT_EQ(r.loss, first[i].loss);
+    EXPECT_EQ(r.tau, first[i].tau);
+    EXPECT_EQ(r.loss_scale, first[i].loss_scale);
+  }
+  const loss_t::checkpoint again = l.save();
+  EXPECT_EQ(std::memcmp(&again, &after, sizeof(after)), 0);
+  EXPECT_GT(again.scaler.scale, 256.0f); // the scaler state did move, so the comparison means something
+  // An invalid checkpoint is refused and changes nothing.
+  loss_t::checkpoint broken = saved;
+  broken.scaler.backoff_interval = 0;
+  const cl::status st = l.restore(broken);
+  EXPECT_EQ(st.code(), cl::errc::invalid_scaler);
+  EXPECT_EQ(st.argument(), "checkpoint.scaler");
+  const loss_t::checkpoint unchanged = l.save();
+  EXPECT_EQ(std::memcmp(&unchanged, &after, sizeof(after)), 0);
+}
