@@ -1,0 +1,276 @@
+// Bad input gets a clear error naming the argument and changes nothing; non-finite steps are diagnosed and skipped
+// exactly as the policies say.
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+namespace cl = contrastive;
+namespace ct = contrastive_test;
+
+namespace
+{
+using half_loss = cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized>;
+
+struct fixture_data
+{
+  std::size_t n = 24, dim = 12;
+  std::vector<__half> q = ct::random_rows<__half>(24, 12, 77);
+  std::vector<__half> k = ct::random_rows<__half>(24, 12, 78);
+  std::vector<__half> dq = std::vector<__half>(24 * 12, cl::element_traits<__half>::from_float(7.0f));
+  std::vector<__half> dk = std::vector<__half>(24 * 12, cl::element_traits<__half>::from_float(7.0f));
+
+  cl::problem<__half> problem() const
+  {
+    return {q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  }
+};
+
+template <class L>
+void expect_unchanged(const L& l, const typename L::checkpoint& before)
+{
+  const typename L::checkpoint now = l.save();
+  EXPECT_EQ(std::memcmp(&now, &before, sizeof(now)), 0) << "policy state changed";
+}
+
+bool untouched(const std::vector<__half>& v)
+{
+  for (__half x : v)
+  {
+    if (cl::element_traits<__half>::to_float(x) != 7.0f)
+    {
+      return false;
+    }
+  }
+  return true;
+}
+} // namespace
+
+TEST(BadInput, EachErrorNamesItsArgumentAndChangesNothing)
+{
+  fixture_data d;
+  half_loss l(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch());
+  const half_loss::checkpoint before = l.save();
+  std::vector<std::int32_t> labels(d.n, 0);
+
+  struct bad_case
+  {
+    const char* what;
+    cl::problem<__half> p;
+    bool null_dq, null_dk;
+    cl::errc code;
+    const char* argument;
+  };
+  std::vector<bad_case> cases;
+  auto add = [&](const char* what, auto mutate, cl::errc code, const char* arg, bool ndq = false, bool ndk = false) {
+    cl::problem<__half> p = d.problem();
+    mutate(p);
+    cases.push_back({what, p, ndq, ndk, code, arg});
+  };
+  add("n_q = 0", [](auto& p) { p.n_q = 0; }, cl::errc::empty_input, "n_q");
+  add("n_k = 0", [](auto& p) { p.n_k = 0; }, cl::errc::empty_input, "n_k");
+  add("dim = 0", [](auto& p) { p.dim = 0; }, cl::errc::empty_input, "dim");
+  add("q null", [](auto& p) { p.q = nullptr; }, cl::errc::null_pointer, "q");
+  add("k null", [](auto& p) { p.k = nullptr; }, cl::errc::null_pointer, "k");
+  add("dq null", [](auto&) {}, cl::errc::null_pointer, "dq", true, false);
+  add("dk null", [](auto&) {}, cl::errc::null_pointer, "dk", false, true);
+  add("symmetric n_q != n_k", [](auto& p) { p.n_k = 20; }, cl::errc::shape_mismatch, "n_k");
+  add("symmetric with labels", [&](auto& p) { p.labels = labels.data(); }, cl::errc::invalid_argument, "labels");
+  add(
+    "diagonal needs n_q <= n_k",
+    [](auto& p) {
+      p.obj = cl::objective::info_nce;
+      p.n_k = 10;
+    },
+    cl::errc::shape_mismatch,
+    "labels");
+  std::vector<std::int32_t> neg(d.n, 1), big(d.n, 1);
+  neg[5] = -1;
+  big[23] = 24;
+  add(
+    "label -1",
+    [&](auto& p) {
+      p.obj = cl::objective::info_nce;
+      p.labels = neg.data();
+    },
+    cl::errc::label_out_of_range,
+    "labels");
+  add(
+    "label n_k",
+    [&](auto& p) {
+      p.obj = cl::objective::info_nce;
+      p.labels = big.data();
+    },
+    cl::errc::label_out_of_range,
+    "labels");
+  std::vector<__half> q_nan = d.q, k_inf = d.k;
+  q_nan[2 * d.dim + 3] = cl::element_traits<__half>::from_float(NAN);
+  k_inf[7 * d.dim + 11] = cl::element_traits<__half>::from_float(INFINITY);
+  add("NaN in q", [&](auto& p) { p.q = q_nan.data(); }, cl::errc::non_finite_input, "q");
+  add("inf in k", [&](auto& p) { p.k = k_inf.data(); }, cl::errc::non_finite_input, "k");
+
+  for (const bad_case& c : cases)
+  {
+    SCOPED_TRACE(c.what);
+    cl::step_record rec;
+    rec.loss = 42.0f;
+    const cl::status st =
+      l.step(c.p, c.null_dq ? nullptr : d.dq.data(), c.null_dk ? nullptr : d.dk.data(), rec);
+    EXPECT_FALSE(st.ok());
+    EXPECT_EQ(st.code(), c.code) << st.message();
+    EXPECT_EQ(st.argument(), c.argument) << st.message();
+    EXPECT_NE(st.message().find(c.argument), std::string::npos);
+    EXPECT_EQ(rec.loss, 42.0f) << "record written on error";
+    EXPECT_TRUE(untouched(d.dq)) << "dq written on error";
+    EXPECT_TRUE(untouched(d.dk)) << "dk written on error";
+    expect_unchanged(l, before);
+    EXPECT_EQ(l.steps(), 0);
+  }
+  // The messages locate the bad element.
+  cl::step_record rec;
+  cl::problem<__half> p = d.problem();
+  p.q = q_nan.data();
+  EXPECT_NE(l.step(p, d.dq.data(), d.dk.data(), rec).message().find("q[2][3]"), std::string::npos);
+  p = d.problem();
+  p.obj = cl::objective::info_nce;
+  p.labels = big.data();
+  EXPECT_NE(l.step(p, d.dq.data(), d.dk.data(), rec).message().find("labels[23] = 24"), std::string::npos);
+}
+
+TEST(BadInput, InvalidPolicySettings)
+{
+  fixture_data d;
+  cl::step_record rec;
+  for (float tau : {0.0f, -1.0f, NAN, INFINITY})
+  {
+    cl::loss<float, cl::temperature::fixed> l{cl::temperature::fixed{tau}};
+    std::vector<float> q(d.n * d.dim, 0.1f), dq(d.n * d.dim), dk(d.n * d.dim);
+    cl::problem<float> p{q.data(), q.data(), d.n, d.n, d.dim, nullptr, cl::objective::symmetric};
+    const cl::status st = l.step(p, dq.data(), dk.data(), rec);
+    EXPECT_EQ(st.code(), cl::errc::invalid_temperature) << tau;
+    EXPECT_EQ(st.argument(), "temperature");
+    EXPECT_EQ(l.steps(), 0);
+  }
+  {
+    cl::loss<__half, cl::temperature::learnable> l(cl::temperature::learnable(-0.5f));
+    EXPECT_EQ(l.step(d.problem(), d.dq.data(), d.dk.data(), rec).code(), cl::errc::invalid_temperature);
+  }
+  {
+    cl::loss<__half, cl::temperature::clamped> l(cl::temperature::clamped(0.1f, 0.5f, 0.2f));
+    EXPECT_EQ(l.step(d.problem(), d.dq.data(), d.dk.data(), rec).code(), cl::errc::invalid_temperature);
+  }
+  {
+    cl::loss<__half, cl::temperature::fixed, cl::scaler::static_scale> l(cl::temperature::fixed(0.1f),
+                                                                        cl::scaler::static_scale(-2.0f));
+    const cl::status st = l.step(d.problem(), d.dq.data(), d.dk.data(), rec);
+    EXPECT_EQ(st.code(), cl::errc::invalid_scaler);
+    EXPECT_EQ(st.argument(), "scaler");
+  }
+  {
+    auto dyn = cl::scaler::dynamic::torch();
+    dyn.growth_interval = 0;
+    cl::loss<__half, cl::temperature::fixed, cl::scaler::dynamic> l(cl::temperature::fixed(0.1f), dyn);
+    EXPECT_EQ(l.step(d.problem(), d.dq.data(), d.dk.data(), rec).code(), cl::errc::invalid_scaler);
+  }
+  EXPECT_TRUE(untouched(d.dq));
+}
+
+TEST(BadInput, StepProtocolMisuse)
+{
+  fixture_data d;
+  half_loss l(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch());
+  cl::step_record rec;
+  EXPECT_EQ(l.finish_step(rec).code(), cl::errc::invalid_argument);
+  float g = 1.0f;
+  EXPECT_EQ(l.unscale_and_check(&g, 1, rec).code(), cl::errc::invalid_argument);
+  ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
+  EXPECT_EQ(l.unscale_and_check(nullptr, 3, rec).code(), cl::errc::null_pointer);
+  ASSERT_TRUE(l.finish_step(rec).ok());
+  const half_loss::checkpoint after = l.save();
+  EXPECT_EQ(l.finish_step(rec).code(), cl::errc::invalid_argument); // not twice
+  expect_unchanged(l, after);
+  float out[1];
+  EXPECT_EQ(l.backward(d.dq.data(), d.dk.data(), out[0]).code(), cl::errc::invalid_argument);
+}
+
+// The seed's failure on the materialized FP16 path: a scale large enough to push logits past 65504 is reported as a
+// logits overflow; the step is skipped; the temperature and its optimiser do not move; the scaler backs off per its
+// rule; the fused path computes the same logits in float and does not overflow there.
+TEST(Overflow, Fp16LogitsOverflowIsDiagnosedAndSkipped)
+{
+  const std::size_t n = 16, dim = 8;
+  const auto q = ct::random_rows<__half>(n, dim, 91);
+  cl::problem<__half> p{q.data(), q.data(), n, n, dim, nullptr, cl::objective::symmetric}; // <q_i, q_i> = 1
+  std::vector<__half> dq(n * dim), dk(n * dim);
+  const float tau = 1.0f / 70000.0f; // s = 70000 > 65504
+  cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized> l(
+    cl::temperature::learnable(tau, cl::optimizer::adam(0.1f)),
+    cl::scaler::dynamic::torch());
+  const auto before = l.save();
+  cl::step_record rec;
+  ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::logits);
+  EXPECT_STREQ(cl::to_string(rec.first_nonfinite), "logits");
+  EXPECT_TRUE(std::isinf(rec.max_logit));
+  const auto after = l.save();
+  EXPECT_EQ(std::memcmp(&after.temperature, &before.temperature, sizeof(before.temperature)), 0);
+  EXPECT_EQ(after.scaler.scale, 32768.0f);
+  EXPECT_EQ(after.scaler.good, 0);
+  EXPECT_EQ(rec.loss_scale, 65536.0f);
+  EXPECT_EQ(rec.next_loss_scale, 32768.0f);
+  EXPECT_EQ(l.steps(), 1);
+
+  // Just below the threshold the same data does not overflow its logits.
+  cl::loss<__half, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized> below(
+    cl::temperature::fixed(1.0f / 60000.0f));
+  float value = 0.0f;
+  ASSERT_TRUE(below.forward(p, value).ok());
+  EXPECT_TRUE(std::isfinite(value));
+
+  cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused> fused(
+    cl::temperature::learnable(tau, cl::optimizer::adam(0.1f)),
+    cl::scaler::dynamic::torch());
+  ASSERT_TRUE(fused.step(p, dq.data(), dk.data(), rec).ok());
+  EXPECT_NE(rec.first_nonfinite, cl::nonfinite_site::logits);
+  EXPECT_NEAR(rec.max_logit, 70000.0f, 700.0f);
+}
+
+// A loss scale too large for fp16 gradients is diagnosed as grad_q (the first gradient formed), and caller gradients
+// with a non-finite value as `parameters`; both skip the temperature update.
+TEST(Overflow, GradientOverflowAndParameterDiagnosis)
+{
+  const std::size_t n = 8, dim = 4;
+  const auto q = ct::random_rows<__half>(n, dim, 5);
+  const auto k = ct::random_rows<__half>(n, dim, 6);
+  cl::problem<__half> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  std::vector<__half> dq(n * dim), dk(n * dim);
+  cl::loss<__half, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::fused> l(
+    cl::temperature::learnable(0.05f), cl::scaler::static_scale(1e9f));
+  const auto before = l.save();
+  cl::step_record rec;
+  ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::grad_q);
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(l.temperature().theta, before.temperature.theta);
+
+  cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused> m(
+    cl::temperature::learnable(0.05f), cl::scaler::dynamic::torch());
+  auto dyn = cl::scaler::dynamic::torch();
+  dyn.scale = 64.0f;
+  m = decltype(m)(cl::temperature::learnable(0.05f), dyn);
+  ASSERT_TRUE(m.forward_backward(p, dq.data(), dk.data(), rec).ok());
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::none);
+  std::vector<float> wgrad = {64.0f, -128.0f, INFINITY};
+  ASSERT_TRUE(m.unscale_and_check(wgrad.data(), wgrad.size(), rec).ok());
+  EXPECT_EQ(wgrad[0], 1.0f);
+  EXPECT_EQ(wgrad[1], -2.0f);
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::parameters);
+  const float theta = m.temperature().theta;
+  ASSERT_TRUE(m.finish_step(rec).ok());
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(m.temperature().theta, theta);
+  EXPECT_EQ(m.scaler().scale, 32.0f);
+}
