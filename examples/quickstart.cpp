@@ -5,9 +5,9 @@
 #include <contrastive/contrastive.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cmath>
 #include <random>
 #include <vector>
 
@@ -38,10 +38,8 @@ int main(int argc, char** argv)
   }
 
   // Element type x temperature policy x scaler policy x algorithm, chosen at compile time.
-  using clip_loss = contrastive::loss<float,
-                                      contrastive::temperature::clamped,
-                                      contrastive::scaler::dynamic,
-                                      contrastive::algorithm::fused>;
+  using clip_loss = contrastive::
+      loss<float, contrastive::temperature::clamped, contrastive::scaler::dynamic, contrastive::algorithm::fused>;
   clip_loss loss(contrastive::temperature::clamped(/*initial tau*/ 0.07f, /*tau_min*/ 0.01f, /*tau_max*/ 1.0f),
                  contrastive::scaler::dynamic::torch());
 

@@ -64,60 +64,128 @@ TEST(BadInput, EachErrorNamesItsArgumentAndChangesNothing)
     const char* argument;
   };
   std::vector<bad_case> cases;
-  auto add = [&](const char* what, auto mutate, cl::errc code, const char* arg, bool ndq = false, bool ndk = false) {
+  auto add = [&](const char* what, auto mutate, cl::errc code, const char* arg, bool ndq = false, bool ndk = false)
+  {
     cl::problem<__half> p = d.problem();
     mutate(p);
     cases.push_back({what, p, ndq, ndk, code, arg});
   };
-  add("n_q = 0", [](auto& p) { p.n_q = 0; }, cl::errc::empty_input, "n_q");
-  add("n_k = 0", [](auto& p) { p.n_k = 0; }, cl::errc::empty_input, "n_k");
-  add("dim = 0", [](auto& p) { p.dim = 0; }, cl::errc::empty_input, "dim");
-  add("q null", [](auto& p) { p.q = nullptr; }, cl::errc::null_pointer, "q");
-  add("k null", [](auto& p) { p.k = nullptr; }, cl::errc::null_pointer, "k");
-  add("dq null", [](auto&) {}, cl::errc::null_pointer, "dq", true, false);
-  add("dk null", [](auto&) {}, cl::errc::null_pointer, "dk", false, true);
-  add("symmetric n_q != n_k", [](auto& p) { p.n_k = 20; }, cl::errc::shape_mismatch, "n_k");
-  add("symmetric with labels", [&](auto& p) { p.labels = labels.data(); }, cl::errc::invalid_argument, "labels");
   add(
-    "diagonal needs n_q <= n_k",
-    [](auto& p) {
-      p.obj = cl::objective::info_nce;
-      p.n_k = 10;
-    },
-    cl::errc::shape_mismatch,
-    "labels");
+      "n_q = 0",
+      [](auto& p)
+      {
+        p.n_q = 0;
+      },
+      cl::errc::empty_input,
+      "n_q");
+  add(
+      "n_k = 0",
+      [](auto& p)
+      {
+        p.n_k = 0;
+      },
+      cl::errc::empty_input,
+      "n_k");
+  add(
+      "dim = 0",
+      [](auto& p)
+      {
+        p.dim = 0;
+      },
+      cl::errc::empty_input,
+      "dim");
+  add(
+      "q null",
+      [](auto& p)
+      {
+        p.q = nullptr;
+      },
+      cl::errc::null_pointer,
+      "q");
+  add(
+      "k null",
+      [](auto& p)
+      {
+        p.k = nullptr;
+      },
+      cl::errc::null_pointer,
+      "k");
+  add(
+      "dq null", [](auto&) {}, cl::errc::null_pointer, "dq", true, false);
+  add(
+      "dk null", [](auto&) {}, cl::errc::null_pointer, "dk", false, true);
+  add(
+      "symmetric n_q != n_k",
+      [](auto& p)
+      {
+        p.n_k = 20;
+      },
+      cl::errc::shape_mismatch,
+      "n_k");
+  add(
+      "symmetric with labels",
+      [&](auto& p)
+      {
+        p.labels = labels.data();
+      },
+      cl::errc::invalid_argument,
+      "labels");
+  add(
+      "diagonal needs n_q <= n_k",
+      [](auto& p)
+      {
+        p.obj = cl::objective::info_nce;
+        p.n_k = 10;
+      },
+      cl::errc::shape_mismatch,
+      "labels");
   std::vector<std::int32_t> neg(d.n, 1), big(d.n, 1);
   neg[5] = -1;
   big[23] = 24;
   add(
-    "label -1",
-    [&](auto& p) {
-      p.obj = cl::objective::info_nce;
-      p.labels = neg.data();
-    },
-    cl::errc::label_out_of_range,
-    "labels");
+      "label -1",
+      [&](auto& p)
+      {
+        p.obj = cl::objective::info_nce;
+        p.labels = neg.data();
+      },
+      cl::errc::label_out_of_range,
+      "labels");
   add(
-    "label n_k",
-    [&](auto& p) {
-      p.obj = cl::objective::info_nce;
-      p.labels = big.data();
-    },
-    cl::errc::label_out_of_range,
-    "labels");
+      "label n_k",
+      [&](auto& p)
+      {
+        p.obj = cl::objective::info_nce;
+        p.labels = big.data();
+      },
+      cl::errc::label_out_of_range,
+      "labels");
   std::vector<__half> q_nan = d.q, k_inf = d.k;
   q_nan[2 * d.dim + 3] = cl::element_traits<__half>::from_float(NAN);
   k_inf[7 * d.dim + 11] = cl::element_traits<__half>::from_float(INFINITY);
-  add("NaN in q", [&](auto& p) { p.q = q_nan.data(); }, cl::errc::non_finite_input, "q");
-  add("inf in k", [&](auto& p) { p.k = k_inf.data(); }, cl::errc::non_finite_input, "k");
+  add(
+      "NaN in q",
+      [&](auto& p)
+      {
+        p.q = q_nan.data();
+      },
+      cl::errc::non_finite_input,
+      "q");
+  add(
+      "inf in k",
+      [&](auto& p)
+      {
+        p.k = k_inf.data();
+      },
+      cl::errc::non_finite_input,
+      "k");
 
   for (const bad_case& c : cases)
   {
     SCOPED_TRACE(c.what);
     cl::step_record rec;
     rec.loss = 42.0f;
-    const cl::status st =
-      l.step(c.p, c.null_dq ? nullptr : d.dq.data(), c.null_dk ? nullptr : d.dk.data(), rec);
+    const cl::status st = l.step(c.p, c.null_dq ? nullptr : d.dq.data(), c.null_dk ? nullptr : d.dk.data(), rec);
     EXPECT_FALSE(st.ok());
     EXPECT_EQ(st.code(), c.code) << st.message();
     EXPECT_EQ(st.argument(), c.argument) << st.message();
@@ -163,7 +231,7 @@ TEST(BadInput, InvalidPolicySettings)
   }
   {
     cl::loss<__half, cl::temperature::fixed, cl::scaler::static_scale> l(cl::temperature::fixed(0.1f),
-                                                                        cl::scaler::static_scale(-2.0f));
+                                                                         cl::scaler::static_scale(-2.0f));
     const cl::status st = l.step(d.problem(), d.dq.data(), d.dk.data(), rec);
     EXPECT_EQ(st.code(), cl::errc::invalid_scaler);
     EXPECT_EQ(st.argument(), "scaler");
@@ -206,8 +274,7 @@ TEST(Overflow, Fp16LogitsOverflowIsDiagnosedAndSkipped)
   std::vector<__half> dq(n * dim), dk(n * dim);
   const float tau = 1.0f / 70000.0f; // s = 70000 > 65504
   cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized> l(
-    cl::temperature::learnable(tau, cl::optimizer::adam(0.1f)),
-    cl::scaler::dynamic::torch());
+      cl::temperature::learnable(tau, cl::optimizer::adam(0.1f)), cl::scaler::dynamic::torch());
   const auto before = l.save();
   cl::step_record rec;
   ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
@@ -225,14 +292,13 @@ TEST(Overflow, Fp16LogitsOverflowIsDiagnosedAndSkipped)
 
   // Just below the threshold the same data does not overflow its logits.
   cl::loss<__half, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized> below(
-    cl::temperature::fixed(1.0f / 60000.0f));
+      cl::temperature::fixed(1.0f / 60000.0f));
   float value = 0.0f;
   ASSERT_TRUE(below.forward(p, value).ok());
   EXPECT_TRUE(std::isfinite(value));
 
   cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused> fused(
-    cl::temperature::learnable(tau, cl::optimizer::adam(0.1f)),
-    cl::scaler::dynamic::torch());
+      cl::temperature::learnable(tau, cl::optimizer::adam(0.1f)), cl::scaler::dynamic::torch());
   ASSERT_TRUE(fused.step(p, dq.data(), dk.data(), rec).ok());
   EXPECT_NE(rec.first_nonfinite, cl::nonfinite_site::logits);
   EXPECT_NEAR(rec.max_logit, 70000.0f, 700.0f);
@@ -248,7 +314,7 @@ TEST(Overflow, GradientOverflowAndParameterDiagnosis)
   cl::problem<__half> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
   std::vector<__half> dq(n * dim), dk(n * dim);
   cl::loss<__half, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::fused> l(
-    cl::temperature::learnable(0.05f), cl::scaler::static_scale(1e9f));
+      cl::temperature::learnable(0.05f), cl::scaler::static_scale(1e9f));
   const auto before = l.save();
   cl::step_record rec;
   ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
@@ -257,7 +323,7 @@ TEST(Overflow, GradientOverflowAndParameterDiagnosis)
   EXPECT_EQ(l.temperature().theta, before.temperature.theta);
 
   cl::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused> m(
-    cl::temperature::learnable(0.05f), cl::scaler::dynamic::torch());
+      cl::temperature::learnable(0.05f), cl::scaler::dynamic::torch());
   auto dyn = cl::scaler::dynamic::torch();
   dyn.scale = 64.0f;
   m = decltype(m)(cl::temperature::learnable(0.05f), dyn);

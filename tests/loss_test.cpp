@@ -86,18 +86,19 @@ struct shape
 
 // Not multiples of the tiles; n_q != n_k; dim not a multiple of 8; N = 1; a queue (n_k > n_q) with random labels.
 const shape shapes[] = {
-  {70, 70, 37, cl::objective::symmetric, false},
-  {130, 130, 65, cl::objective::symmetric, false},
-  {50, 300, 24, cl::objective::info_nce, true},
-  {40, 90, 16, cl::objective::info_nce, false},
-  {1, 1, 5, cl::objective::symmetric, false},
-  {1, 7, 3, cl::objective::info_nce, true},
+    {70, 70, 37, cl::objective::symmetric, false},
+    {130, 130, 65, cl::objective::symmetric, false},
+    {50, 300, 24, cl::objective::info_nce, true},
+    {40, 90, 16, cl::objective::info_nce, false},
+    {1, 1, 5, cl::objective::symmetric, false},
+    {1, 7, 3, cl::objective::info_nce, true},
 };
 } // namespace
 
 template <class Config>
 class LossTyped : public ::testing::Test
-{};
+{
+};
 
 template <class T, class Temp, class Scale, class Algo>
 struct config
@@ -111,22 +112,22 @@ struct config
 using all_configs = ::testing::Types<
 #define CONTRASTIVE_CONFIGS_FOR(T)                                                                                     \
   config<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused>,                                   \
-    config<T, cl::temperature::fixed, cl::scaler::dynamic, cl::algorithm::materialized>,                               \
-    config<T, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::materialized>,                      \
-    config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused>,                                  \
-    config<T, cl::temperature::clamped, cl::scaler::static_scale, cl::algorithm::fused>,                               \
-    config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::materialized>,                             \
-    config<T, cl::temperature::scheduled, cl::scaler::static_scale, cl::algorithm::materialized>,                      \
-    config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::fused>,                                  \
-    config<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized>,                          \
-    config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized>,                           \
-    config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::fused>,                                    \
-    config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::materialized>
-  CONTRASTIVE_CONFIGS_FOR(float),
-  CONTRASTIVE_CONFIGS_FOR(__half),
-  CONTRASTIVE_CONFIGS_FOR(__nv_bfloat16)
+      config<T, cl::temperature::fixed, cl::scaler::dynamic, cl::algorithm::materialized>,                             \
+      config<T, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::materialized>,                    \
+      config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused>,                                \
+      config<T, cl::temperature::clamped, cl::scaler::static_scale, cl::algorithm::fused>,                             \
+      config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::materialized>,                           \
+      config<T, cl::temperature::scheduled, cl::scaler::static_scale, cl::algorithm::materialized>,                    \
+      config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::fused>,                                \
+      config<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized>,                        \
+      config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized>,                         \
+      config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::fused>,                                  \
+      config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::materialized>
+    CONTRASTIVE_CONFIGS_FOR(float),
+    CONTRASTIVE_CONFIGS_FOR(__half),
+    CONTRASTIVE_CONFIGS_FOR(__nv_bfloat16)
 #undef CONTRASTIVE_CONFIGS_FOR
-  >;
+    >;
 
 class config_names
 {
@@ -152,8 +153,8 @@ TYPED_TEST(LossTyped, MatchesFloat64ReferenceAndUpdatesPoliciesAsDocumented)
   std::uint32_t seed = 1000;
   for (const shape& sh : shapes)
   {
-    SCOPED_TRACE("n_q " + std::to_string(sh.n_q) + " n_k " + std::to_string(sh.n_k) + " dim " +
-                 std::to_string(sh.dim) + " " + cl::to_string(sh.obj));
+    SCOPED_TRACE("n_q " + std::to_string(sh.n_q) + " n_k " + std::to_string(sh.n_k) + " dim " + std::to_string(sh.dim) +
+                 " " + cl::to_string(sh.obj));
     const auto q = ct::random_rows<T>(sh.n_q, sh.dim, ++seed);
     const auto k = ct::random_rows<T>(sh.n_k, sh.dim, ++seed);
     std::vector<std::int32_t> labels(sh.n_q);
@@ -177,7 +178,7 @@ TYPED_TEST(LossTyped, MatchesFloat64ReferenceAndUpdatesPoliciesAsDocumented)
       SCOPED_TRACE("step " + std::to_string(step));
       const double s = l.temperature().scale();
       const ct::reference ref =
-        ct::compute_reference(ct::to_double(q), ct::to_double(k), sh.n_q, sh.n_k, sh.dim, p.labels, sh.obj, s);
+          ct::compute_reference(ct::to_double(q), ct::to_double(k), sh.n_q, sh.n_k, sh.dim, p.labels, sh.obj, s);
       std::vector<T> dq(sh.n_q * sh.dim), dk(sh.n_k * sh.dim);
       poison(dq);
       poison(dk);
@@ -190,9 +191,8 @@ TYPED_TEST(LossTyped, MatchesFloat64ReferenceAndUpdatesPoliciesAsDocumented)
       EXPECT_NEAR(rec.loss, ref.loss, tol::loss(ref.max_abs_logit));
       EXPECT_LE(ct::max_rel_error(dq, ref.dq, 1.0 / ls), tol::grad(ref.max_abs_logit));
       EXPECT_LE(ct::max_rel_error(dk, ref.dk, 1.0 / ls), tol::grad(ref.max_abs_logit));
-      EXPECT_NEAR(rec.grad_logit_scale,
-                  ref.grad_logit_scale,
-                  tol::grad(ref.max_abs_logit) * (1.0 + ref.max_abs_logit) + 1e-6);
+      EXPECT_NEAR(
+          rec.grad_logit_scale, ref.grad_logit_scale, tol::grad(ref.max_abs_logit) * (1.0 + ref.max_abs_logit) + 1e-6);
       ASSERT_TRUE(l.finish_step(rec).ok());
       EXPECT_FALSE(rec.skipped);
       // The scaler saw a finite step; the temperature advanced with exactly the recorded gradient.
@@ -218,9 +218,10 @@ TEST(LossAgreement, FusedAndMaterializedAgreeInFloat)
   const auto k = ct::random_rows<float>(n, dim, 6);
   cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
   std::vector<float> dq1(n * dim), dk1(n * dim), dq2(n * dim), dk2(n * dim);
-  cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused> a(cl::temperature::fixed(0.05f));
+  cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused> a(
+      cl::temperature::fixed(0.05f));
   cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized> b(
-    cl::temperature::fixed(0.05f));
+      cl::temperature::fixed(0.05f));
   cl::step_record r1, r2;
   ASSERT_TRUE(a.step(p, dq1.data(), dk1.data(), r1).ok());
   ASSERT_TRUE(b.step(p, dq2.data(), dk2.data(), r2).ok());
@@ -299,7 +300,8 @@ TEST(FiniteDifferences, ReferenceAndLibraryGradients)
     EXPECT_NEAR(ref.grad_logit_scale, fds, 1e-7);
 
     // Library, float, both algorithms: central differences with a step large enough for float's resolution.
-    auto lib_loss = [&](const std::vector<float>& qq, const std::vector<float>& kk, auto algo) {
+    auto lib_loss = [&](const std::vector<float>& qq, const std::vector<float>& kk, auto algo)
+    {
       using A = decltype(algo);
       cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, A> l(cl::temperature::fixed(1.0f / 8.0f));
       cl::problem<float> p{qq.data(), kk.data(), n, n, dim, lab, obj};
@@ -307,7 +309,8 @@ TEST(FiniteDifferences, ReferenceAndLibraryGradients)
       EXPECT_TRUE(l.forward(p, v).ok());
       return static_cast<double>(v);
     };
-    auto lib_grads = [&](auto algo) {
+    auto lib_grads = [&](auto algo)
+    {
       using A = decltype(algo);
       cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, A> l(cl::temperature::fixed(1.0f / 8.0f));
       cl::problem<float> p{qf.data(), kf.data(), n, n, dim, lab, obj};
@@ -316,7 +319,8 @@ TEST(FiniteDifferences, ReferenceAndLibraryGradients)
       EXPECT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
       return std::make_pair(dq, dk);
     };
-    auto check = [&](auto algo) {
+    auto check = [&](auto algo)
+    {
       const auto [dq, dk] = lib_grads(algo);
       const float hf = 2e-3f;
       double gmax = 0.0;

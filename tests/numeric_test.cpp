@@ -82,10 +82,10 @@ TEST(ElementTraits, FloatToHalfAndBf16MatchCudaRounding)
     }
     ASSERT_EQ(element_traits<__half>::bits(element_traits<__half>::from_float(f)),
               element_traits<__half>::bits(__float2half_rn(f)))
-      << f;
+        << f;
     ASSERT_EQ(element_traits<__nv_bfloat16>::bits(element_traits<__nv_bfloat16>::from_float(f)),
               element_traits<__nv_bfloat16>::bits(__float2bfloat16_rn(f)))
-      << f;
+        << f;
   }
 }
 

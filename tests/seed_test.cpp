@@ -21,7 +21,7 @@ float seed_loss(const seed_case& c)
   // One query q = [1] against keys k_j = [score_j] (dim 1), so <q, k_j> is the score itself.
   const float q[1] = {1.0f};
   contrastive::loss<float, contrastive::temperature::fixed, contrastive::scaler::static_scale, Algorithm> l(
-    contrastive::temperature::fixed(c.tau));
+      contrastive::temperature::fixed(c.tau));
   const std::int32_t label = 0;
   contrastive::problem<float> p;
   p.q = q;
@@ -38,14 +38,14 @@ float seed_loss(const seed_case& c)
 }
 
 const seed_case cases[] = {
-  {{0.2f, 0.3f, 0.25f, 0.25f}, 0.05f, 2.626523375036445},
-  {{0.2f, 0.3f, 0.25f, 0.25f}, 0.5f, 1.4887933201471417},
-  {{0.2f, 0.3f, 0.25f, 0.25f}, 1.0f, 1.4369192960265726},
-  {{0.2f, 0.3f, 0.25f, 0.25f}, 2.0f, 1.4114506070510497},
-  {{0.7f, 0.1f, 0.05f, 0.15f}, 0.05f, 2.5105927394272577e-05},
-  {{0.7f, 0.1f, 0.05f, 0.15f}, 0.5f, 0.6453200240879728},
-  {{0.7f, 0.1f, 0.05f, 0.15f}, 1.0f, 0.9737318345317211},
-  {{0.7f, 0.1f, 0.05f, 0.15f}, 2.0f, 1.170287066531068},
+    {{0.2f, 0.3f, 0.25f, 0.25f}, 0.05f, 2.626523375036445},
+    {{0.2f, 0.3f, 0.25f, 0.25f}, 0.5f, 1.4887933201471417},
+    {{0.2f, 0.3f, 0.25f, 0.25f}, 1.0f, 1.4369192960265726},
+    {{0.2f, 0.3f, 0.25f, 0.25f}, 2.0f, 1.4114506070510497},
+    {{0.7f, 0.1f, 0.05f, 0.15f}, 0.05f, 2.5105927394272577e-05},
+    {{0.7f, 0.1f, 0.05f, 0.15f}, 0.5f, 0.6453200240879728},
+    {{0.7f, 0.1f, 0.05f, 0.15f}, 1.0f, 0.9737318345317211},
+    {{0.7f, 0.1f, 0.05f, 0.15f}, 2.0f, 1.170287066531068},
 };
 } // namespace
 

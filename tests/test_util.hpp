@@ -85,7 +85,10 @@ inline reference compute_reference(const std::vector<double>& q,
       r.max_abs_logit = std::max(r.max_abs_logit, std::fabs(s * acc));
     }
   }
-  auto pos = [&](std::size_t i) { return labels ? static_cast<std::size_t>(labels[i]) : i; };
+  auto pos = [&](std::size_t i)
+  {
+    return labels ? static_cast<std::size_t>(labels[i]) : i;
+  };
   const bool sym = obj == contrastive::objective::symmetric;
   r.row_lse.resize(n_q);
   double row_total = 0.0;

@@ -32,7 +32,8 @@
 namespace contrastive
 {
 template <class A>
-inline constexpr bool is_algorithm_v = std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized>;
+inline constexpr bool is_algorithm_v =
+    std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized>;
 
 /// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
 /// checks). `need_grads` also requires dq/dk.
@@ -78,7 +79,7 @@ status check_problem(const problem<T>& p, const void* dq = nullptr, const void* 
       return {errc::shape_mismatch,
               "n_k",
               "the symmetric loss needs n_q == n_k (got n_q = " + std::to_string(p.n_q) +
-                ", n_k = " + std::to_string(p.n_k) + ")"};
+                  ", n_k = " + std::to_string(p.n_k) + ")"};
     }
     if (p.labels != nullptr)
     {
@@ -90,7 +91,7 @@ status check_problem(const problem<T>& p, const void* dq = nullptr, const void* 
     return {errc::shape_mismatch,
             "labels",
             "null labels mean the diagonal, which needs n_q <= n_k (got n_q = " + std::to_string(p.n_q) +
-              ", n_k = " + std::to_string(p.n_k) + ")"};
+                ", n_k = " + std::to_string(p.n_k) + ")"};
   }
   if (p.labels != nullptr)
   {
@@ -101,8 +102,8 @@ status check_problem(const problem<T>& p, const void* dq = nullptr, const void* 
       {
         return {errc::label_out_of_range,
                 "labels",
-                "labels[" + std::to_string(i) + "] = " + std::to_string(l) + " is outside [0, n_k = " +
-                  std::to_string(p.n_k) + ")"};
+                "labels[" + std::to_string(i) + "] = " + std::to_string(l) +
+                    " is outside [0, n_k = " + std::to_string(p.n_k) + ")"};
       }
     }
   }
@@ -120,8 +121,9 @@ class loss
   static_assert(temperature::is_temperature_policy_v<Temperature>,
                 "Temperature must be a trivially copyable policy with is_learnable, scale(), tau(), "
                 "wants_gradient(), advance(float) and validate()");
-  static_assert(scaler::is_scaler_policy_v<Scaler>,
-                "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
+  static_assert(
+      scaler::is_scaler_policy_v<Scaler>,
+      "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
   static_assert(is_algorithm_v<Algorithm>, "Algorithm must be algorithm::fused or algorithm::materialized");
 
 public:
@@ -140,10 +142,9 @@ public:
   };
 
   explicit loss(Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
-      : temperature_(t)
-      , scaler_(s)
-      , engine_(threads)
-  {}
+      : temperature_(t), scaler_(s), engine_(threads)
+  {
+  }
 
   const Temperature& temperature() const noexcept
   {
@@ -311,7 +312,8 @@ public:
   }
 
   /// Step 4: scaler update, then (finite steps only) the temperature update, then the temperature's optional
-  /// `observe(rec, max_finite)` hook (policies that react to the scaler or the element type's range). Fills `skipped` and `next_loss_scale`.
+  /// `observe(rec, max_finite)` hook (policies that react to the scaler or the element type's range). Fills `skipped`
+  /// and `next_loss_scale`.
   status finish_step(step_record& rec)
   {
     if (!rec.pending)
@@ -364,7 +366,7 @@ private:
       return {errc::non_finite_input,
               name,
               std::string(name) + "[" + std::to_string(idx / p.dim) + "][" + std::to_string(idx % p.dim) +
-                "] is not finite"};
+                  "] is not finite"};
     }
     return {};
   }

@@ -75,20 +75,20 @@ inline const char* to_string(nonfinite_site s) noexcept
 {
   switch (s)
   {
-    case nonfinite_site::none:
-      return "none";
-    case nonfinite_site::logits:
-      return "logits";
-    case nonfinite_site::loss:
-      return "loss";
-    case nonfinite_site::grad_q:
-      return "grad_q";
-    case nonfinite_site::grad_k:
-      return "grad_k";
-    case nonfinite_site::grad_logit_scale:
-      return "grad_logit_scale";
-    case nonfinite_site::parameters:
-      return "parameters";
+  case nonfinite_site::none:
+    return "none";
+  case nonfinite_site::logits:
+    return "logits";
+  case nonfinite_site::loss:
+    return "loss";
+  case nonfinite_site::grad_q:
+    return "grad_q";
+  case nonfinite_site::grad_k:
+    return "grad_k";
+  case nonfinite_site::grad_logit_scale:
+    return "grad_logit_scale";
+  case nonfinite_site::parameters:
+    return "parameters";
   }
   return "unknown";
 }

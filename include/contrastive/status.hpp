@@ -30,28 +30,28 @@ inline const char* to_string(errc e) noexcept
 {
   switch (e)
   {
-    case errc::success:
-      return "success";
-    case errc::null_pointer:
-      return "null_pointer";
-    case errc::empty_input:
-      return "empty_input";
-    case errc::shape_mismatch:
-      return "shape_mismatch";
-    case errc::label_out_of_range:
-      return "label_out_of_range";
-    case errc::non_finite_input:
-      return "non_finite_input";
-    case errc::invalid_temperature:
-      return "invalid_temperature";
-    case errc::invalid_scaler:
-      return "invalid_scaler";
-    case errc::invalid_argument:
-      return "invalid_argument";
-    case errc::workspace_too_small:
-      return "workspace_too_small";
-    case errc::cuda_error:
-      return "cuda_error";
+  case errc::success:
+    return "success";
+  case errc::null_pointer:
+    return "null_pointer";
+  case errc::empty_input:
+    return "empty_input";
+  case errc::shape_mismatch:
+    return "shape_mismatch";
+  case errc::label_out_of_range:
+    return "label_out_of_range";
+  case errc::non_finite_input:
+    return "non_finite_input";
+  case errc::invalid_temperature:
+    return "invalid_temperature";
+  case errc::invalid_scaler:
+    return "invalid_scaler";
+  case errc::invalid_argument:
+    return "invalid_argument";
+  case errc::workspace_too_small:
+    return "workspace_too_small";
+  case errc::cuda_error:
+    return "cuda_error";
   }
   return "unknown";
 }
@@ -63,10 +63,9 @@ class [[nodiscard]] status
 public:
   status() = default;
   status(errc code, std::string argument, std::string message)
-      : code_(code)
-      , argument_(std::move(argument))
-      , message_(std::move(message))
-  {}
+      : code_(code), argument_(std::move(argument)), message_(std::move(message))
+  {
+  }
 
   bool ok() const noexcept
   {

@@ -14,7 +14,7 @@ int main()
     k[i] = __float2half_rn(0.05f * float(i % 7) - 0.1f);
   }
   contrastive::loss<__half, contrastive::temperature::clamped, contrastive::scaler::dynamic> loss(
-    contrastive::temperature::clamped(0.07f, 0.01f, 1.0f), contrastive::scaler::dynamic::torch());
+      contrastive::temperature::clamped(0.07f, 0.01f, 1.0f), contrastive::scaler::dynamic::torch());
   contrastive::problem<__half> p{q.data(), k.data(), n, n, dim, nullptr, contrastive::objective::symmetric};
   contrastive::step_record rec;
   const contrastive::status st = loss.step(p, dq.data(), dk.data(), rec);

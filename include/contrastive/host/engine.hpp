@@ -65,9 +65,8 @@ struct grad_coefficients
   float pos_coef;
 };
 
-CONTRASTIVE_HOST_DEVICE inline grad_coefficients make_grad_coefficients(objective obj,
-                                                                       std::size_t n_q,
-                                                                       std::size_t n_k) noexcept
+CONTRASTIVE_HOST_DEVICE inline grad_coefficients
+make_grad_coefficients(objective obj, std::size_t n_q, std::size_t n_k) noexcept
 {
   if (obj == objective::symmetric)
   {
@@ -88,9 +87,7 @@ class engine
   static constexpr std::size_t nr = kernel_nr;
 
 public:
-  explicit engine(unsigned threads = 0)
-      : threads_(threads == 0 ? default_threads() : threads)
-  {}
+  explicit engine(unsigned threads = 0) : threads_(threads == 0 ? default_threads() : threads) {}
 
   unsigned threads() const noexcept
   {
@@ -147,20 +144,29 @@ public:
     if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
     {
       logits_.resize(n_q_ * n_k_);
-      parallel_for(tasks, threads_, [&](std::size_t t, unsigned w) {
-        materialize_block_row(t * block_m, w);
-      });
+      parallel_for(tasks,
+                   threads_,
+                   [&](std::size_t t, unsigned w)
+                   {
+                     materialize_block_row(t * block_m, w);
+                   });
     }
     else
     {
-      parallel_for(n_q_, threads_, [&](std::size_t i, unsigned) {
-        pos_[i] = scale * dot(&qf_[i * dp_], &kf_[positive_of(i) * dp_]);
-      });
+      parallel_for(n_q_,
+                   threads_,
+                   [&](std::size_t i, unsigned)
+                   {
+                     pos_[i] = scale * dot(&qf_[i * dp_], &kf_[positive_of(i) * dp_]);
+                   });
     }
     std::vector<unsigned char> bad(threads_, 0);
-    parallel_for(tasks, threads_, [&](std::size_t t, unsigned w) {
-      bad[w] |= forward_block_row<Algorithm>(t * block_m, w, sym) ? 1 : 0;
-    });
+    parallel_for(tasks,
+                 threads_,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   bad[w] |= forward_block_row<Algorithm>(t * block_m, w, sym) ? 1 : 0;
+                 });
     forward_result r;
     for (unsigned char b : bad)
     {
@@ -209,15 +215,24 @@ public:
     backward_result r;
     if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
     {
-      parallel_for(row_tasks, threads_, [&](std::size_t t, unsigned w) {
-        dlogs[w] += materialized_grad_block_row(t * block_m, w, loss_scale, gc, sym);
-      });
-      parallel_for(row_tasks, threads_, [&](std::size_t t, unsigned w) {
-        bad_q[w] |= materialized_dq_block(t * block_m, w, dq) ? 1 : 0;
-      });
-      parallel_for(nk_pad_ / block_n, threads_, [&](std::size_t t, unsigned w) {
-        bad_k[w] |= materialized_dk_block(t * block_n, w, dk) ? 1 : 0;
-      });
+      parallel_for(row_tasks,
+                   threads_,
+                   [&](std::size_t t, unsigned w)
+                   {
+                     dlogs[w] += materialized_grad_block_row(t * block_m, w, loss_scale, gc, sym);
+                   });
+      parallel_for(row_tasks,
+                   threads_,
+                   [&](std::size_t t, unsigned w)
+                   {
+                     bad_q[w] |= materialized_dq_block(t * block_m, w, dq) ? 1 : 0;
+                   });
+      parallel_for(nk_pad_ / block_n,
+                   threads_,
+                   [&](std::size_t t, unsigned w)
+                   {
+                     bad_k[w] |= materialized_dk_block(t * block_n, w, dk) ? 1 : 0;
+                   });
       double total = 0.0;
       for (double v : dlogs)
       {
@@ -232,29 +247,35 @@ public:
         scratch_[w].dk_acc.assign(nk_pad_ * dp_, 0.0f);
       }
       const float out_scale = loss_scale * scale_;
-      parallel_for(row_tasks, threads_, [&](std::size_t t, unsigned w) {
-        dlogs[w] += fused_backward_block_row(t * block_m, w, gc, sym, out_scale, dq, bad_q[w]);
-      });
+      parallel_for(row_tasks,
+                   threads_,
+                   [&](std::size_t t, unsigned w)
+                   {
+                     dlogs[w] += fused_backward_block_row(t * block_m, w, gc, sym, out_scale, dq, bad_q[w]);
+                   });
       // dK = sum over workers of their accumulators, scaled and rounded once.
       const std::size_t chunk = 64;
-      parallel_for((n_k_ + chunk - 1) / chunk, threads_, [&](std::size_t t, unsigned w) {
-        const std::size_t j_end = std::min(n_k_, (t + 1) * chunk);
-        bool bad = false;
-        for (std::size_t j = t * chunk; j < j_end; ++j)
-        {
-          float* acc0 = &scratch_[0].dk_acc[j * dp_];
-          for (unsigned u = 1; u < threads_; ++u)
-          {
-            const float* accu = &scratch_[u].dk_acc[j * dp_];
-            for (std::size_t c = 0; c < d_; ++c)
-            {
-              acc0[c] += accu[c];
-            }
-          }
-          bad |= store_row(acc0, out_scale, dk + j * d_);
-        }
-        bad_k[w] |= bad ? 1 : 0;
-      });
+      parallel_for((n_k_ + chunk - 1) / chunk,
+                   threads_,
+                   [&](std::size_t t, unsigned w)
+                   {
+                     const std::size_t j_end = std::min(n_k_, (t + 1) * chunk);
+                     bool bad = false;
+                     for (std::size_t j = t * chunk; j < j_end; ++j)
+                     {
+                       float* acc0 = &scratch_[0].dk_acc[j * dp_];
+                       for (unsigned u = 1; u < threads_; ++u)
+                       {
+                         const float* accu = &scratch_[u].dk_acc[j * dp_];
+                         for (std::size_t c = 0; c < d_; ++c)
+                         {
+                           acc0[c] += accu[c];
+                         }
+                       }
+                       bad |= store_row(acc0, out_scale, dk + j * d_);
+                     }
+                     bad_k[w] |= bad ? 1 : 0;
+                   });
       double total = 0.0;
       for (double v : dlogs)
       {
@@ -282,10 +303,10 @@ public:
   /// Bytes held by the engine's buffers (operands, saved statistics, scratch, the materialized matrix).
   std::size_t bytes_held() const noexcept
   {
-    std::size_t b = (qf_.capacity() + kf_.capacity() + qp_.capacity() + kp_.capacity()) * sizeof(float) +
-                    (row_lse_.capacity() + row_loss_.capacity() + pos_.capacity() + col_lse_.capacity()) *
-                      sizeof(float) +
-                    logits_.capacity() * sizeof(T);
+    std::size_t b =
+        (qf_.capacity() + kf_.capacity() + qp_.capacity() + kp_.capacity()) * sizeof(float) +
+        (row_lse_.capacity() + row_loss_.capacity() + pos_.capacity() + col_lse_.capacity()) * sizeof(float) +
+        logits_.capacity() * sizeof(T);
     for (const auto& s : scratch_)
     {
       b += (s.tile.capacity() + s.gq.capacity() + s.gk.capacity() + s.acc.capacity() + s.col_max.capacity() +
@@ -313,43 +334,46 @@ private:
     std::vector<float> dk_acc;  // n_k_pad x dp (fused backward)
   };
 
-  std::ptrdiff_t convert(const T* src, std::size_t rows, float* rowmajor, float* packed, std::size_t rows_pad,
-                         std::size_t panel)
+  std::ptrdiff_t
+  convert(const T* src, std::size_t rows, float* rowmajor, float* packed, std::size_t rows_pad, std::size_t panel)
   {
     std::vector<std::ptrdiff_t> first_bad(threads_, 0);
     const std::size_t chunk = 256;
     const std::size_t d = d_;
     const std::size_t dp = dp_;
-    parallel_for((rows + chunk - 1) / chunk, threads_, [&](std::size_t t, unsigned w) {
-      const std::size_t end = std::min(rows, (t + 1) * chunk);
-      for (std::size_t i = t * chunk; i < end; ++i)
-      {
-        const T* s = src + i * d;
-        float* out = rowmajor + i * dp;
-        bool finite = true;
-        for (std::size_t c = 0; c < d; ++c)
-        {
-          const float x = traits::to_float(s[c]);
-          out[c] = x;
-          finite &= x - x == 0.0f;
-        }
-        if (!finite)
-        {
-          for (std::size_t c = 0; c < d; ++c)
-          {
-            if (!traits::is_finite(s[c]))
-            {
-              const std::ptrdiff_t idx = static_cast<std::ptrdiff_t>(i * d + c) + 1;
-              if (first_bad[w] == 0 || idx < first_bad[w])
-              {
-                first_bad[w] = idx;
-              }
-              break;
-            }
-          }
-        }
-      }
-    });
+    parallel_for((rows + chunk - 1) / chunk,
+                 threads_,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   const std::size_t end = std::min(rows, (t + 1) * chunk);
+                   for (std::size_t i = t * chunk; i < end; ++i)
+                   {
+                     const T* s = src + i * d;
+                     float* out = rowmajor + i * dp;
+                     bool finite = true;
+                     for (std::size_t c = 0; c < d; ++c)
+                     {
+                       const float x = traits::to_float(s[c]);
+                       out[c] = x;
+                       finite &= x - x == 0.0f;
+                     }
+                     if (!finite)
+                     {
+                       for (std::size_t c = 0; c < d; ++c)
+                       {
+                         if (!traits::is_finite(s[c]))
+                         {
+                           const std::ptrdiff_t idx = static_cast<std::ptrdiff_t>(i * d + c) + 1;
+                           if (first_bad[w] == 0 || idx < first_bad[w])
+                           {
+                             first_bad[w] = idx;
+                           }
+                           break;
+                         }
+                       }
+                     }
+                   }
+                 });
     std::ptrdiff_t bad = 0;
     for (std::ptrdiff_t b : first_bad)
     {
@@ -363,17 +387,20 @@ private:
       return bad;
     }
     // Packed panels: panel r holds rows [r*panel, (r+1)*panel) as [dp][panel].
-    parallel_for(rows_pad / panel, threads_, [&](std::size_t r, unsigned) {
-      float* dst = packed + r * dp * panel;
-      const float* base = rowmajor + r * panel * dp;
-      for (std::size_t c = 0; c < dp; ++c)
-      {
-        for (std::size_t ii = 0; ii < panel; ++ii)
-        {
-          dst[c * panel + ii] = base[ii * dp + c];
-        }
-      }
-    });
+    parallel_for(rows_pad / panel,
+                 threads_,
+                 [&](std::size_t r, unsigned)
+                 {
+                   float* dst = packed + r * dp * panel;
+                   const float* base = rowmajor + r * panel * dp;
+                   for (std::size_t c = 0; c < dp; ++c)
+                   {
+                     for (std::size_t ii = 0; ii < panel; ++ii)
+                     {
+                       dst[c * panel + ii] = base[ii * dp + c];
+                     }
+                   }
+                 });
     return 0;
   }
 
@@ -587,8 +614,13 @@ private:
   }
 
   /// G = dL/dS for the block into `tile` (rows x cols valid; the rest zero), from scaled logits already in `tile`.
-  void gradient_block(std::size_t i0, std::size_t j0, float* tile, std::size_t rows, std::size_t cols,
-                      const grad_coefficients& gc, bool sym) const noexcept
+  void gradient_block(std::size_t i0,
+                      std::size_t j0,
+                      float* tile,
+                      std::size_t rows,
+                      std::size_t cols,
+                      const grad_coefficients& gc,
+                      bool sym) const noexcept
   {
     for (std::size_t ii = 0; ii < block_m; ++ii)
     {
@@ -604,7 +636,8 @@ private:
         const float* lc = &col_lse_[j0];
         for (std::size_t jj = 0; jj < cols; ++jj)
         {
-          g[jj] = gc.row_coef * contrastive::detail::exp_approx(g[jj] - lr) + gc.col_coef * contrastive::detail::exp_approx(g[jj] - lc[jj]);
+          g[jj] = gc.row_coef * contrastive::detail::exp_approx(g[jj] - lr) +
+                  gc.col_coef * contrastive::detail::exp_approx(g[jj] - lc[jj]);
         }
       }
       else
@@ -657,7 +690,11 @@ private:
   }
 
   /// C (block of rows, ld dp) += packed A [panels][kc][mr] times B (kc rows of ld dp).
-  void gemm_panels(const float* a, std::size_t panels, std::size_t a_panel_stride, std::size_t kc, const float* b,
+  void gemm_panels(const float* a,
+                   std::size_t panels,
+                   std::size_t a_panel_stride,
+                   std::size_t kc,
+                   const float* b,
                    float* c) const noexcept
   {
     for (std::size_t r = 0; r < panels; ++r)
@@ -682,8 +719,8 @@ private:
     return poison != 0.0f;
   }
 
-  double fused_backward_block_row(std::size_t i0, unsigned w, const grad_coefficients& gc, bool sym, float out_scale,
-                                  T* dq, unsigned char& bad_q)
+  double fused_backward_block_row(
+      std::size_t i0, unsigned w, const grad_coefficients& gc, bool sym, float out_scale, T* dq, unsigned char& bad_q)
   {
     worker_scratch& ws = scratch_[w];
     float* tile = ws.tile.data();
@@ -713,11 +750,8 @@ private:
   }
 
   /// Elementwise backward over the stored logits: M <- dA = round_T(s round_T(loss_scale G)); returns sum dS * A.
-  double materialized_grad_block_row(std::size_t i0,
-                                     unsigned w,
-                                     float loss_scale,
-                                     const grad_coefficients& gc,
-                                     bool sym)
+  double
+  materialized_grad_block_row(std::size_t i0, unsigned w, float loss_scale, const grad_coefficients& gc, bool sym)
   {
     std::vector<float>& tile = scratch_[w].tile;
     const std::size_t rows = std::min(block_m, n_q_ - i0);

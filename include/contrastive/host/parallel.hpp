@@ -37,7 +37,8 @@ unsigned parallel_for(std::size_t n_tasks, unsigned threads, F&& fn)
     return 1;
   }
   std::atomic<std::size_t> next{0};
-  auto body = [&](unsigned w) {
+  auto body = [&](unsigned w)
+  {
     for (std::size_t t = next.fetch_add(1, std::memory_order_relaxed); t < n_tasks;
          t = next.fetch_add(1, std::memory_order_relaxed))
     {

@@ -245,7 +245,7 @@ struct element_traits<__nv_bfloat16>
 /// True for the element types the library supports.
 template <class T>
 inline constexpr bool is_element_type_v =
-  std::is_same_v<T, float> || std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+    std::is_same_v<T, float> || std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
 
 /// Round a float through `T` and back: the value a GPU would hold after storing `x` as `T`.
 template <class T>

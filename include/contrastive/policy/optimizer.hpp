@@ -36,7 +36,8 @@ struct optimizer
   {
     return optimizer{optimizer_kind::sgd, lr, momentum, 0.9f, 0.999f, 1e-8f};
   }
-  static constexpr optimizer adam(float lr = 1e-3f, float beta1 = 0.9f, float beta2 = 0.999f, float eps = 1e-8f) noexcept
+  static constexpr optimizer
+  adam(float lr = 1e-3f, float beta1 = 0.9f, float beta2 = 0.999f, float eps = 1e-8f) noexcept
   {
     return optimizer{optimizer_kind::adam, lr, 0.0f, beta1, beta2, eps};
   }
@@ -63,7 +64,8 @@ struct optimizer_state
 };
 
 /// Applies one update to `theta` with gradient `g`; returns the new theta.
-CONTRASTIVE_HOST_DEVICE inline float apply_update(const optimizer& opt, optimizer_state& st, float theta, float g) noexcept
+CONTRASTIVE_HOST_DEVICE inline float
+apply_update(const optimizer& opt, optimizer_state& st, float theta, float g) noexcept
 {
   const double gd = static_cast<double>(g);
   st.t += 1;

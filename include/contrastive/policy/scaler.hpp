@@ -35,9 +35,7 @@ struct static_scale
   float scale = 1.0f;
 
   constexpr static_scale() = default;
-  constexpr explicit static_scale(float s) noexcept
-      : scale(s)
-  {}
+  constexpr explicit static_scale(float s) noexcept : scale(s) {}
 
   CONTRASTIVE_HOST_DEVICE float loss_scale() const noexcept
   {
@@ -61,9 +59,9 @@ struct dynamic
   double backoff_factor = 0.5;
   std::int32_t growth_interval = 2000;
   std::int32_t backoff_interval = 1;
-  float min_scale = 0.0f;                    ///< floor after a back-off; 0 = none
-  float max_scale = __builtin_huge_valf();   ///< cap after a growth; inf = none
-  bool refuse_nonfinite_growth = true;       ///< a growth that would overflow float is refused
+  float min_scale = 0.0f;                  ///< floor after a back-off; 0 = none
+  float max_scale = __builtin_huge_valf(); ///< cap after a growth; inf = none
+  bool refuse_nonfinite_growth = true;     ///< a growth that would overflow float is refused
   std::int32_t good = 0;
   std::int32_t bad = 0;
 
@@ -176,7 +174,8 @@ struct dynamic
 
 template <class P, class = void>
 struct is_scaler_policy : std::false_type
-{};
+{
+};
 template <class P>
 struct is_scaler_policy<P,
                         std::void_t<decltype(P::is_dynamic),
@@ -184,7 +183,8 @@ struct is_scaler_policy<P,
                                     decltype(std::declval<P&>().update(true)),
                                     decltype(std::declval<const P&>().validate())>>
     : std::bool_constant<std::is_trivially_copyable_v<P>>
-{};
+{
+};
 template <class P>
 inline constexpr bool is_scaler_policy_v = is_scaler_policy<P>::value;
 } // namespace scaler

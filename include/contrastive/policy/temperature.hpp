@@ -41,9 +41,7 @@ struct fixed
   float tau_value = 0.07f;
 
   constexpr fixed() = default;
-  constexpr explicit fixed(float tau) noexcept
-      : tau_value(tau)
-  {}
+  constexpr explicit fixed(float tau) noexcept : tau_value(tau) {}
 
   CONTRASTIVE_HOST_DEVICE float tau() const noexcept
   {
@@ -82,9 +80,9 @@ struct learnable
 
   constexpr learnable() = default;
   explicit learnable(float initial_tau, contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
-      : theta(logit_scale_of(initial_tau))
-      , opt(o)
-  {}
+      : theta(logit_scale_of(initial_tau)), opt(o)
+  {
+  }
 
   CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
   {
@@ -123,17 +121,15 @@ struct clamped : learnable
 {
   static constexpr const char* name = "clamped";
 
-  float min_theta = 0.0f;            ///< log(1/tau_max)
-  float max_theta = 4.605170186f;    ///< log(1/tau_min) = ln 100
+  float min_theta = 0.0f;         ///< log(1/tau_max)
+  float max_theta = 4.605170186f; ///< log(1/tau_min) = ln 100
 
   constexpr clamped() = default;
   clamped(float initial_tau,
           float tau_min,
           float tau_max,
           contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
-      : learnable(initial_tau, o)
-      , min_theta(logit_scale_of(tau_max))
-      , max_theta(logit_scale_of(tau_min))
+      : learnable(initial_tau, o), min_theta(logit_scale_of(tau_max)), max_theta(logit_scale_of(tau_min))
   {
     theta = clamp(theta);
   }
@@ -185,9 +181,7 @@ struct scheduled : clamped
   std::int64_t unfreeze_step = 1000; ///< freeze_then_learn only
   std::int64_t duration = 1000;      ///< linear/cosine only
 
-  scheduled() noexcept
-      : scheduled(freeze_then_learn(0.05f, 1000))
-  {}
+  scheduled() noexcept : scheduled(freeze_then_learn(0.05f, 1000)) {}
 
   /// The seed's remedy: tau fixed at `tau` for `unfreeze_step` finite steps, then learnable, clamped to
   /// [tau_min, tau_max] (unbounded by default).
@@ -277,7 +271,8 @@ private:
 /// Requirements of a temperature policy, checked once by the owning template.
 template <class P, class = void>
 struct is_temperature_policy : std::false_type
-{};
+{
+};
 template <class P>
 struct is_temperature_policy<P,
                              std::void_t<decltype(P::is_learnable),
@@ -287,18 +282,21 @@ struct is_temperature_policy<P,
                                          decltype(std::declval<P&>().advance(0.0f)),
                                          decltype(std::declval<const P&>().validate())>>
     : std::bool_constant<std::is_trivially_copyable_v<P>>
-{};
+{
+};
 template <class P>
 inline constexpr bool is_temperature_policy_v = is_temperature_policy<P>::value;
 
 /// Optional hook `void observe(const step_record&, float element_max_finite)`, called after every finished step.
 template <class P, class = void>
 struct has_observe : std::false_type
-{};
+{
+};
 template <class P>
 struct has_observe<P, std::void_t<decltype(std::declval<P&>().observe(std::declval<const step_record&>(), 0.0f))>>
     : std::true_type
-{};
+{
+};
 template <class P>
 inline constexpr bool has_observe_v = has_observe<P>::value;
 } // namespace temperature
