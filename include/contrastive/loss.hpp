@@ -16,6 +16,7 @@
 ///      `advance(grad)`.
 /// `step()` is 2-4 at once for callers whose only gradients are dQ and dK.
 
+#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/policy/scaler.hpp>
@@ -261,26 +262,12 @@ public:
     rec.grad_logit_scale = br.grad_logit_scale / ls;
     rec.max_logit = fr.max_logit;
     rec.pending = true;
-    if (fr.logits_nonfinite)
-    {
-      rec.first_nonfinite = nonfinite_site::logits;
-    }
-    else if (!std::isfinite(fr.loss))
-    {
-      rec.first_nonfinite = nonfinite_site::loss;
-    }
-    else if (br.dq_nonfinite)
-    {
-      rec.first_nonfinite = nonfinite_site::grad_q;
-    }
-    else if (br.dk_nonfinite)
-    {
-      rec.first_nonfinite = nonfinite_site::grad_k;
-    }
-    else if (temperature_.wants_gradient() && !std::isfinite(rec.grad_logit_scale))
-    {
-      rec.first_nonfinite = nonfinite_site::grad_logit_scale;
-    }
+    rec.first_nonfinite = detail::first_nonfinite(fr.logits_nonfinite,
+                                                  fr.loss,
+                                                  br.dq_nonfinite,
+                                                  br.dk_nonfinite,
+                                                  temperature_.wants_gradient(),
+                                                  rec.grad_logit_scale);
     return {};
   }
 
@@ -320,20 +307,7 @@ public:
     {
       return {errc::invalid_argument, "rec", "no step in progress, or finish_step already called for it"};
     }
-    const bool found_inf = rec.first_nonfinite != nonfinite_site::none;
-    scaler_.update(found_inf);
-    if (!found_inf)
-    {
-      temperature_.advance(rec.grad_logit_scale);
-    }
-    rec.skipped = found_inf;
-    rec.next_loss_scale = scaler_.loss_scale();
-    if constexpr (temperature::has_observe_v<Temperature>)
-    {
-      // Optional policy hook: sees every finished step (skipped ones too) and the element type's largest finite value.
-      temperature_.observe(rec, element_traits<Element>::max_finite());
-    }
-    rec.pending = false;
+    detail::finish_step<Element>(temperature_, scaler_, rec);
     ++step_;
     return {};
   }

@@ -15,6 +15,7 @@
 #include <contrastive/host/microkernel.hpp>
 #include <contrastive/host/parallel.hpp>
 #include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
 #include <contrastive/problem.hpp>
@@ -55,27 +56,6 @@ struct backward_result
   bool dq_nonfinite = false;
   bool dk_nonfinite = false;
 };
-
-/// Per-row coefficients of G = dL/dS: G_ij = row_coef P_ij + col_coef C_ij - pos_coef [j == p_i], where P is the
-/// row softmax and C the column softmax of S.
-struct grad_coefficients
-{
-  float row_coef;
-  float col_coef;
-  float pos_coef;
-};
-
-CONTRASTIVE_HOST_DEVICE inline grad_coefficients
-make_grad_coefficients(objective obj, std::size_t n_q, std::size_t n_k) noexcept
-{
-  if (obj == objective::symmetric)
-  {
-    const float c = static_cast<float>(0.5 / static_cast<double>(n_q));
-    return {c, static_cast<float>(0.5 / static_cast<double>(n_k)), 2.0f * c};
-  }
-  const float c = static_cast<float>(1.0 / static_cast<double>(n_q));
-  return {c, 0.0f, c};
-}
 
 /// Reusable host state: converted operands, saved log-sum-exps and per-worker scratch. Not thread-safe; one engine
 /// per concurrent caller.

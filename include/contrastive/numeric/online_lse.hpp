@@ -49,7 +49,7 @@ struct online_lse
   /// log(sum exp(x)); -inf when empty.
   CONTRASTIVE_HOST_DEVICE float value() const noexcept
   {
-    return max == -detail::infinity_f ? max : max + std::log(sum);
+    return max == -detail::infinity_f ? max : max + ::logf(sum);
   }
 };
 
@@ -75,12 +75,12 @@ CONTRASTIVE_HOST_DEVICE inline row_loss finish_row(online_lse negatives, float p
   {
     // rest = sum_{j != p} exp(S_j - S_p) <= number of negatives; the loss is log1p(rest) exactly.
     const float rest = negatives.sum * detail::exp_approx(negatives.max - positive);
-    const float l = std::log1p(rest);
+    const float l = ::log1pf(rest);
     return {positive + l, l};
   }
   // The positive is not the largest logit, so the loss is at least log 2 and the plain difference keeps its digits.
   const float m = negatives.max;
-  const float lse = m + std::log(negatives.sum + detail::exp_approx(positive - m));
+  const float lse = m + ::logf(negatives.sum + detail::exp_approx(positive - m));
   return {lse, lse - positive};
 }
 } // namespace contrastive
