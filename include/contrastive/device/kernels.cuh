@@ -1,0 +1,652 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// CUDA kernels of the device path. Only CUDA translation units include this file.
+///
+/// One tiled "row pass" kernel serves every direction: for each row a of A it walks all rows b of B, forming the
+/// logits S_ab = s <A_a, B_b> tile by tile (tensor cores for 16-bit types). In `forward` mode it keeps the online
+/// log-sum-exp of row a's negatives and its positive logit; in `backward` mode it rebuilds G from the saved
+/// log-sum-exps and accumulates dA_a = sum_b G_ab B_b. The CLIP loss runs it with (A, B) = (Q, K) for rows and
+/// dQ, and (K, Q) for columns and dK, so dQ is row-parallel, dK column-parallel, and no atomics touch the O(N^2 D)
+/// work. The materialized algorithm reuses the same kernel with logits read from its element-type matrix.
+
+#include <contrastive/detail/step_logic.hpp>
+#include <contrastive/device/kernel_traits.cuh>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/numeric/math.hpp>
+#include <contrastive/numeric/online_lse.hpp>
+
+#include <cub/block/block_reduce.cuh>
+
+#include <cstdint>
+#include <mma.h>
+
+namespace contrastive
+{
+namespace device
+{
+namespace kernels
+{
+/// Which element of a row is its positive.
+enum class positive_mode : int
+{
+  diagonal = 0,  ///< row a's positive is column a
+  row_label = 1, ///< row a's positive is column labels[a]
+  col_label = 2, ///< row a is the positive of every column b with labels[b] == a (the key side of InfoNCE)
+};
+
+/// Where the pass gets its logits from.
+enum class source : int
+{
+  compute = 0,           ///< S = s A B^T, recomputed in tiles (fused)
+  matrix = 1,            ///< the n_a x n_b element-type matrix (materialized, rows)
+  matrix_transposed = 2, ///< the n_b x n_a element-type matrix read transposed (materialized, columns)
+};
+
+/// Scalars of the current step, written on the device by the prologue so that a step needs no host round trip.
+struct step_scalars
+{
+  float scale;      ///< s = 1/tau
+  float loss_scale; ///< loss scale of this step
+  int wants_gradient;
+};
+
+/// Arguments of a row pass (plain data, passed by value).
+struct pass_args
+{
+  const void* a = nullptr; ///< A rows (n_a x dim, element type)
+  const void* b = nullptr; ///< B rows (n_b x dim)
+  int n_a = 0, n_b = 0, dim = 0;
+  int ld_acc = 0; ///< leading dimension of the float accumulator (dim rounded up to d_chunk)
+  const std::int32_t* labels = nullptr;
+  positive_mode pos = positive_mode::diagonal;
+  const void* matrix = nullptr; ///< materialized logits/gradients, row-major n_q x n_k
+  int matrix_ld = 0;
+  const step_scalars* scalars = nullptr;
+  // forward outputs (per row of A)
+  float* lse = nullptr;
+  float* loss = nullptr;
+  float* max_logit = nullptr;
+  // backward inputs/outputs
+  const float* lse_a = nullptr;
+  const float* lse_b = nullptr;
+  float coef_a = 0.0f, coef_b = 0.0f, coef_pos = 0.0f;
+  float* acc = nullptr;           ///< float accumulator rows (n_a rounded up to block_m) x ld_acc, zeroed
+  void* out = nullptr;            ///< dA in the element type
+  float* dlogs_partial = nullptr; ///< per-block partial of <dA, A> (dQ pass only), may be null
+  bool out_is_final = false;      ///< materialized: accumulator already holds s * loss_scale * G products
+  int* flags = nullptr;           ///< [0] logits non-finite, [1] dQ non-finite, [2] dK non-finite
+  int flag_index = 0;
+};
+
+template <class T>
+struct shared_tiles
+{
+  using traits = kernel_traits<T>;
+  using stage_t = std::conditional_t<traits::use_tensor_cores, T, float>;
+  static constexpr int bm = traits::block_m, bn = traits::block_n, bk = traits::block_k, dc = traits::d_chunk;
+  static constexpr int pad = traits::pad;
+  union operands
+  {
+    struct
+    {
+      alignas(32) stage_t a[bm][bk + pad];
+      alignas(32) stage_t b[bn][bk + pad];
+    } s;
+    struct
+    {
+      alignas(32) stage_t bd[bn][dc + pad];
+    } d;
+  };
+  operands u;
+  // The S tile and the G tile are never live at once (G is built in registers from S, then stored after a barrier).
+  union results
+  {
+    alignas(32) float st[bm][traits::s_ld];
+    alignas(32) stage_t g[bm][bn + pad];
+  };
+  results v;
+};
+
+template <class T>
+__device__ __forceinline__ bool is_positive(const pass_args& p, int row, int col)
+{
+  switch (p.pos)
+  {
+  case positive_mode::row_label:
+    return p.labels[row] == col;
+  case positive_mode::col_label:
+    return p.labels[col] == row;
+  default:
+    return row == col;
+  }
+}
+
+/// st[r][c] = <A_{row0 + r}, B_{col0 + c}> (unscaled, float). Rows/columns past the ends read zeros.
+template <class T>
+__device__ void compute_s_tile(shared_tiles<T>& sm, const T* A, const T* B, int row0, int col0, const pass_args& p)
+{
+  using traits = kernel_traits<T>;
+  using tiles = shared_tiles<T>;
+  using stage_t = typename tiles::stage_t;
+  constexpr int bm = tiles::bm, bn = tiles::bn, bk = tiles::bk;
+  const int tid = threadIdx.x;
+  const stage_t zero = stage_t(element_traits<T>::from_float(0.0f));
+  auto load = [&](const T* src, int n, int r0, stage_t(*dst)[bk + tiles::pad], int rows, int k0)
+  {
+    for (int e = tid; e < rows * bk; e += traits::threads)
+    {
+      const int r = e / bk, c = e % bk;
+      const int gr = r0 + r, gc = k0 + c;
+      if constexpr (traits::use_tensor_cores)
+      {
+        dst[r][c] = (gr < n && gc < p.dim) ? src[static_cast<long long>(gr) * p.dim + gc] : zero;
+      }
+      else
+      {
+        dst[r][c] =
+            (gr < n && gc < p.dim) ? element_traits<T>::to_float(src[static_cast<long long>(gr) * p.dim + gc]) : 0.0f;
+      }
+    }
+  };
+  if constexpr (traits::use_tensor_cores)
+  {
+    using namespace nvcuda;
+    const int warp = tid / 32;
+    const int fr = warp / 2, fc0 = (warp % 2) * 2;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
+    wmma::fill_fragment(acc[0], 0.0f);
+    wmma::fill_fragment(acc[1], 0.0f);
+    for (int k0 = 0; k0 < p.dim; k0 += bk)
+    {
+      load(A, p.n_a, row0, sm.u.s.a, bm, k0);
+      load(B, p.n_b, col0, sm.u.s.b, bn, k0);
+      __syncthreads();
+      for (int kk = 0; kk < bk; kk += 16)
+      {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
+        wmma::load_matrix_sync(af, &sm.u.s.a[fr * 16][kk], bk + tiles::pad);
+        for (int f = 0; f < 2; ++f)
+        {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
+          wmma::load_matrix_sync(bf, &sm.u.s.b[(fc0 + f) * 16][kk], bk + tiles::pad);
+          wmma::mma_sync(acc[f], af, bf, acc[f]);
+        }
+      }
+      __syncthreads();
+    }
+    for (int f = 0; f < 2; ++f)
+    {
+      wmma::store_matrix_sync(&sm.v.st[fr * 16][(fc0 + f) * 16], acc[f], traits::s_ld, wmma::mem_row_major);
+    }
+  }
+  else
+  {
+    const int ty = tid / 16, tx = tid % 16;
+    float c[4][4] = {};
+    for (int k0 = 0; k0 < p.dim; k0 += bk)
+    {
+      load(A, p.n_a, row0, sm.u.s.a, bm, k0);
+      load(B, p.n_b, col0, sm.u.s.b, bn, k0);
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < bk; ++k)
+      {
+        float av[4], bv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+          av[i] = sm.u.s.a[ty * 4 + i][k];
+          bv[i] = sm.u.s.b[tx * 4 + i][k];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+          {
+            c[i][j] += av[i] * bv[j];
+          }
+        }
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+    {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+      {
+        sm.v.st[ty * 4 + i][tx * 4 + j] = c[i][j];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+/// The scaled logit of (row, col): from the tile (fused) or from the element-type matrix (materialized, rounded
+/// exactly as S = round_T(s * A)).
+template <class T, source Src>
+__device__ __forceinline__ float
+logit_at(const shared_tiles<T>& sm, const pass_args& p, int r, int c, int row, int col, float s)
+{
+  if constexpr (Src == source::compute)
+  {
+    return s * sm.v.st[r][c];
+  }
+  else
+  {
+    const T* m = static_cast<const T*>(p.matrix);
+    const long long idx = Src == source::matrix ? static_cast<long long>(row) * p.matrix_ld + col
+                                                : static_cast<long long>(col) * p.matrix_ld + row;
+    return round_to<T>(s * element_traits<T>::to_float(m[idx]));
+  }
+}
+
+/// Forward row pass: per row of A, the log-sum-exp and cross-entropy over B, and the row's largest logit.
+template <class T, source Src>
+__global__ void __launch_bounds__(256) forward_pass(pass_args p)
+{
+  using traits = kernel_traits<T>;
+  __shared__ shared_tiles<T> sm;
+  const T* A = static_cast<const T*>(p.a);
+  const T* B = static_cast<const T*>(p.b);
+  const float s = p.scalars->scale;
+  const int row0 = blockIdx.x * traits::block_m;
+  const int r = threadIdx.x / 4, sub = threadIdx.x % 4;
+  const int row = row0 + r;
+  online_lse neg{};
+  float pos = -contrastive::detail::infinity_f;
+  bool bad = false;
+  for (int col0 = 0; col0 < p.n_b; col0 += traits::block_n)
+  {
+    if constexpr (Src == source::compute)
+    {
+      compute_s_tile<T>(sm, A, B, row0, col0, p);
+    }
+    if (row < p.n_a)
+    {
+      float x[traits::block_n / 4];
+      float m = -contrastive::detail::infinity_f;
+#pragma unroll
+      for (int t = 0; t < traits::block_n / 4; ++t)
+      {
+        const int c = sub + 4 * t;
+        const int col = col0 + c;
+        x[t] = -contrastive::detail::infinity_f;
+        if (col < p.n_b)
+        {
+          const float v = logit_at<T, Src>(sm, p, r, c, row, col, s);
+          bad |= !contrastive::detail::finite(v);
+          if (is_positive<T>(p, row, col))
+          {
+            pos = v;
+          }
+          else
+          {
+            x[t] = v;
+            m = fmaxf(m, v);
+          }
+        }
+      }
+      if (m > -contrastive::detail::infinity_f)
+      {
+        const float new_max = fmaxf(neg.max, m);
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < traits::block_n / 4; ++t)
+        {
+          sum += __expf(x[t] - new_max);
+        }
+        neg.sum = neg.sum * __expf(neg.max - new_max) + sum;
+        neg.max = new_max;
+      }
+    }
+    if constexpr (Src == source::compute)
+    {
+      __syncthreads(); // the next tile overwrites sm.st
+    }
+  }
+  // Merge the four partial states of each row (consecutive lanes of one warp).
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2)
+  {
+    const online_lse other{__shfl_xor_sync(0xffffffffu, neg.max, off), __shfl_xor_sync(0xffffffffu, neg.sum, off)};
+    neg.merge(other);
+    pos = fmaxf(pos, __shfl_xor_sync(0xffffffffu, pos, off));
+  }
+  if (sub == 0 && row < p.n_a)
+  {
+    const row_loss rl = finish_row(neg, pos);
+    p.lse[row] = rl.lse;
+    p.loss[row] = rl.loss;
+    p.max_logit[row] = fmaxf(neg.max, pos);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0)
+  {
+    atomicOr(&p.flags[0], 1);
+  }
+}
+
+/// Backward row pass: dA = out_scale * sum_b G_ab B_b in the element type, accumulated in float.
+template <class T, source Src>
+__global__ void __launch_bounds__(256) backward_pass(pass_args p)
+{
+  using traits = kernel_traits<T>;
+  using tiles = shared_tiles<T>;
+  using stage_t = typename tiles::stage_t;
+  constexpr int bm = traits::block_m, bn = traits::block_n, dc = traits::d_chunk;
+  __shared__ shared_tiles<T> sm;
+  const T* A = static_cast<const T*>(p.a);
+  const T* B = static_cast<const T*>(p.b);
+  const float s = p.scalars->scale;
+  const int tid = threadIdx.x;
+  const int row0 = blockIdx.x * bm;
+  const int r = tid / 4, sub = tid % 4;
+  const int row = row0 + r;
+  // G is stored divided by the larger coefficient so that it sits near [-2, 1] in 16-bit storage.
+  const float norm = Src == source::compute ? fmaxf(p.coef_a, p.coef_b) : 1.0f;
+  const float inv_norm = 1.0f / norm;
+  const float lse_row = (Src == source::compute && row < p.n_a && p.lse_a != nullptr) ? p.lse_a[row] : 0.0f;
+  float* acc_block = p.acc + static_cast<long long>(row0) * p.ld_acc;
+  for (int col0 = 0; col0 < p.n_b; col0 += bn)
+  {
+    if constexpr (Src == source::compute)
+    {
+      compute_s_tile<T>(sm, A, B, row0, col0, p);
+    }
+    float gv[bn / 4];
+#pragma unroll
+    for (int t = 0; t < bn / 4; ++t)
+    {
+      const int c = sub + 4 * t;
+      const int col = col0 + c;
+      float g = 0.0f;
+      if (row < p.n_a && col < p.n_b)
+      {
+        if constexpr (Src == source::compute)
+        {
+          const float x = s * sm.v.st[r][c];
+          g = p.lse_a != nullptr ? p.coef_a * __expf(x - lse_row) : 0.0f;
+          if (p.lse_b != nullptr)
+          {
+            g += p.coef_b * __expf(x - p.lse_b[col]);
+          }
+          if (is_positive<T>(p, row, col))
+          {
+            g -= p.coef_pos;
+          }
+          g *= inv_norm;
+        }
+        else
+        {
+          g = logit_at<T, Src>(sm, p, r, c, row, col, 1.0f); // the matrix holds dA = round_T(s round_T(ls G))
+        }
+      }
+      gv[t] = g;
+    }
+    __syncthreads(); // every thread has read its S values: the G tile may overwrite them
+#pragma unroll
+    for (int t = 0; t < bn / 4; ++t)
+    {
+      sm.v.g[r][sub + 4 * t] = stage_t(gv[t]);
+    }
+    __syncthreads();
+    for (int d0 = 0; d0 < p.ld_acc; d0 += dc)
+    {
+      for (int e = tid; e < bn * dc; e += traits::threads)
+      {
+        const int j = e / dc, c = e % dc;
+        const int gj = col0 + j, gc = d0 + c;
+        const bool in = gj < p.n_b && gc < p.dim;
+        if constexpr (traits::use_tensor_cores)
+        {
+          sm.u.d.bd[j][c] = in ? B[static_cast<long long>(gj) * p.dim + gc] : element_traits<T>::from_float(0.0f);
+        }
+        else
+        {
+          sm.u.d.bd[j][c] = in ? element_traits<T>::to_float(B[static_cast<long long>(gj) * p.dim + gc]) : 0.0f;
+        }
+      }
+      __syncthreads();
+      if constexpr (traits::use_tensor_cores)
+      {
+        using namespace nvcuda;
+        const int warp = tid / 32;
+        const int fr = warp / 2, fc0 = (warp % 2) * 2;
+        for (int f = 0; f < 2; ++f)
+        {
+          float* cptr = acc_block + static_cast<long long>(fr * 16) * p.ld_acc + d0 + (fc0 + f) * 16;
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> cf;
+          wmma::load_matrix_sync(cf, cptr, p.ld_acc, wmma::mem_row_major);
+          for (int kk = 0; kk < bn; kk += 16)
+          {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> af;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
+            wmma::load_matrix_sync(af, &sm.v.g[fr * 16][kk], bn + tiles::pad);
+            wmma::load_matrix_sync(bf, &sm.u.d.bd[kk][(fc0 + f) * 16], dc + tiles::pad);
+            wmma::mma_sync(cf, af, bf, cf);
+          }
+          wmma::store_matrix_sync(cptr, cf, p.ld_acc, wmma::mem_row_major);
+        }
+      }
+      else
+      {
+        const int ty = tid / 16, tx = tid % 16;
+        float c[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+          {
+            c[i][j] = acc_block[static_cast<long long>(ty * 4 + i) * p.ld_acc + d0 + tx * 4 + j];
+          }
+        }
+        for (int k = 0; k < bn; ++k)
+        {
+          float gv[4], bv[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+          {
+            gv[i] = sm.v.g[ty * 4 + i][k];
+            bv[i] = sm.u.d.bd[k][tx * 4 + i];
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+          {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+            {
+              c[i][j] += gv[i] * bv[j];
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+          {
+            acc_block[static_cast<long long>(ty * 4 + i) * p.ld_acc + d0 + tx * 4 + j] = c[i][j];
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  // Epilogue: scale, round once to T, test finiteness; <dA, A> for d loss / d log s.
+  const float out_scale = p.out_is_final ? 1.0f : p.scalars->loss_scale * s * norm;
+  T* out = static_cast<T*>(p.out);
+  float dlogs = 0.0f;
+  bool bad = false;
+  const int rows = min(bm, p.n_a - row0);
+  for (int e = tid; e < rows * p.dim; e += traits::threads)
+  {
+    const int rr = e / p.dim, c = e % p.dim;
+    const long long grow = row0 + rr;
+    const float v = acc_block[static_cast<long long>(rr) * p.ld_acc + c];
+    const T o = element_traits<T>::from_float(out_scale * v);
+    out[grow * p.dim + c] = o;
+    bad |= !element_traits<T>::is_finite(o);
+    if (p.dlogs_partial != nullptr)
+    {
+      dlogs += norm * v * element_traits<T>::to_float(A[grow * p.dim + c]);
+    }
+  }
+  if (p.dlogs_partial != nullptr)
+  {
+    using reduce_t = cub::BlockReduce<float, traits::threads>;
+    __shared__ typename reduce_t::TempStorage tmp;
+    const float total = reduce_t(tmp).Sum(dlogs);
+    if (tid == 0)
+    {
+      p.dlogs_partial[blockIdx.x] = total;
+    }
+  }
+  if (__syncthreads_or(bad) && tid == 0)
+  {
+    atomicOr(&p.flags[p.flag_index], 1);
+  }
+}
+
+/// Materialized forward, first kernel: M = round_T(Q K^T) (the autocast matmul output).
+template <class T>
+__global__ void __launch_bounds__(256) materialize_logits(pass_args p)
+{
+  using traits = kernel_traits<T>;
+  __shared__ shared_tiles<T> sm;
+  const int row0 = blockIdx.x * traits::block_m, col0 = blockIdx.y * traits::block_n;
+  compute_s_tile<T>(sm, static_cast<const T*>(p.a), static_cast<const T*>(p.b), row0, col0, p);
+  T* m = static_cast<T*>(const_cast<void*>(p.matrix));
+  for (int e = threadIdx.x; e < traits::block_m * traits::block_n; e += traits::threads)
+  {
+    const int r = e / traits::block_n, c = e % traits::block_n;
+    if (row0 + r < p.n_a && col0 + c < p.n_b)
+    {
+      m[static_cast<long long>(row0 + r) * p.matrix_ld + col0 + c] = element_traits<T>::from_float(sm.v.st[r][c]);
+    }
+  }
+}
+
+/// Materialized backward, elementwise: M <- dA = round_T(s dS), dS = round_T(loss_scale G); per-block sum dS * A.
+template <class T>
+__global__ void __launch_bounds__(256)
+    materialized_gradient(pass_args p, const float* row_lse, const float* col_lse, grad_coefficients gc)
+{
+  T* m = static_cast<T*>(const_cast<void*>(p.matrix));
+  const float s = p.scalars->scale;
+  const float ls = p.scalars->loss_scale;
+  const long long total = static_cast<long long>(p.n_a) * p.n_b;
+  float dlogs = 0.0f;
+  for (long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<long long>(gridDim.x) * blockDim.x)
+  {
+    const int row = static_cast<int>(idx / p.n_b), col = static_cast<int>(idx % p.n_b);
+    const float a = element_traits<T>::to_float(m[idx]);
+    const float x = round_to<T>(s * a);
+    float g = gc.row_coef * __expf(x - row_lse[row]);
+    if (col_lse != nullptr)
+    {
+      g += gc.col_coef * __expf(x - col_lse[col]);
+    }
+    if (is_positive<T>(p, row, col))
+    {
+      g -= gc.pos_coef;
+    }
+    const float ds = round_to<T>(ls * g);
+    dlogs += ds * a;
+    m[idx] = element_traits<T>::from_float(s * ds);
+  }
+  using reduce_t = cub::BlockReduce<float, 256>;
+  __shared__ typename reduce_t::TempStorage tmp;
+  const float block_total = reduce_t(tmp).Sum(dlogs);
+  if (threadIdx.x == 0)
+  {
+    p.dlogs_partial[blockIdx.x] = block_total;
+  }
+}
+
+/// Reads the policies' current scale and loss scale into device scalars (no host round trip).
+template <class State>
+__global__ void prologue(const State* state, step_scalars* out)
+{
+  out->scale = state->temperature.scale();
+  out->loss_scale = state->scaler.loss_scale();
+  out->wants_gradient = state->temperature.wants_gradient() ? 1 : 0;
+}
+
+/// Sums of the reductions the finish kernel reads.
+struct step_sums
+{
+  float row_loss;
+  float col_loss;
+  float dlogs;
+  float max_logit;
+};
+
+/// Fills the pending step record from the reductions and flags (steps 1-3 of a step).
+template <class State>
+__global__ void finish_forward_backward(State* state,
+                                        const step_scalars* scalars,
+                                        const step_sums* sums,
+                                        const int* flags,
+                                        int n_q,
+                                        int n_k,
+                                        int symmetric,
+                                        int materialized)
+{
+  step_record rec{};
+  const float ls = scalars->loss_scale;
+  const float s = scalars->scale;
+  const float loss = symmetric ? 0.5f * (sums->row_loss / n_q + sums->col_loss / n_k) : sums->row_loss / n_q;
+  const float grad_scaled = materialized ? s * sums->dlogs : ls * s * sums->dlogs;
+  rec.step = state->step;
+  rec.loss = loss;
+  rec.tau = state->temperature.tau();
+  rec.loss_scale = ls;
+  rec.grad_logit_scale = grad_scaled / ls;
+  rec.max_logit = sums->max_logit;
+  rec.pending = true;
+  rec.first_nonfinite = contrastive::detail::first_nonfinite(
+      flags[0] != 0, loss, flags[1] != 0, flags[2] != 0, scalars->wants_gradient != 0, rec.grad_logit_scale);
+  state->record = rec;
+}
+
+/// Step 4 on the device: scaler update, then the temperature update for a finite step.
+template <class Element, class State>
+__global__ void finish_step(State* state)
+{
+  if (!state->record.pending)
+  {
+    return;
+  }
+  contrastive::detail::finish_step<Element>(state->temperature, state->scaler, state->record);
+  state->step += 1;
+}
+
+/// Caller gradients: multiply by 1/loss_scale and flag `parameters` if any result is not finite (one pass).
+template <class State>
+__global__ void __launch_bounds__(256) unscale_and_check(float* grads, long long n, State* state)
+{
+  const float inv = 1.0f / state->record.loss_scale;
+  bool bad = false;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+  {
+    const float g = grads[i] * inv;
+    grads[i] = g;
+    bad |= !contrastive::detail::finite(g);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0)
+  {
+    atomicCAS(reinterpret_cast<int*>(&state->record.first_nonfinite),
+              static_cast<int>(nonfinite_site::none),
+              static_cast<int>(nonfinite_site::parameters));
+  }
+}
+} // namespace kernels
+} // namespace device
+} // namespace contrastive
