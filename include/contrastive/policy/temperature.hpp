@@ -79,7 +79,8 @@ struct learnable
   std::int64_t steps = 0;
 
   constexpr learnable() = default;
-  explicit learnable(float initial_tau, contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
+  CONTRASTIVE_HOST_DEVICE explicit learnable(float initial_tau,
+                                             contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
       : theta(logit_scale_of(initial_tau)), opt(o)
   {
   }
@@ -125,10 +126,10 @@ struct clamped : learnable
   float max_theta = 4.605170186f; ///< log(1/tau_min) = ln 100
 
   constexpr clamped() = default;
-  clamped(float initial_tau,
-          float tau_min,
-          float tau_max,
-          contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
+  CONTRASTIVE_HOST_DEVICE clamped(float initial_tau,
+                                  float tau_min,
+                                  float tau_max,
+                                  contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
       : learnable(initial_tau, o), min_theta(logit_scale_of(tau_max)), max_theta(logit_scale_of(tau_min))
   {
     theta = clamp(theta);
@@ -181,15 +182,16 @@ struct scheduled : clamped
   std::int64_t unfreeze_step = 1000; ///< freeze_then_learn only
   std::int64_t duration = 1000;      ///< linear/cosine only
 
-  scheduled() noexcept : scheduled(freeze_then_learn(0.05f, 1000)) {}
+  CONTRASTIVE_HOST_DEVICE scheduled() noexcept : scheduled(freeze_then_learn(0.05f, 1000)) {}
 
   /// The seed's remedy: tau fixed at `tau` for `unfreeze_step` finite steps, then learnable, clamped to
   /// [tau_min, tau_max] (unbounded by default).
-  static scheduled freeze_then_learn(float tau,
-                                     std::int64_t unfreeze_step,
-                                     contrastive::optimizer o = contrastive::optimizer::adam(1e-3f),
-                                     float tau_min = 0.0f,
-                                     float tau_max = __builtin_huge_valf()) noexcept
+  CONTRASTIVE_HOST_DEVICE static scheduled
+  freeze_then_learn(float tau,
+                    std::int64_t unfreeze_step,
+                    contrastive::optimizer o = contrastive::optimizer::adam(1e-3f),
+                    float tau_min = 0.0f,
+                    float tau_max = __builtin_huge_valf()) noexcept
   {
     scheduled s(0);
     s.kind = schedule_kind::freeze_then_learn;
@@ -203,7 +205,8 @@ struct scheduled : clamped
   }
 
   /// Deterministic schedule of tau over `duration` finite steps.
-  static scheduled deterministic(schedule_kind kind, float tau_start, float tau_end, std::int64_t duration) noexcept
+  CONTRASTIVE_HOST_DEVICE static scheduled
+  deterministic(schedule_kind kind, float tau_start, float tau_end, std::int64_t duration) noexcept
   {
     scheduled s(0);
     s.kind = kind;
@@ -265,7 +268,7 @@ struct scheduled : clamped
   }
 
 private:
-  explicit scheduled(int) noexcept {}
+  CONTRASTIVE_HOST_DEVICE explicit scheduled(int) noexcept {}
 };
 
 /// Requirements of a temperature policy, checked once by the owning template.
