@@ -20,7 +20,7 @@ cmake --build build-gpu -j"$(nproc)" --target "${targets[@]}" >"$out/build.log" 
   { grep -E "error" "$out/build.log" | head -30; exit 1; }
 
 echo "== device tests"
-./build-gpu/tests/device_test --gtest_brief=1 2>&1 | tee "$out/device_test.log" | tail -25
+./build-gpu/tests/device_test 2>&1 | tee "$out/device_test.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 
 if [ -x build-gpu/benchmarks/contrastive_device_bench ]; then
@@ -30,7 +30,7 @@ if [ -x build-gpu/benchmarks/contrastive_device_bench ]; then
 fi
 
 echo "== summary"
-passed=$(grep -c '^\[       OK \]' "$out/device_test.log" || true)
-failed=$(grep -c '^\[  FAILED  \]' "$out/device_test.log" || true)
+passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/device_test.log" | grep -oE '[0-9]+$' || echo 0)
+failed=$(grep -cE '^\[  FAILED  \] [A-Za-z]' "$out/device_test.log" || true)
 printf '%-28s %s\n' "gpu" "$(head -1 "$out/gpu.txt")" "device tests passed" "$passed" "device tests failed" "$failed"
 exit "$test_rc"
