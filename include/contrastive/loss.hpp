@@ -37,9 +37,13 @@ inline constexpr bool is_algorithm_v =
     std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized>;
 
 /// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
-/// checks). `need_grads` also requires dq/dk.
+/// checks). `need_grads` also requires dq/dk. `check_labels = false` skips reading the labels (device pointers).
 template <class T>
-status check_problem(const problem<T>& p, const void* dq = nullptr, const void* dk = nullptr, bool need_grads = false)
+status check_problem(const problem<T>& p,
+                     const void* dq = nullptr,
+                     const void* dk = nullptr,
+                     bool need_grads = false,
+                     bool check_labels = true)
 {
   if (p.n_q == 0)
   {
@@ -94,7 +98,7 @@ status check_problem(const problem<T>& p, const void* dq = nullptr, const void* 
             "null labels mean the diagonal, which needs n_q <= n_k (got n_q = " + std::to_string(p.n_q) +
                 ", n_k = " + std::to_string(p.n_k) + ")"};
   }
-  if (p.labels != nullptr)
+  if (p.labels != nullptr && check_labels)
   {
     for (std::size_t i = 0; i < p.n_q; ++i)
     {

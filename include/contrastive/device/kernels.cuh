@@ -482,10 +482,11 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
   T* out = static_cast<T*>(p.out);
   float dlogs = 0.0f;
   bool bad = false;
-  const int rows = min(bm, p.n_a - row0);
-  for (int e = tid; e < rows * p.dim; e += traits::threads)
+  const long long rows = min(bm, p.n_a - row0);
+  for (long long e = tid; e < rows * p.dim; e += traits::threads)
   {
-    const int rr = e / p.dim, c = e % p.dim;
+    const long long rr = e / p.dim;
+    const int c = static_cast<int>(e % p.dim);
     const long long grow = row0 + rr;
     const float v = acc_block[static_cast<long long>(rr) * p.ld_acc + c];
     const T o = element_traits<T>::from_float(out_scale * v);
@@ -518,16 +519,24 @@ __global__ void __launch_bounds__(256) materialize_logits(pass_args p)
 {
   using traits = kernel_traits<T>;
   __shared__ shared_tiles<T> sm;
-  const int row0 = blockIdx.x * traits::block_m, col0 = blockIdx.y * traits::block_n;
-  compute_s_tile<T>(sm, static_cast<const T*>(p.a), static_cast<const T*>(p.b), row0, col0, p);
   T* m = static_cast<T*>(const_cast<void*>(p.matrix));
-  for (int e = threadIdx.x; e < traits::block_m * traits::block_n; e += traits::threads)
+  const long long col_tiles = (p.n_b + traits::block_n - 1) / traits::block_n;
+  const long long tiles = (p.n_a + traits::block_m - 1) / traits::block_m * col_tiles;
+  // Grid-stride over tiles: any n_q x n_k fits the 1-D grid limit.
+  for (long long t = blockIdx.x; t < tiles; t += gridDim.x)
   {
-    const int r = e / traits::block_n, c = e % traits::block_n;
-    if (row0 + r < p.n_a && col0 + c < p.n_b)
+    const int row0 = static_cast<int>(t / col_tiles) * traits::block_m;
+    const int col0 = static_cast<int>(t % col_tiles) * traits::block_n;
+    compute_s_tile<T>(sm, static_cast<const T*>(p.a), static_cast<const T*>(p.b), row0, col0, p);
+    for (int e = threadIdx.x; e < traits::block_m * traits::block_n; e += traits::threads)
     {
-      m[static_cast<long long>(row0 + r) * p.matrix_ld + col0 + c] = element_traits<T>::from_float(sm.v.st[r][c]);
+      const int r = e / traits::block_n, c = e % traits::block_n;
+      if (row0 + r < p.n_a && col0 + c < p.n_b)
+      {
+        m[static_cast<long long>(row0 + r) * p.matrix_ld + col0 + c] = element_traits<T>::from_float(sm.v.st[r][c]);
+      }
     }
+    __syncthreads(); // the next tile overwrites sm
   }
 }
 
@@ -631,6 +640,10 @@ __global__ void finish_step(State* state)
 template <class State>
 __global__ void __launch_bounds__(256) unscale_and_check(float* grads, long long n, State* state)
 {
+  if (!state->record.pending)
+  {
+    return; // no step in progress: nothing to unscale against (the host API reports this as an error)
+  }
   const float inv = 1.0f / state->record.loss_scale;
   bool bad = false;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;

@@ -16,7 +16,8 @@
 /// with device kernels only, so a whole step can be captured in a CUDA graph; copy `record` to the host
 /// asynchronously when you want to look at it. Problem pointers (q, k, labels) and dq/dk are device pointers.
 ///
-/// Differences from the host path, by design: shapes and pointers are checked on the host (cudaErrorInvalidValue);
+/// Differences from the host path, by design: shapes and pointers are checked on the host (cudaErrorInvalidValue;
+/// also for a workspace that is too small or not 256-byte aligned, n > 2^30 or dim > 2^24);
 /// labels and input finiteness are not checked up front (that would need a host round trip): an out-of-range label
 /// simply matches no key, and non-finite inputs surface as non-finite logits, so the step is skipped and diagnosed.
 
@@ -30,6 +31,7 @@
 
 #include <cub/device/device_reduce.cuh>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -154,8 +156,10 @@ struct loss
                                                     state_type* d_state,
                                                     cudaStream_t stream = 0)
   {
-    if (!check_problem(p, dq, dk, true).ok() || d_state == nullptr || p.n_q > (1u << 30) || p.n_k > (1u << 30) ||
-        p.dim > (1u << 30))
+    // Labels are device memory: their range is not read here (see the file comment).
+    if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr || p.n_q > (1u << 30) ||
+        p.n_k > (1u << 30) || p.dim > (1u << 24))
+
     {
       return cudaErrorInvalidValue;
     }
@@ -166,9 +170,9 @@ struct loss
       temp_bytes = w.total;
       return cudaSuccess;
     }
-    if (temp_bytes < w.total)
+    if (temp_bytes < w.total || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0)
     {
-      return cudaErrorInvalidValue; // workspace too small
+      return cudaErrorInvalidValue; // workspace too small, or not 256-byte aligned (cudaMalloc memory always is)
     }
     char* base = static_cast<char*>(d_temp);
     auto f = [&](std::size_t off)
@@ -187,7 +191,7 @@ struct loss
     CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(f(w.acc_q), 0, w.nq_pad * w.ld_acc * sizeof(float), stream));
     CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(f(w.acc_k), 0, w.nk_pad * w.ld_acc * sizeof(float), stream));
     kernels::prologue<state_type><<<1, 1, 0, stream>>>(d_state, scalars);
-    CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
 
     kernels::pass_args rows{};
     rows.a = p.q;
@@ -218,23 +222,23 @@ struct loss
     // Forward.
     if constexpr (materialized)
     {
-      const dim3 grid(static_cast<unsigned>(w.nq_pad / traits::block_m),
-                      static_cast<unsigned>(w.nk_pad / traits::block_n));
+      const long long tiles = static_cast<long long>(w.nq_pad / traits::block_m) * (w.nk_pad / traits::block_n);
+      const dim3 grid(static_cast<unsigned>(std::min<long long>(tiles, 1 << 20)));
       kernels::materialize_logits<Element><<<grid, block, 0, stream>>>(rows);
-      CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     }
     rows.lse = f(w.row_lse);
     rows.loss = f(w.row_loss);
     rows.max_logit = f(w.row_max);
     kernels::forward_pass<Element, src_rows><<<row_grid, block, 0, stream>>>(rows);
-    CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     if (sym)
     {
       cols.lse = f(w.col_lse);
       cols.loss = f(w.col_loss);
       cols.max_logit = f(w.col_max);
       kernels::forward_pass<Element, src_cols><<<col_grid, block, 0, stream>>>(cols);
-      CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     }
 
     // Backward.
@@ -256,7 +260,7 @@ struct loss
           f(w.row_lse),
           sym ? f(w.col_lse) : nullptr,
           gc);
-      CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
       rows.out_is_final = cols.out_is_final = true;
     }
     else
@@ -275,9 +279,9 @@ struct loss
       cols.coef_pos = gc.pos_coef;
     }
     kernels::backward_pass<Element, src_rows><<<row_grid, block, 0, stream>>>(rows);
-    CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     kernels::backward_pass<Element, src_cols><<<col_grid, block, 0, stream>>>(cols);
-    CONTRASTIVE_CUDA_TRY(cudaGetLastError());
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
 
     // Reductions (CUB) and the record.
     void* cub_tmp = base + w.cub;
@@ -299,7 +303,7 @@ struct loss
     CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Max(cub_tmp, cub_bytes, f(w.row_max), &sums->max_logit, n_q, stream));
     kernels::finish_forward_backward<state_type>
         <<<1, 1, 0, stream>>>(d_state, scalars, sums, flags, n_q, n_k, sym ? 1 : 0, materialized ? 1 : 0);
-    return cudaGetLastError();
+    return cudaPeekAtLastError();
   }
 
   /// One pass over a caller gradient buffer: unscale in place and flag non-finite values (site `parameters`).
@@ -316,7 +320,7 @@ struct loss
     }
     const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((n + 255) / 256, 1024));
     kernels::unscale_and_check<state_type><<<blocks, 256, 0, stream>>>(grads, static_cast<long long>(n), d_state);
-    return cudaGetLastError();
+    return cudaPeekAtLastError();
   }
 
   /// Step 4: scaler update, then the temperature update if the step was finite; increments the step counter.
@@ -327,7 +331,7 @@ struct loss
       return cudaErrorInvalidValue;
     }
     kernels::finish_step<Element, state_type><<<1, 1, 0, stream>>>(d_state);
-    return cudaGetLastError();
+    return cudaPeekAtLastError();
   }
 
   /// A whole step: forward_backward then finish_step.
