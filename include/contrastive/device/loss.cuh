@@ -19,7 +19,8 @@
 /// Differences from the host path, by design: shapes and pointers are checked on the host (cudaErrorInvalidValue;
 /// also for a workspace that is too small or not 256-byte aligned, n > 2^30 or dim > 2^24);
 /// labels and input finiteness are not checked up front (that would need a host round trip): an out-of-range label
-/// simply matches no key, and non-finite inputs surface as non-finite logits, so the step is skipped and diagnosed.
+/// matches no key, which makes its row's loss infinite (the step is skipped, diagnosed `loss`), and non-finite inputs
+/// surface as non-finite logits (skipped, diagnosed `logits`).
 
 #include <contrastive/device/kernels.cuh>
 #include <contrastive/loss.hpp>
