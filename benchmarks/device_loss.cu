@@ -1,0 +1,358 @@
+// Device benchmarks (Google Benchmark, manual time from CUDA events). Registered only when a GPU is present.
+//
+//   ./build/benchmarks/contrastive_device_bench [--benchmark_filter=...]
+//
+// Counters: useful FLOP/s (6 N^2 D for symmetric forward+backward, whatever the algorithm recomputes), bytes/s of
+// the inputs and outputs, the workspace bytes, and the fraction of this GPU's measured bf16 matmul rate and copy
+// bandwidth (the roofline benchmarks in this file measure both with cuBLAS and cudaMemcpy).
+
+#include <contrastive/device/loss.cuh>
+
+#include <benchmark/benchmark.h>
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace cl = contrastive;
+
+namespace
+{
+double g_matmul_peak = 0.0; // FLOP/s, measured by roofline_matmul
+double g_copy_peak = 0.0;   // bytes/s, measured by roofline_copy
+
+struct events
+{
+  cudaEvent_t start{}, stop{};
+  events()
+  {
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+  }
+  ~events()
+  {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  double seconds()
+  {
+    float ms = 0.0f;
+    cudaEventSynchronize(stop);
+    cudaEventElapsedTime(&ms, start, stop);
+    return ms * 1e-3;
+  }
+};
+
+template <class T>
+T* random_device_rows(std::size_t rows, std::size_t dim, unsigned seed)
+{
+  std::vector<T> h(rows * dim);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(float(dim)));
+  for (auto& x : h)
+  {
+    x = cl::element_traits<T>::from_float(normal(rng));
+  }
+  T* d = nullptr;
+  if (cudaMalloc(&d, h.size() * sizeof(T)) != cudaSuccess)
+  {
+    return nullptr;
+  }
+  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <class T, class Algorithm>
+void step_benchmark(benchmark::State& state)
+{
+  using L = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>;
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  const std::size_t dim = static_cast<std::size_t>(state.range(1));
+  T* q = random_device_rows<T>(n, dim, 1);
+  T* k = random_device_rows<T>(n, dim, 2);
+  T *dq = nullptr, *dk = nullptr;
+  typename L::state_type host_state{}, *d_state = nullptr;
+  void* temp = nullptr;
+  std::size_t bytes = 0;
+  cl::problem<T> p{q, k, n, n, dim, nullptr, cl::objective::symmetric};
+  const bool ok = q && k && cudaMalloc(&dq, n * dim * sizeof(T)) == cudaSuccess &&
+                  cudaMalloc(&dk, n * dim * sizeof(T)) == cudaSuccess &&
+                  cudaMalloc(&d_state, sizeof(host_state)) == cudaSuccess &&
+                  L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), host_state).ok() &&
+                  cudaMemcpy(d_state, &host_state, sizeof(host_state), cudaMemcpyHostToDevice) == cudaSuccess &&
+                  L::step(nullptr, bytes, p, dq, dk, d_state) == cudaSuccess && cudaMalloc(&temp, bytes) == cudaSuccess;
+  if (!ok)
+  {
+    state.SkipWithError("allocation or setup failed (size too large for this GPU?)");
+  }
+  else
+  {
+    events ev;
+    double total = 0.0;
+    for (auto _ : state)
+    {
+      cudaEventRecord(ev.start);
+      const cudaError_t err = L::step(temp, bytes, p, dq, dk, d_state);
+      cudaEventRecord(ev.stop);
+      if (err != cudaSuccess)
+      {
+        state.SkipWithError(cudaGetErrorString(err));
+        break;
+      }
+      const double t = ev.seconds();
+      total += t;
+      state.SetIterationTime(t);
+    }
+    const double flops = 6.0 * double(n) * double(n) * double(dim);
+    const double io = 4.0 * double(n) * double(dim) * sizeof(T);
+    state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["bytes/s"] = benchmark::Counter(io, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["workspace_bytes"] = double(bytes);
+    if (state.iterations() > 0 && total > 0.0)
+    {
+      const double mean = total / double(state.iterations());
+      if (g_matmul_peak > 0.0)
+      {
+        state.counters["frac_matmul_peak"] = flops / mean / g_matmul_peak;
+      }
+      if (g_copy_peak > 0.0)
+      {
+        state.counters["frac_copy_peak"] = io / mean / g_copy_peak;
+      }
+    }
+  }
+  cudaFree(q);
+  cudaFree(k);
+  cudaFree(dq);
+  cudaFree(dk);
+  cudaFree(d_state);
+  cudaFree(temp);
+}
+
+// The open_clip pattern as a baseline: cuBLAS logits (bf16 in, bf16 out), then softmax/cross-entropy work
+// approximated by the two GEMMs of the backward; measured here as the three GEMMs alone (a lower bound on the
+// baseline's time), which makes any ratio against it conservative.
+void cublas_baseline(benchmark::State& state)
+{
+  const int n = static_cast<int>(state.range(0)), dim = static_cast<int>(state.range(1));
+  cublasHandle_t h{};
+  __nv_bfloat16 *q = random_device_rows<__nv_bfloat16>(n, dim, 3), *k = random_device_rows<__nv_bfloat16>(n, dim, 4);
+  __nv_bfloat16 *s = nullptr, *dq = nullptr;
+  const bool ok = q && k && cublasCreate(&h) == CUBLAS_STATUS_SUCCESS &&
+                  cudaMalloc(&s, std::size_t(n) * n * sizeof(__nv_bfloat16)) == cudaSuccess &&
+                  cudaMalloc(&dq, std::size_t(n) * dim * sizeof(__nv_bfloat16)) == cudaSuccess;
+  if (!ok)
+  {
+    state.SkipWithError("setup failed (N^2 logits too large for this GPU?)");
+  }
+  else
+  {
+    const float one = 1.0f, zero = 0.0f;
+    events ev;
+    for (auto _ : state)
+    {
+      cudaEventRecord(ev.start);
+      // S = K^T-major product: column-major view, S(n x n) = K Q^T.
+      cublasGemmEx(h,
+                   CUBLAS_OP_T,
+                   CUBLAS_OP_N,
+                   n,
+                   n,
+                   dim,
+                   &one,
+                   k,
+                   CUDA_R_16BF,
+                   dim,
+                   q,
+                   CUDA_R_16BF,
+                   dim,
+                   &zero,
+                   s,
+                   CUDA_R_16BF,
+                   n,
+                   CUBLAS_COMPUTE_32F,
+                   CUBLAS_GEMM_DEFAULT);
+      cublasGemmEx(h,
+                   CUBLAS_OP_N,
+                   CUBLAS_OP_N,
+                   dim,
+                   n,
+                   n,
+                   &one,
+                   k,
+                   CUDA_R_16BF,
+                   dim,
+                   s,
+                   CUDA_R_16BF,
+                   n,
+                   &zero,
+                   dq,
+                   CUDA_R_16BF,
+                   dim,
+                   CUBLAS_COMPUTE_32F,
+                   CUBLAS_GEMM_DEFAULT);
+      cublasGemmEx(h,
+                   CUBLAS_OP_N,
+                   CUBLAS_OP_T,
+                   dim,
+                   n,
+                   n,
+                   &one,
+                   q,
+                   CUDA_R_16BF,
+                   dim,
+                   s,
+                   CUDA_R_16BF,
+                   n,
+                   &zero,
+                   dq,
+                   CUDA_R_16BF,
+                   dim,
+                   CUBLAS_COMPUTE_32F,
+                   CUBLAS_GEMM_DEFAULT);
+      cudaEventRecord(ev.stop);
+      state.SetIterationTime(ev.seconds());
+    }
+    state.counters["FLOP/s"] =
+        benchmark::Counter(6.0 * double(n) * n * dim, benchmark::Counter::kIsIterationInvariantRate);
+  }
+  cublasDestroy(h);
+  cudaFree(q);
+  cudaFree(k);
+  cudaFree(s);
+  cudaFree(dq);
+}
+
+void roofline_matmul(benchmark::State& state)
+{
+  const int n = 8192;
+  cublasHandle_t h{};
+  __nv_bfloat16 *a = random_device_rows<__nv_bfloat16>(n, n, 5), *b = random_device_rows<__nv_bfloat16>(n, n, 6);
+  __nv_bfloat16* c = nullptr;
+  if (!a || !b || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS ||
+      cudaMalloc(&c, std::size_t(n) * n * sizeof(__nv_bfloat16)) != cudaSuccess)
+  {
+    state.SkipWithError("setup failed");
+    return;
+  }
+  const float one = 1.0f, zero = 0.0f;
+  events ev;
+  double best = 0.0;
+  for (auto _ : state)
+  {
+    cudaEventRecord(ev.start);
+    cublasGemmEx(h,
+                 CUBLAS_OP_N,
+                 CUBLAS_OP_N,
+                 n,
+                 n,
+                 n,
+                 &one,
+                 a,
+                 CUDA_R_16BF,
+                 n,
+                 b,
+                 CUDA_R_16BF,
+                 n,
+                 &zero,
+                 c,
+                 CUDA_R_16BF,
+                 n,
+                 CUBLAS_COMPUTE_32F,
+                 CUBLAS_GEMM_DEFAULT);
+    cudaEventRecord(ev.stop);
+    const double t = ev.seconds();
+    state.SetIterationTime(t);
+    best = std::max(best, 2.0 * n * double(n) * n / t);
+  }
+  g_matmul_peak = best;
+  state.counters["FLOP/s"] = benchmark::Counter(2.0 * n * double(n) * n, benchmark::Counter::kIsIterationInvariantRate);
+  cublasDestroy(h);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+}
+
+void roofline_copy(benchmark::State& state)
+{
+  const std::size_t bytes = std::size_t(2) << 30;
+  void *a = nullptr, *b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess)
+  {
+    state.SkipWithError("setup failed");
+    return;
+  }
+  events ev;
+  for (auto _ : state)
+  {
+    cudaEventRecord(ev.start);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(ev.stop);
+    const double t = ev.seconds();
+    state.SetIterationTime(t);
+    g_copy_peak = std::max(g_copy_peak, 2.0 * double(bytes) / t);
+  }
+  // A device-to-device copy reads and writes every byte.
+  state.counters["bytes/s"] = benchmark::Counter(2.0 * bytes, benchmark::Counter::kIsIterationInvariantRate);
+  cudaFree(a);
+  cudaFree(b);
+}
+} // namespace
+
+int main(int argc, char** argv)
+{
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+  {
+    std::printf("no CUDA device: device benchmarks not registered\n");
+    return 0;
+  }
+  benchmark::RegisterBenchmark("roofline/cublas_bf16_matmul_8192", roofline_matmul)
+      ->UseManualTime()
+      ->Iterations(20)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("roofline/d2d_copy_2GiB", roofline_copy)
+      ->UseManualTime()
+      ->Iterations(10)
+      ->Unit(benchmark::kMillisecond);
+  for (long n : {4096L, 16384L, 65536L})
+  {
+    benchmark::RegisterBenchmark("step/bf16/fused", step_benchmark<__nv_bfloat16, cl::algorithm::fused>)
+        ->Args({n, 512})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("step/half/fused", step_benchmark<__half, cl::algorithm::fused>)
+        ->Args({n, 512})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("step/float/fused", step_benchmark<float, cl::algorithm::fused>)
+        ->Args({n, 512})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("step/bf16/materialized", step_benchmark<__nv_bfloat16, cl::algorithm::materialized>)
+        ->Args({n, 512})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("baseline/cublas_bf16_3gemm", cublas_baseline)
+        ->Args({n, 512})
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark("step/bf16/fused", step_benchmark<__nv_bfloat16, cl::algorithm::fused>)
+      ->Args({1L << 20, 512})
+      ->UseManualTime()
+      ->Iterations(1)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  if (g_matmul_peak > 0.0)
+  {
+    std::printf("measured bf16 matmul peak: %.1f TFLOP/s\n", g_matmul_peak * 1e-12);
+  }
+  return 0;
+}
