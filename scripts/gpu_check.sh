@@ -29,6 +29,11 @@ if [ -x build-gpu/benchmarks/contrastive_device_bench ]; then
     --benchmark_out="$out/device_bench.json" --benchmark_out_format=json 2>&1 | tee "$out/device_bench.log" | tail -40
 fi
 
+if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  echo "== PyTorch side by side"
+  timeout 120 python3 scripts/torch_reference.py --sizes 4096 16384 65536 | tee "$out/torch.log"
+fi
+
 echo "== summary"
 passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out/device_test.log" | grep -oE '[0-9]+$' || echo 0)
 failed=$(grep -cE '^\[  FAILED  \] [A-Za-z]' "$out/device_test.log" || true)
