@@ -1,0 +1,3 @@
+#include <gtest/gtest.h>
+#include "collapse_demo.hpp"
+TEST(Demo, Placeholder) {}
