@@ -11,9 +11,8 @@
 //                    logits: 8 N_q N_k D)
 //   fma_peak_frac    exec_flops / the FMA peak measured by this binary at startup
 //   cpu_busy         process CPU time / (wall time x threads) during the calls (1: every thread busy throughout)
-//   fma_peak_frac_cpu  executed FLOPs / (process CPU seconds x the FMA loop's FLOPs per CPU second): the efficiency
-//                    per CPU-second
-//                    the process got, robust to other processes taking cores on a shared machine
+//   fma_peak_frac_cpu executed FLOPs / (process CPU seconds x the FMA loop's FLOPs per CPU second): efficiency per
+//                    CPU-second the process got, robust to other processes taking cores on a shared machine
 //   bytes_per_second compulsory memory traffic of the algorithm (inputs read once, outputs written once, and for the
 //                    materialized path every pass over the N x N matrix) per second
 //   bw_peak_frac     bytes_per_second / the memcpy bandwidth measured at startup
@@ -28,6 +27,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -257,8 +257,8 @@ void run(benchmark::State& state, const std::string& key, contrastive::objective
   // Contention check: the share of the call's wall-clock x threads that the process's threads actually ran. Below 1:
   // serial parts of the call, load imbalance, or (on a shared machine) other processes taking the cores.
   state.counters["cpu_busy"] = cpu_seconds / (seconds * threads);
-  // The same efficiency per CPU-second the process got: exec FLOPs / (CPU seconds x one-thread peak). Robust to other
-  // processes taking cores away (not to them sharing caches and memory bandwidth).
+  // The same efficiency per CPU-second the process got: exec FLOPs / (CPU seconds x the FMA loop's FLOPs per CPU
+  // second). Robust to other processes taking cores away (not to them sharing caches and memory bandwidth).
   state.counters["fma_peak_frac_cpu"] = w.exec_flops * calls / (cpu_seconds * roof.fma_flops_per_cpu);
   state.counters["bytes_per_second"] = bytes_rate;
   state.counters["bw_peak_frac"] = bytes_rate / roof.copy_bytes;

@@ -3,7 +3,7 @@
 """Turns contrastive_bench JSON output into the Markdown tables of docs/performance.md.
 
     contrastive_bench --benchmark_format=json --benchmark_out=run.json ...
-    python3 benchmarks/summarize.py run.json [more.json ...]
+    python3 benchmarks/summarize.py [--compact] run.json [more.json ...]
 
 Per benchmark: the median over repetitions of the time per call (and of every counter), then the ratios the
 performance targets are stated in: fused vs materialized (time and peak memory) on the same configuration, and each
@@ -77,7 +77,9 @@ def fmt_time(s):
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.2f} ms"
 
 
-def main(paths):
+def main(args):
+    compact = "--compact" in args
+    paths = [a for a in args if a != "--compact"]
     runs, medians, errors, context = load(paths)
     rows = summarize(runs, medians)
     print(f"FMA peak {context.get('fma_peak_gflops', '?')} GFLOP/s on {context.get('contrastive_threads', '?')} "
@@ -93,10 +95,15 @@ def main(paths):
         m = NAME.match(name)
         if m:
             keyed[(m["obj"], m["pass"], m["type"], m["algo"], int(m["n"]), int(m["d"]))] = (name, r)
-    print("| objective | pass | type | algorithm | N | D | reps | time/call (median) | exec GFLOP/s | of FMA peak "
-          "| of FMA peak per CPU-s | CPU busy | CPU s/call | useful GFLOP/s | GB/s (of memcpy) | peak mem: call | peak mem: + inputs, "
-          "outputs | fused speedup | fused mem: call (+ in/out) | time vs float |")
-    print("|" + "---|" * 20)
+    if compact:
+        print("| objective | pass | type | algorithm | N | D | time/call | exec GFLOP/s | of FMA peak per CPU-s | CPU busy "
+              "| peak mem: call | fused speedup | fused mem: call | time vs float |")
+        print("|" + "---|" * 14)
+    else:
+        print("| objective | pass | type | algorithm | N | D | reps | time/call (median) | exec GFLOP/s | of FMA peak "
+              "| of FMA peak per CPU-s | CPU busy | CPU s/call | useful GFLOP/s | GB/s (of memcpy) | peak mem: call "
+              "| peak mem: + inputs, outputs | fused speedup | fused mem: call (+ in/out) | time vs float |")
+        print("|" + "---|" * 20)
     order = {"symmetric": 0, "info_nce": 1, "fwd_bwd": 0, "fwd": 1, "float": 0, "bfloat16": 1, "half": 2,
              "materialized": 0, "fused": 1}
     for key in sorted(keyed, key=lambda k: (k[4], k[5], order[k[0]], order[k[1]], order[k[2]], order[k[3]])):
@@ -110,6 +117,12 @@ def main(paths):
                 memr = f"{r['mem_call'] / base['mem_call'] * 100:.1f}% ({r['mem_total'] / base['mem_total'] * 100:.1f}%)"
         if ty != "float" and (obj, ps, "float", algo, n, d) in keyed:
             vs_float = f"{r['seconds'] / keyed[(obj, ps, 'float', algo, n, d)][1]['seconds']:.2f}"
+        if compact:
+            print(f"| {obj} | {ps} | {ty} | {algo} | {n} | {d} | {fmt_time(r['seconds'])} "
+                  f"| {r.get('exec_flops', 0) * 1e-9:.1f} | {r.get('fma_peak_frac_cpu', 0) * 100:.1f}% "
+                  f"| {r.get('cpu_busy', 0):.2f} | {gib(r.get('mem_call', 0))} | {speed} | {memr.split(' ')[0]} "
+                  f"| {vs_float} |")
+            continue
         print(f"| {obj} | {ps} | {ty} | {algo} | {n} | {d} | {r['reps']} | {fmt_time(r['seconds'])} "
               f"| {r.get('exec_flops', 0) * 1e-9:.1f} | {r.get('fma_peak_frac', 0) * 100:.1f}% "
               f"| {r.get('fma_peak_frac_cpu', 0) * 100:.1f}% | {r.get('cpu_busy', 0):.2f} "
