@@ -6,8 +6,8 @@
 //                     [--contrastive_threads=T] [Google Benchmark flags...]
 //
 // The roofline is also registered as benchmarks (roofline/...), so it appears in every report beside the results and
-// in the JSON context (fma_peak_gflops, copy_peak_gbytes_per_s). Device suites will register here, only when a GPU is
-// present, when the CUDA engine lands (see docs/performance.md).
+// in the JSON context (fma_peak_gflops, copy_peak_gbytes_per_s). The device suite is its own binary,
+// contrastive_device_bench (device_loss.cu; see docs/performance.md).
 
 #include "support.hpp"
 
