@@ -57,6 +57,58 @@ struct backward_result
   bool dk_nonfinite = false;
 };
 
+/// Sum of f(0..n) in 16 lanes (vectorisable: the compiler may not reorder a scalar float reduction).
+template <class F>
+CONTRASTIVE_FORCEINLINE float lane_sum(std::size_t n, F&& f) noexcept
+{
+  float acc[16] = {};
+  std::size_t j = 0;
+  for (; j + 16 <= n; j += 16)
+  {
+    for (int l = 0; l < 16; ++l)
+    {
+      acc[l] += f(j + l);
+    }
+  }
+  float t = 0.0f;
+  for (; j < n; ++j)
+  {
+    t += f(j);
+  }
+  for (int l = 0; l < 16; ++l)
+  {
+    t += acc[l];
+  }
+  return t;
+}
+template <class F>
+CONTRASTIVE_FORCEINLINE float lane_max(std::size_t n, float init, F&& f) noexcept
+{
+  float acc[16];
+  for (int l = 0; l < 16; ++l)
+    acc[l] = init;
+  std::size_t j = 0;
+  for (; j + 16 <= n; j += 16)
+  {
+    for (int l = 0; l < 16; ++l)
+    {
+      const float x = f(j + l);
+      acc[l] = acc[l] > x ? acc[l] : x;
+    }
+  }
+  float t = init;
+  for (; j < n; ++j)
+  {
+    const float x = f(j);
+    t = t > x ? t : x;
+  }
+  for (int l = 0; l < 16; ++l)
+  {
+    t = t > acc[l] ? t : acc[l];
+  }
+  return t;
+}
+
 /// Reusable host state: converted operands, saved log-sum-exps and per-worker scratch. Not thread-safe; one engine
 /// per concurrent caller.
 template <class T>
@@ -475,12 +527,13 @@ private:
       {
         const T* in = &logits_[(i0 + ii) * n_k_ + j0];
         float* out = &tile[ii * block_n];
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          const float x = round_to<T>(s * traits::to_float(in[jj]));
-          poison += x * 0.0f;
-          out[jj] = x;
-        }
+        poison += lane_sum(cols,
+                           [&](std::size_t jj)
+                           {
+                             const float x = round_to<T>(s * traits::to_float(in[jj]));
+                             out[jj] = x;
+                             return x * 0.0f;
+                           });
       }
     }
     else
@@ -489,12 +542,13 @@ private:
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
         float* row = &tile[ii * block_n];
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          const float x = s * row[jj];
-          poison += x * 0.0f;
-          row[jj] = x;
-        }
+        poison += lane_sum(cols,
+                           [&](std::size_t jj)
+                           {
+                             const float x = s * row[jj];
+                             row[jj] = x;
+                             return x * 0.0f;
+                           });
       }
     }
     return poison != 0.0f;
@@ -529,22 +583,23 @@ private:
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
         const float* x = &tile[ii * block_n];
-        float m = -contrastive::detail::infinity_f;
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          m = contrastive::detail::max_f(m, x[jj]);
-        }
+        const float m = lane_max(cols,
+                                 -contrastive::detail::infinity_f,
+                                 [&](std::size_t jj)
+                                 {
+                                   return x[jj];
+                                 });
         if (m == -contrastive::detail::infinity_f)
         {
           continue;
         }
         online_lse& st = row_state[ii];
         const float new_max = contrastive::detail::max_f(st.max, m);
-        float sum = 0.0f;
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          sum += contrastive::detail::exp_approx(x[jj] - new_max);
-        }
+        const float sum = lane_sum(cols,
+                                   [&](std::size_t jj)
+                                   {
+                                     return contrastive::detail::exp_approx(x[jj] - new_max);
+                                   });
         st.sum = st.sum * contrastive::detail::exp_approx(st.max - new_max) + sum;
         st.max = new_max;
       }
@@ -745,13 +800,14 @@ private:
       {
         T* m = &logits_[(i0 + ii) * n_k_ + j0];
         const float* g = &tile[ii * block_n];
-        float part = 0.0f;
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          const float ds = round_to<T>(loss_scale * g[jj]);
-          part += ds * traits::to_float(m[jj]);
-          m[jj] = traits::from_float(scale_ * ds);
-        }
+        const float part = lane_sum(cols,
+                                    [&](std::size_t jj)
+                                    {
+                                      const float ds = round_to<T>(loss_scale * g[jj]);
+                                      const float prod = ds * traits::to_float(m[jj]);
+                                      m[jj] = traits::from_float(scale_ * ds);
+                                      return prod;
+                                    });
         dlogs += part;
       }
     }
