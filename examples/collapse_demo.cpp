@@ -6,10 +6,14 @@
 
 #include "collapse_demo.hpp"
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <string>
 #include <sys/stat.h>
 #include <vector>
@@ -45,6 +49,8 @@ void print_help(std::FILE* f)
                "  --seed N             seed of data, weights and batches (default %llu)\n"
                "  --lr X               Adam learning rate of the encoders (default %g)\n"
                "  --tau-lr X           Adam learning rate of log(1/tau) (default %g)\n"
+               "  --tau-beta2 X        Adam beta2 of log(1/tau) (default %g)\n"
+               "  --warmup N           linear warm-up of both learning rates, in steps (default %lld)\n"
                "  --tau-init X         initial tau of learnable policies (default %g)\n"
                "  --tau-min X          clamped: smallest tau (default %g, open_clip)\n"
                "  --fixed-tau X        fixed, and scheduled before unfreezing (default %g)\n"
@@ -55,7 +61,7 @@ void print_help(std::FILE* f)
                "  --eval-pairs N       held-out pairs for retrieval (default %zu)\n"
                "  --eval-every N       evaluate every N steps (default %lld)\n"
                "  --collapse-window N  a run ending in N consecutive skipped steps has collapsed (default %lld)\n"
-               "  --threads N          threads of the loss (default 0: all cores)\n"
+               "  --threads N          threads of the loss (default 1, bit-reproducible; 0: all cores)\n"
                "\n"
                "Output:\n"
                "  --out DIR            directory for the per-step CSVs (default out; created if missing)\n"
@@ -71,6 +77,8 @@ void print_help(std::FILE* f)
                static_cast<unsigned long long>(d.seed),
                static_cast<double>(d.lr),
                static_cast<double>(d.tau_lr),
+               static_cast<double>(d.tau_beta2),
+               static_cast<long long>(d.warmup),
                static_cast<double>(d.tau_init),
                static_cast<double>(d.tau_min),
                static_cast<double>(d.fixed_tau),
@@ -190,6 +198,15 @@ int main(int argc, char** argv)
     }
     else if (a.rfind("--", 0) == 0)
     {
+      static const char* const with_value[] = {
+        "--steps", "--batch", "--dim", "--input-dim", "--latent", "--noise", "--seed", "--lr", "--tau-lr",
+        "--tau-beta2", "--warmup", "--tau-init", "--tau-min", "--fixed-tau", "--unfreeze", "--guard-headroom",
+        "--guard-retreat", "--scaler", "--eval-pairs", "--eval-every", "--collapse-window", "--threads", "--out",
+        "--runs", "--types", "--policies"};
+      if (std::find(std::begin(with_value), std::end(with_value), a) == std::end(with_value))
+      {
+        fail("unknown option '" + a + "'");
+      }
       if (i + 1 >= argc)
       {
         fail("option " + a + " needs a value");
@@ -237,17 +254,13 @@ int main(int argc, char** argv)
     {
       s.tau_lr = parse_float(opt, val);
     }
-    else if (opt == "--clusters")
-    {
-      s.clusters = static_cast<std::size_t>(parse_int(opt, val, 0, 1 << 20));
-    }
-    else if (opt == "--spread")
-    {
-      s.spread = parse_float(opt, val);
-    }
     else if (opt == "--tau-beta2")
     {
       s.tau_beta2 = parse_float(opt, val);
+    }
+    else if (opt == "--warmup")
+    {
+      s.warmup = parse_int(opt, val, 0, big);
     }
     else if (opt == "--tau-init")
     {
@@ -372,7 +385,7 @@ int main(int argc, char** argv)
   }
 
   std::printf("collapse_demo: %lld steps, batch %zu, dim %zu, input %zu, latent %zu, noise %g, lr %g, tau-lr %g, "
-              "seed %llu, scaler %s (16-bit runs), held-out pairs %zu\n\n",
+              "tau-beta2 %g, seed %llu, scaler %s (16-bit runs), held-out pairs %zu\n\n",
               static_cast<long long>(s.steps),
               s.batch,
               s.dim,
@@ -381,6 +394,7 @@ int main(int argc, char** argv)
               static_cast<double>(s.noise),
               static_cast<double>(s.lr),
               static_cast<double>(s.tau_lr),
+              static_cast<double>(s.tau_beta2),
               static_cast<unsigned long long>(s.seed),
               cd::to_string(s.scaler),
               s.eval_pairs);
@@ -425,10 +439,25 @@ int main(int argc, char** argv)
     }
     results.push_back(std::move(r));
   }
+  if (write_csv)
+  {
+    // The table's order, for scripts/plot_demo.gp.
+    const std::string path = out_dir + "/index.txt";
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (f == nullptr)
+    {
+      fail("cannot write " + path + ": " + std::strerror(errno));
+    }
+    for (const cd::run_result& r : results)
+    {
+      std::fprintf(f, "%s\n", r.config.id().c_str());
+    }
+    std::fclose(f);
+  }
   std::printf("%s", cd::format_table(results).c_str());
   if (write_csv)
   {
-    std::printf("\nper-step CSVs in %s/; figure: gnuplot -e \"dir='%s'\" scripts/plot_demo.gp\n", out_dir.c_str(),
+    std::printf("\nper-step CSVs in %s/; figure: gnuplot -e \"dir='%s'\" scripts/plot_demo.gp (writes docs/collapse.png)\n", out_dir.c_str(),
                 out_dir.c_str());
   }
   return failed == 0 ? 0 : 1;

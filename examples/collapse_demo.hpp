@@ -255,16 +255,15 @@ struct settings
 {
   std::int64_t steps = 1200;
   std::size_t batch = 128;
-  std::size_t dim = 32;       ///< embedding dimension (each tower's output)
+  std::size_t dim = 8;        ///< embedding dimension (each tower's output)
   std::size_t input_dim = 64; ///< each view's dimension
-  std::size_t latent = 16;    ///< shared latent factors
-  float noise = 0.35f;        ///< per-coordinate noise std of each view (signal std is 1)
-  std::size_t clusters = 0;   ///< 0: z ~ N(0, I); else z = center_c + spread * u with c uniform among `clusters`
-  float spread = 0.05f;
-  std::uint64_t seed = 1;
+  std::size_t latent = 8;     ///< shared latent factors
+  float noise = 0.05f;        ///< per-coordinate noise std of each view (signal std is 1)
+  std::uint64_t seed = 2;
   float lr = 2e-3f;           ///< Adam learning rate of the encoders
-  float tau_lr = 0.05f;       ///< Adam learning rate of theta = log(1/tau)
-  float tau_beta2 = 0.999f;   ///< Adam beta2 of theta
+  float tau_lr = 1.0f;        ///< Adam learning rate of theta = log(1/tau): deliberately aggressive (docs/demo.md)
+  float tau_beta2 = 0.9f;     ///< Adam beta2 of theta (beta1 0.9, eps 1e-8)
+  std::int64_t warmup = 100;  ///< linear warm-up of both learning rates over the first steps (as open_clip's --warmup)
   float tau_init = 0.07f;     ///< CLIP's initial temperature
   float tau_min = 0.01f;      ///< clamped: open_clip's bound (logit scale <= 100)
   float tau_max = 1.0f;       ///< clamped and guard: open_clip's upper bound
@@ -276,7 +275,7 @@ struct settings
   std::size_t eval_pairs = 1024; ///< held-out pairs; top-1 retrieval among all of them
   std::int64_t eval_every = 50;
   std::int64_t collapse_window = 50; ///< a run that ends with this many consecutive skipped steps has collapsed
-  unsigned threads = 0;              ///< threads of the loss engine (0: all cores)
+  unsigned threads = 1; ///< threads of the loss engine; 1 keeps runs bit-reproducible (0: all cores)
 };
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -299,7 +298,7 @@ struct run_result
 {
   run_config config;
   std::vector<step_row> rows;
-  float final_loss = 0.0f;     ///< loss of the last step (NaN/inf after a collapse)
+  float final_loss = 0.0f;     ///< loss of the last step (NaN if that step was skipped)
   float final_accuracy = 0.0f; ///< held-out top-1 (mean of a->b and b->a) after the last step
   float best_accuracy = 0.0f;
   float final_tau = 0.0f;
@@ -372,14 +371,8 @@ public:
       : in_(s.input_dim)
       , latent_(s.latent)
       , noise_(s.noise)
-      , spread_(s.spread)
   {
     rng r(s.seed ^ 0x5eed0000da7aull);
-    centers_.resize(s.clusters * latent_);
-    for (float& x : centers_)
-    {
-      x = r.normal();
-    }
     mix_a_.resize(in_ * latent_);
     mix_b_.resize(in_ * latent_);
     const float g = 1.0f / std::sqrt(static_cast<float>(latent_));
@@ -401,11 +394,9 @@ public:
     std::vector<float> z(latent_);
     for (std::size_t i = 0; i < n; ++i)
     {
-      const std::size_t nc = centers_.size() / latent_;
-      const std::size_t c0 = nc == 0 ? 0 : static_cast<std::size_t>(r.next() % nc);
-      for (std::size_t l = 0; l < latent_; ++l)
+      for (float& v : z)
       {
-        z[l] = nc == 0 ? r.normal() : centers_[c0 * latent_ + l] + spread_ * r.normal();
+        v = r.normal();
       }
       for (std::size_t c = 0; c < in_; ++c)
       {
@@ -423,8 +414,8 @@ public:
 
 private:
   std::size_t in_, latent_;
-  float noise_, spread_;
-  std::vector<float> mix_a_, mix_b_, centers_;
+  float noise_;
+  std::vector<float> mix_a_, mix_b_;
 };
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -708,6 +699,21 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
   const std::int64_t progress_every = std::max<std::int64_t>(1, s.steps / 10);
   for (std::int64_t step = 0; step < s.steps; ++step)
   {
+    // Linear warm-up of both learning rates (open_clip warms up every parameter, logit_scale included).
+    const float warm = s.warmup > 0 && step < s.warmup ? static_cast<float>(step + 1) / static_cast<float>(s.warmup) : 1.0f;
+    if constexpr (Temperature::is_learnable)
+    {
+      if (step <= s.warmup)
+      {
+        typename loss_type::checkpoint c = L.save();
+        c.temperature.opt.lr = s.tau_lr * warm;
+        if (const cl::status st = L.restore(c); !st.ok())
+        {
+          res.error = "step " + std::to_string(step) + ": " + st.message();
+          break;
+        }
+      }
+    }
     data.sample(train_rng, n, xa, xb);
     ta.forward(xa, n, fa);
     tb.forward(xb, n, fb);
@@ -737,8 +743,8 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
     if (!rec.skipped)
     {
       ++adam_t;
-      ta.adam_step(s.lr, adam_t);
-      tb.adam_step(s.lr, adam_t);
+      ta.adam_step(s.lr * warm, adam_t);
+      tb.adam_step(s.lr * warm, adam_t);
     }
     step_row row;
     row.step = step;
@@ -778,7 +784,8 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
   if (!res.rows.empty())
   {
     const step_row& last = res.rows.back();
-    res.final_loss = last.loss;
+    // A skipped step's loss comes from non-finite logits and means nothing: report it as NaN.
+    res.final_loss = last.skipped ? std::numeric_limits<float>::quiet_NaN() : last.loss;
     res.final_accuracy = std::isnan(last.accuracy) ? evaluate() : last.accuracy;
   }
   res.final_tau = L.tau();
@@ -870,6 +877,14 @@ inline std::string validate(const settings& s)
         s.fixed_tau > 0.0f && std::isfinite(s.tau_max)))
   {
     return "temperatures must be > 0 with tau-min <= tau-init <= tau-max";
+  }
+  if (!(s.tau_beta2 >= 0.0f && s.tau_beta2 < 1.0f))
+  {
+    return "--tau-beta2 must be in [0, 1)";
+  }
+  if (s.warmup < 0)
+  {
+    return "--warmup must be >= 0";
   }
   if (s.unfreeze_step < 0)
   {

@@ -1,3 +1,194 @@
-#include <gtest/gtest.h>
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+//
+// Integration test of the collapse demo: a shortened default run must show what docs/demo.md claims.
+//   - half + learnable (unclamped) + Paddle dygraph scaler collapses: its logits overflow, every later step is skipped
+//     and the loss scale underflows to 0;
+//   - float + learnable does not; half + clamped, half + fused and half + range_guard do not, at comparable accuracy;
+//   - half + scheduled (fixed tau, then unbounded learning) is healthy while tau is frozen and collapses after.
+// The dynamics are chaotic (see docs/demo.md): a change in the library's rounding can move the collapse step or, for
+// the learnable run, make this seed survive. If this test fails after such a change, re-check the claims in
+// docs/demo.md with `collapse_demo --seed N` for a few seeds before editing the expectations.
+
 #include "collapse_demo.hpp"
-TEST(Demo, Placeholder) {}
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+namespace cd = collapse_demo;
+namespace cl = contrastive;
+
+namespace
+{
+const std::map<std::string, cd::run_result>& results()
+{
+  static const std::map<std::string, cd::run_result> r = [] {
+    cd::settings s; // the demo's defaults (seed, learning rates, data), shortened
+    s.steps = 800;
+    s.eval_pairs = 512;
+    s.eval_every = 100;
+    std::map<std::string, cd::run_result> out;
+    for (const cd::run_config& c : cd::default_runs())
+    {
+      out[c.id()] = cd::train(s, c);
+    }
+    return out;
+  }();
+  return r;
+}
+
+const cd::run_result& run(const std::string& id)
+{
+  const auto it = results().find(id);
+  EXPECT_NE(it, results().end()) << id;
+  return it->second;
+}
+
+void expect_healthy(const cd::run_result& r)
+{
+  SCOPED_TRACE(r.config.id());
+  EXPECT_TRUE(r.error.empty()) << r.error;
+  EXPECT_FALSE(r.collapsed());
+  EXPECT_TRUE(std::isfinite(r.final_loss));
+  EXPECT_GT(r.final_loss_scale, 0.0f);
+  EXPECT_LT(r.skipped, 20) << "a healthy run skips only the scaler's first back-offs";
+  for (const cd::step_row& row : r.rows)
+  {
+    EXPECT_NE(row.site, cl::nonfinite_site::logits) << "step " << row.step;
+  }
+}
+} // namespace
+
+static void check_FloatLearnableStaysHealthy()
+{
+  const cd::run_result& f = run("float-learnable-materialized");
+  expect_healthy(f);
+  EXPECT_EQ(f.skipped, 0);
+  EXPECT_GT(f.final_accuracy, 0.9f);
+}
+
+static void check_HalfLearnableCollapses()
+{
+  const cd::run_result& h = run("half-learnable-materialized");
+  ASSERT_TRUE(h.error.empty()) << h.error;
+  ASSERT_TRUE(h.collapsed()) << "half + learnable did not collapse";
+  EXPECT_EQ(h.collapse_site, cl::nonfinite_site::logits);
+  // At collapse 1/tau has left fp16's range: tau < 1/65504.
+  EXPECT_LT(h.rows[static_cast<std::size_t>(h.collapse_step)].tau, 1.0f / 65504.0f * 1.01f);
+  EXPECT_EQ(h.final_loss_scale, 0.0f) << "the Paddle dygraph scaler has no floor";
+  EXPECT_EQ(h.min_loss_scale, 0.0f);
+  // Dead: tau frozen and every step after the collapse skipped.
+  for (std::size_t i = static_cast<std::size_t>(h.collapse_step); i < h.rows.size(); ++i)
+  {
+    EXPECT_TRUE(h.rows[i].skipped) << "step " << i;
+    EXPECT_EQ(h.rows[i].tau, h.final_tau) << "step " << i;
+  }
+}
+
+static void check_RemediesStayHealthyAtComparableAccuracy()
+{
+  const float reference = run("float-learnable-materialized").final_accuracy;
+  for (const char* id : {"half-clamped-materialized", "half-learnable-fused", "half-guard-materialized"})
+  {
+    const cd::run_result& r = run(id);
+    expect_healthy(r);
+    EXPECT_GT(r.final_accuracy, reference - 0.05f) << id;
+  }
+}
+
+static void check_ClampAndGuardBoundTau()
+{
+  EXPECT_GE(run("half-clamped-materialized").final_tau, 0.01f * 0.999f);
+  const cd::run_result& g = run("half-guard-materialized");
+  for (const cd::step_row& row : g.rows)
+  {
+    EXPECT_LE(1.0f / row.tau, 65504.0f / 16.0f * 1.001f) << "step " << row.step;
+  }
+}
+
+static void check_ScheduledIsHealthyWhileFrozenAndCollapsesAfter()
+{
+  const cd::settings s;
+  const cd::run_result& r = run("half-scheduled-materialized");
+  ASSERT_TRUE(r.error.empty()) << r.error;
+  for (const cd::step_row& row : r.rows)
+  {
+    if (row.step < s.unfreeze_step)
+    {
+      EXPECT_NEAR(row.tau, s.fixed_tau, 1e-6f) << "step " << row.step;
+      EXPECT_NE(row.site, cl::nonfinite_site::logits) << "step " << row.step;
+    }
+  }
+  ASSERT_TRUE(r.collapsed());
+  EXPECT_GT(r.collapse_step, s.unfreeze_step);
+  EXPECT_EQ(r.collapse_site, cl::nonfinite_site::logits);
+}
+
+static void check_BFloat16LearnableDoesNotOverflow()
+{
+  const cd::run_result& b = run("bfloat16-learnable-materialized");
+  EXPECT_TRUE(b.error.empty()) << b.error;
+  EXPECT_FALSE(b.collapsed());
+  EXPECT_EQ(b.skipped, 0);
+}
+
+// One test over one shortened default run (all seven configurations, about 6 s on 2 cores), so that ctest trains once.
+TEST(CollapseDemo, ShortenedDefaultRunShowsTheClaims)
+{
+  {
+    SCOPED_TRACE("FloatLearnableStaysHealthy");
+    check_FloatLearnableStaysHealthy();
+  }
+  {
+    SCOPED_TRACE("HalfLearnableCollapses");
+    check_HalfLearnableCollapses();
+  }
+  {
+    SCOPED_TRACE("RemediesStayHealthyAtComparableAccuracy");
+    check_RemediesStayHealthyAtComparableAccuracy();
+  }
+  {
+    SCOPED_TRACE("ClampAndGuardBoundTau");
+    check_ClampAndGuardBoundTau();
+  }
+  {
+    SCOPED_TRACE("ScheduledIsHealthyWhileFrozenAndCollapsesAfter");
+    check_ScheduledIsHealthyWhileFrozenAndCollapsesAfter();
+  }
+  {
+    SCOPED_TRACE("BFloat16LearnableDoesNotOverflow");
+    check_BFloat16LearnableDoesNotOverflow();
+  }
+}
+
+TEST(CollapseDemo, RunsAreDeterministic)
+{
+  cd::settings s;
+  s.steps = 60;
+  s.eval_pairs = 64;
+  const cd::run_config c{cd::element_kind::f16, cd::policy_kind::learnable, cd::algorithm_kind::materialized};
+  const cd::run_result a = cd::train(s, c), b = cd::train(s, c);
+  ASSERT_EQ(a.rows.size(), b.rows.size());
+  for (std::size_t i = 0; i < a.rows.size(); ++i)
+  {
+    EXPECT_EQ(a.rows[i].loss, b.rows[i].loss) << i;
+    EXPECT_EQ(a.rows[i].tau, b.rows[i].tau) << i;
+  }
+}
+
+TEST(CollapseDemo, ParsesRunsAndRejectsBadOnes)
+{
+  cd::run_config c;
+  std::string why;
+  EXPECT_TRUE(cd::parse_run("half:guard:fused", c, why));
+  EXPECT_EQ(c.element, cd::element_kind::f16);
+  EXPECT_EQ(c.policy, cd::policy_kind::guard);
+  EXPECT_EQ(c.algorithm, cd::algorithm_kind::fused);
+  EXPECT_FALSE(cd::parse_run("half", c, why));
+  EXPECT_FALSE(cd::parse_run("double:learnable", c, why));
+  EXPECT_NE(why.find("double"), std::string::npos);
+  cd::settings s;
+  s.batch = 1;
+  EXPECT_FALSE(cd::validate(s).empty());
+}
