@@ -25,69 +25,70 @@ namespace cd = collapse_demo;
 void print_help(std::FILE* f)
 {
   const cd::settings d;
-  std::fprintf(f,
-               "usage: collapse_demo [options]\n"
-               "\n"
-               "Trains a two-tower contrastive model (linear + L2 normalisation per tower) on generated paired views,\n"
-               "once per configuration, and prints a table: final loss, held-out top-1 retrieval, final tau, smallest\n"
-               "and final loss scale, skipped steps, the step at which the run collapsed and the first non-finite site.\n"
-               "\n"
-               "Configurations (default: the seven of docs/demo.md):\n"
-               "  --runs LIST          comma-separated type:policy[:algorithm], e.g. half:learnable,half:guard:fused\n"
-               "                       type: float|half|bfloat16  policy: fixed|learnable|clamped|scheduled|guard\n"
-               "                       algorithm: materialized (default) | fused\n"
-               "  --types LIST         keep only runs of these element types (e.g. half,bfloat16)\n"
-               "  --policies LIST      keep only runs with these policies (e.g. learnable,guard)\n"
-               "\n"
-               "Training:\n"
-               "  --steps N            training steps per run (default %lld)\n"
-               "  --batch N            pairs per batch (default %zu)\n"
-               "  --dim N              embedding dimension (default %zu)\n"
-               "  --input-dim N        dimension of each view (default %zu)\n"
-               "  --latent N           shared latent factors (default %zu)\n"
-               "  --noise X            per-coordinate noise std of each view (default %g)\n"
-               "  --seed N             seed of data, weights and batches (default %llu)\n"
-               "  --lr X               Adam learning rate of the encoders (default %g)\n"
-               "  --tau-lr X           Adam learning rate of log(1/tau) (default %g)\n"
-               "  --tau-beta2 X        Adam beta2 of log(1/tau) (default %g)\n"
-               "  --warmup N           linear warm-up of both learning rates, in steps (default %lld)\n"
-               "  --tau-init X         initial tau of learnable policies (default %g)\n"
-               "  --tau-min X          clamped: smallest tau (default %g, open_clip)\n"
-               "  --fixed-tau X        fixed, and scheduled before unfreezing (default %g)\n"
-               "  --unfreeze N         scheduled: steps at the fixed tau before learning it (default %lld)\n"
-               "  --guard-headroom X   guard: keep 1/tau <= max_finite / X (default %g)\n"
-               "  --guard-retreat X    guard: log(1/tau) retreat per overflow event (default %g)\n"
-               "  --scaler NAME        16-bit runs: paddle (dygraph, default) | torch | paddle-static | none\n"
-               "  --eval-pairs N       held-out pairs for retrieval (default %zu)\n"
-               "  --eval-every N       evaluate every N steps (default %lld)\n"
-               "  --collapse-window N  a run ending in N consecutive skipped steps has collapsed (default %lld)\n"
-               "  --threads N          threads of the loss (default 1, bit-reproducible; 0: all cores)\n"
-               "\n"
-               "Output:\n"
-               "  --out DIR            directory for the per-step CSVs (default out; created if missing)\n"
-               "  --no-csv             do not write CSVs\n"
-               "  --quiet              no progress on stderr\n"
-               "  -h, --help           this text\n",
-               static_cast<long long>(d.steps),
-               d.batch,
-               d.dim,
-               d.input_dim,
-               d.latent,
-               static_cast<double>(d.noise),
-               static_cast<unsigned long long>(d.seed),
-               static_cast<double>(d.lr),
-               static_cast<double>(d.tau_lr),
-               static_cast<double>(d.tau_beta2),
-               static_cast<long long>(d.warmup),
-               static_cast<double>(d.tau_init),
-               static_cast<double>(d.tau_min),
-               static_cast<double>(d.fixed_tau),
-               static_cast<long long>(d.unfreeze_step),
-               static_cast<double>(d.guard_headroom),
-               static_cast<double>(d.guard_retreat),
-               d.eval_pairs,
-               static_cast<long long>(d.eval_every),
-               static_cast<long long>(d.collapse_window));
+  std::fprintf(
+      f,
+      "usage: collapse_demo [options]\n"
+      "\n"
+      "Trains a two-tower contrastive model (linear + L2 normalisation per tower) on generated paired views,\n"
+      "once per configuration, and prints a table: final loss, held-out top-1 retrieval, final tau, smallest\n"
+      "and final loss scale, skipped steps, the step at which the run collapsed and the first non-finite site.\n"
+      "\n"
+      "Configurations (default: the seven of docs/demo.md):\n"
+      "  --runs LIST          comma-separated type:policy[:algorithm], e.g. half:learnable,half:guard:fused\n"
+      "                       type: float|half|bfloat16  policy: fixed|learnable|clamped|scheduled|guard\n"
+      "                       algorithm: materialized (default) | fused\n"
+      "  --types LIST         keep only runs of these element types (e.g. half,bfloat16)\n"
+      "  --policies LIST      keep only runs with these policies (e.g. learnable,guard)\n"
+      "\n"
+      "Training:\n"
+      "  --steps N            training steps per run (default %lld)\n"
+      "  --batch N            pairs per batch (default %zu)\n"
+      "  --dim N              embedding dimension (default %zu)\n"
+      "  --input-dim N        dimension of each view (default %zu)\n"
+      "  --latent N           shared latent factors (default %zu)\n"
+      "  --noise X            per-coordinate noise std of each view (default %g)\n"
+      "  --seed N             seed of data, weights and batches (default %llu)\n"
+      "  --lr X               Adam learning rate of the encoders (default %g)\n"
+      "  --tau-lr X           Adam learning rate of log(1/tau) (default %g)\n"
+      "  --tau-beta2 X        Adam beta2 of log(1/tau) (default %g)\n"
+      "  --warmup N           linear warm-up of both learning rates, in steps (default %lld)\n"
+      "  --tau-init X         initial tau of learnable policies (default %g)\n"
+      "  --tau-min X          clamped: smallest tau (default %g, open_clip)\n"
+      "  --fixed-tau X        fixed, and scheduled before unfreezing (default %g)\n"
+      "  --unfreeze N         scheduled: steps at the fixed tau before learning it (default %lld)\n"
+      "  --guard-headroom X   guard: keep 1/tau <= max_finite / X (default %g)\n"
+      "  --guard-retreat X    guard: log(1/tau) retreat per overflow event (default %g)\n"
+      "  --scaler NAME        16-bit runs: paddle (dygraph, default) | torch | paddle-static | none\n"
+      "  --eval-pairs N       held-out pairs for retrieval (default %zu)\n"
+      "  --eval-every N       evaluate every N steps (default %lld)\n"
+      "  --collapse-window N  a run ending in N consecutive skipped steps has collapsed (default %lld)\n"
+      "  --threads N          threads of the loss (default 1, bit-reproducible; 0: all cores)\n"
+      "\n"
+      "Output:\n"
+      "  --out DIR            directory for the per-step CSVs (default out; created if missing)\n"
+      "  --no-csv             do not write CSVs\n"
+      "  --quiet              no progress on stderr\n"
+      "  -h, --help           this text\n",
+      static_cast<long long>(d.steps),
+      d.batch,
+      d.dim,
+      d.input_dim,
+      d.latent,
+      static_cast<double>(d.noise),
+      static_cast<unsigned long long>(d.seed),
+      static_cast<double>(d.lr),
+      static_cast<double>(d.tau_lr),
+      static_cast<double>(d.tau_beta2),
+      static_cast<long long>(d.warmup),
+      static_cast<double>(d.tau_init),
+      static_cast<double>(d.tau_min),
+      static_cast<double>(d.fixed_tau),
+      static_cast<long long>(d.unfreeze_step),
+      static_cast<double>(d.guard_headroom),
+      static_cast<double>(d.guard_retreat),
+      d.eval_pairs,
+      static_cast<long long>(d.eval_every),
+      static_cast<long long>(d.collapse_window));
 }
 
 [[noreturn]] void fail(const std::string& msg)
@@ -198,11 +199,13 @@ int main(int argc, char** argv)
     }
     else if (a.rfind("--", 0) == 0)
     {
-      static const char* const with_value[] = {
-        "--steps", "--batch", "--dim", "--input-dim", "--latent", "--noise", "--seed", "--lr", "--tau-lr",
-        "--tau-beta2", "--warmup", "--tau-init", "--tau-min", "--fixed-tau", "--unfreeze", "--guard-headroom",
-        "--guard-retreat", "--scaler", "--eval-pairs", "--eval-every", "--collapse-window", "--threads", "--out",
-        "--runs", "--types", "--policies"};
+      static const char* const with_value[] = {"--steps",           "--batch",     "--dim",        "--input-dim",
+                                               "--latent",          "--noise",     "--seed",       "--lr",
+                                               "--tau-lr",          "--tau-beta2", "--warmup",     "--tau-init",
+                                               "--tau-min",         "--fixed-tau", "--unfreeze",   "--guard-headroom",
+                                               "--guard-retreat",   "--scaler",    "--eval-pairs", "--eval-every",
+                                               "--collapse-window", "--threads",   "--out",        "--runs",
+                                               "--types",           "--policies"};
       if (std::find(std::begin(with_value), std::end(with_value), a) == std::end(with_value))
       {
         fail("unknown option '" + a + "'");
@@ -367,9 +370,10 @@ int main(int argc, char** argv)
   std::vector<cd::run_config> selected;
   for (const cd::run_config& r : runs)
   {
-    const bool type_ok = types.empty() || std::find(types.begin(), types.end(), cd::to_string(r.element)) != types.end();
+    const bool type_ok =
+        types.empty() || std::find(types.begin(), types.end(), cd::to_string(r.element)) != types.end();
     const bool policy_ok =
-      policies.empty() || std::find(policies.begin(), policies.end(), cd::to_string(r.policy)) != policies.end();
+        policies.empty() || std::find(policies.begin(), policies.end(), cd::to_string(r.policy)) != policies.end();
     if (type_ok && policy_ok)
     {
       selected.push_back(r);
@@ -409,9 +413,10 @@ int main(int argc, char** argv)
     cd::progress_fn progress;
     if (!quiet)
     {
-      progress = [&](std::int64_t step, std::int64_t steps) {
-        std::fprintf(stderr, "\r%s: step %lld/%lld", tag.c_str(), static_cast<long long>(step),
-                     static_cast<long long>(steps));
+      progress = [&](std::int64_t step, std::int64_t steps)
+      {
+        std::fprintf(
+            stderr, "\r%s: step %lld/%lld", tag.c_str(), static_cast<long long>(step), static_cast<long long>(steps));
         std::fflush(stderr);
       };
     }
@@ -457,8 +462,10 @@ int main(int argc, char** argv)
   std::printf("%s", cd::format_table(results).c_str());
   if (write_csv)
   {
-    std::printf("\nper-step CSVs in %s/; figure: gnuplot -e \"dir='%s'\" scripts/plot_demo.gp (writes docs/collapse.png)\n", out_dir.c_str(),
-                out_dir.c_str());
+    std::printf(
+        "\nper-step CSVs in %s/; figure: gnuplot -e \"dir='%s'\" scripts/plot_demo.gp (writes docs/collapse.png)\n",
+        out_dir.c_str(),
+        out_dir.c_str());
   }
   return failed == 0 ? 0 : 1;
 }

@@ -64,16 +64,16 @@ inline const char* to_string(policy_kind p)
 {
   switch (p)
   {
-    case policy_kind::fixed:
-      return "fixed";
-    case policy_kind::learnable:
-      return "learnable";
-    case policy_kind::clamped:
-      return "clamped";
-    case policy_kind::scheduled:
-      return "scheduled";
-    case policy_kind::guard:
-      return "guard";
+  case policy_kind::fixed:
+    return "fixed";
+  case policy_kind::learnable:
+    return "learnable";
+  case policy_kind::clamped:
+    return "clamped";
+  case policy_kind::scheduled:
+    return "scheduled";
+  case policy_kind::guard:
+    return "guard";
   }
   return "?";
 }
@@ -119,7 +119,7 @@ inline bool parse_element(const std::string& s, element_kind& out)
 inline bool parse_policy(const std::string& s, policy_kind& out)
 {
   const policy_kind all[] = {
-    policy_kind::fixed, policy_kind::learnable, policy_kind::clamped, policy_kind::scheduled, policy_kind::guard};
+      policy_kind::fixed, policy_kind::learnable, policy_kind::clamped, policy_kind::scheduled, policy_kind::guard};
   for (policy_kind p : all)
   {
     if (s == to_string(p))
@@ -202,13 +202,13 @@ inline std::vector<run_config> default_runs()
   using p = policy_kind;
   using a = algorithm_kind;
   return {
-    {e::f32, p::learnable, a::materialized},
-    {e::f16, p::learnable, a::materialized},
-    {e::f16, p::clamped, a::materialized},
-    {e::f16, p::scheduled, a::materialized},
-    {e::bf16, p::learnable, a::materialized},
-    {e::f16, p::learnable, a::fused},
-    {e::f16, p::guard, a::materialized},
+      {e::f32, p::learnable, a::materialized},
+      {e::f16, p::learnable, a::materialized},
+      {e::f16, p::clamped, a::materialized},
+      {e::f16, p::scheduled, a::materialized},
+      {e::bf16, p::learnable, a::materialized},
+      {e::f16, p::learnable, a::fused},
+      {e::f16, p::guard, a::materialized},
   };
 }
 
@@ -225,14 +225,14 @@ inline const char* to_string(scaler_kind s)
 {
   switch (s)
   {
-    case scaler_kind::paddle:
-      return "paddle";
-    case scaler_kind::torch:
-      return "torch";
-    case scaler_kind::paddle_static:
-      return "paddle-static";
-    case scaler_kind::none:
-      return "none";
+  case scaler_kind::paddle:
+    return "paddle";
+  case scaler_kind::torch:
+    return "torch";
+  case scaler_kind::paddle_static:
+    return "paddle-static";
+  case scaler_kind::none:
+    return "none";
   }
   return "?";
 }
@@ -260,14 +260,14 @@ struct settings
   std::size_t latent = 8;     ///< shared latent factors
   float noise = 0.05f;        ///< per-coordinate noise std of each view (signal std is 1)
   std::uint64_t seed = 2;
-  float lr = 2e-3f;           ///< Adam learning rate of the encoders
-  float tau_lr = 1.0f;        ///< Adam learning rate of theta = log(1/tau): deliberately aggressive (docs/demo.md)
-  float tau_beta2 = 0.9f;     ///< Adam beta2 of theta (beta1 0.9, eps 1e-8)
-  std::int64_t warmup = 100;  ///< linear warm-up of both learning rates over the first steps (as open_clip's --warmup)
-  float tau_init = 0.07f;     ///< CLIP's initial temperature
-  float tau_min = 0.01f;      ///< clamped: open_clip's bound (logit scale <= 100)
-  float tau_max = 1.0f;       ///< clamped and guard: open_clip's upper bound
-  float fixed_tau = 0.05f;    ///< fixed, and scheduled before its unfreeze step (the seed author's value)
+  float lr = 2e-3f;          ///< Adam learning rate of the encoders
+  float tau_lr = 1.0f;       ///< Adam learning rate of theta = log(1/tau): deliberately aggressive (docs/demo.md)
+  float tau_beta2 = 0.9f;    ///< Adam beta2 of theta (beta1 0.9, eps 1e-8)
+  std::int64_t warmup = 100; ///< linear warm-up of both learning rates over the first steps (as open_clip's --warmup)
+  float tau_init = 0.07f;    ///< CLIP's initial temperature
+  float tau_min = 0.01f;     ///< clamped: open_clip's bound (logit scale <= 100)
+  float tau_max = 1.0f;      ///< clamped and guard: open_clip's upper bound
+  float fixed_tau = 0.05f;   ///< fixed, and scheduled before its unfreeze step (the seed author's value)
   std::int64_t unfreeze_step = 600; ///< scheduled: finite steps at fixed_tau before tau becomes learnable
   float guard_headroom = 16.0f;
   float guard_retreat = 0.5f;
@@ -275,7 +275,7 @@ struct settings
   std::size_t eval_pairs = 1024; ///< held-out pairs; top-1 retrieval among all of them
   std::int64_t eval_every = 50;
   std::int64_t collapse_window = 50; ///< a run that ends with this many consecutive skipped steps has collapsed
-  unsigned threads = 1; ///< threads of the loss engine; 1 keeps runs bit-reproducible (0: all cores)
+  unsigned threads = 1;              ///< threads of the loss engine; 1 keeps runs bit-reproducible (0: all cores)
 };
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -325,9 +325,7 @@ struct run_result
 class rng
 {
 public:
-  explicit rng(std::uint64_t seed)
-      : state_(seed)
-  {}
+  explicit rng(std::uint64_t seed) : state_(seed) {}
   std::uint64_t next()
   {
     std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
@@ -367,10 +365,7 @@ private:
 class paired_views
 {
 public:
-  paired_views(const settings& s)
-      : in_(s.input_dim)
-      , latent_(s.latent)
-      , noise_(s.noise)
+  paired_views(const settings& s) : in_(s.input_dim), latent_(s.latent), noise_(s.noise)
   {
     rng r(s.seed ^ 0x5eed0000da7aull);
     mix_a_.resize(in_ * latent_);
@@ -428,12 +423,7 @@ class tower
 
 public:
   tower(std::size_t dim, std::size_t in, rng& r)
-      : dim_(dim)
-      , in_(in)
-      , w_(dim * in)
-      , m_(dim * in, 0.0f)
-      , v_(dim * in, 0.0f)
-      , grad_(dim * in, 0.0f)
+      : dim_(dim), in_(in), w_(dim * in), m_(dim * in, 0.0f), v_(dim * in, 0.0f), grad_(dim * in, 0.0f)
   {
     const float g = 1.0f / std::sqrt(static_cast<float>(in));
     for (float& x : w_)
@@ -618,8 +608,7 @@ inline cl::temperature::scheduled make_policy(const settings& s, cl::temperature
 }
 inline cl::temperature::range_guard make_policy(const settings& s, cl::temperature::range_guard*)
 {
-  return cl::temperature::range_guard(
-    s.tau_init, tau_adam(s), s.guard_headroom, s.guard_retreat, 1.0f, s.tau_max);
+  return cl::temperature::range_guard(s.tau_init, tau_adam(s), s.guard_headroom, s.guard_retreat, 1.0f, s.tau_max);
 }
 
 inline cl::scaler::dynamic make_scaler(const settings& s, bool sixteen_bit)
@@ -632,12 +621,12 @@ inline cl::scaler::dynamic make_scaler(const settings& s, bool sixteen_bit)
   }
   switch (s.scaler)
   {
-    case scaler_kind::torch:
-      return cl::scaler::dynamic::torch();
-    case scaler_kind::paddle_static:
-      return cl::scaler::dynamic::paddle_static();
-    default:
-      return cl::scaler::dynamic::paddle_dygraph();
+  case scaler_kind::torch:
+    return cl::scaler::dynamic::torch();
+  case scaler_kind::paddle_static:
+    return cl::scaler::dynamic::paddle_static();
+  default:
+    return cl::scaler::dynamic::paddle_dygraph();
   }
 }
 
@@ -673,9 +662,7 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
   std::vector<float> eval_a, eval_b;
   data.sample(eval_rng, s.eval_pairs, eval_a, eval_b);
 
-  loss_type L(make_policy(s, static_cast<Temperature*>(nullptr)),
-              make_scaler(s, !std::is_same_v<T, float>),
-              s.threads);
+  loss_type L(make_policy(s, static_cast<Temperature*>(nullptr)), make_scaler(s, !std::is_same_v<T, float>), s.threads);
 
   const std::size_t n = s.batch, d = s.dim;
   std::vector<float> xa, xb;
@@ -685,7 +672,8 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
   p.dim = d;
   p.obj = cl::objective::symmetric;
 
-  auto evaluate = [&]() {
+  auto evaluate = [&]()
+  {
     tower<T> ca = ta, cb = tb; // evaluation must not disturb the saved activations (cheap at this size)
     ca.forward(eval_a, s.eval_pairs, ea);
     cb.forward(eval_b, s.eval_pairs, eb);
@@ -700,7 +688,8 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
   for (std::int64_t step = 0; step < s.steps; ++step)
   {
     // Linear warm-up of both learning rates (open_clip warms up every parameter, logit_scale included).
-    const float warm = s.warmup > 0 && step < s.warmup ? static_cast<float>(step + 1) / static_cast<float>(s.warmup) : 1.0f;
+    const float warm =
+        s.warmup > 0 && step < s.warmup ? static_cast<float>(step + 1) / static_cast<float>(s.warmup) : 1.0f;
     if constexpr (Temperature::is_learnable)
     {
       if (step <= s.warmup)
@@ -806,16 +795,16 @@ run_result train_policy(const settings& s, const run_config& cfg, const progress
   namespace tp = cl::temperature;
   switch (cfg.policy)
   {
-    case policy_kind::fixed:
-      return train_typed<T, tp::fixed, Algorithm>(s, cfg, progress);
-    case policy_kind::learnable:
-      return train_typed<T, tp::learnable, Algorithm>(s, cfg, progress);
-    case policy_kind::clamped:
-      return train_typed<T, tp::clamped, Algorithm>(s, cfg, progress);
-    case policy_kind::scheduled:
-      return train_typed<T, tp::scheduled, Algorithm>(s, cfg, progress);
-    case policy_kind::guard:
-      return train_typed<T, tp::range_guard, Algorithm>(s, cfg, progress);
+  case policy_kind::fixed:
+    return train_typed<T, tp::fixed, Algorithm>(s, cfg, progress);
+  case policy_kind::learnable:
+    return train_typed<T, tp::learnable, Algorithm>(s, cfg, progress);
+  case policy_kind::clamped:
+    return train_typed<T, tp::clamped, Algorithm>(s, cfg, progress);
+  case policy_kind::scheduled:
+    return train_typed<T, tp::scheduled, Algorithm>(s, cfg, progress);
+  case policy_kind::guard:
+    return train_typed<T, tp::range_guard, Algorithm>(s, cfg, progress);
   }
   return {};
 }
@@ -832,12 +821,12 @@ inline run_result train(const settings& s, const run_config& cfg, const progress
 {
   switch (cfg.element)
   {
-    case element_kind::f32:
-      return train_element<float>(s, cfg, progress);
-    case element_kind::f16:
-      return train_element<__half>(s, cfg, progress);
-    case element_kind::bf16:
-      return train_element<__nv_bfloat16>(s, cfg, progress);
+  case element_kind::f32:
+    return train_element<float>(s, cfg, progress);
+  case element_kind::f16:
+    return train_element<__half>(s, cfg, progress);
+  case element_kind::bf16:
+    return train_element<__nv_bfloat16>(s, cfg, progress);
   }
   return {};
 }

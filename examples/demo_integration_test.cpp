@@ -23,7 +23,8 @@ namespace
 {
 const std::map<std::string, cd::run_result>& results()
 {
-  static const std::map<std::string, cd::run_result> r = [] {
+  static const std::map<std::string, cd::run_result> r = []
+  {
     cd::settings s; // the demo's defaults (seed, learning rates, data), shortened
     s.steps = 800;
     s.eval_pairs = 512;
