@@ -346,3 +346,25 @@ TEST(FiniteDifferences, ReferenceAndLibraryGradients)
     check(cl::algorithm::materialized{});
   }
 }
+
+// With a fixed thread count, results are bit-identical from run to run (static task assignment).
+TEST(LossDeterminism, BitIdenticalAcrossRunsWithSeveralThreads)
+{
+  const std::size_t n = 700, dim = 40;
+  const auto q = ct::random_rows<float>(n, dim, 41);
+  const auto k = ct::random_rows<float>(n, dim, 42);
+  cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  std::vector<float> dq1(n * dim), dk1(n * dim), dq2(n * dim), dk2(n * dim);
+  cl::step_record r1, r2;
+  for (int run = 0; run < 3; ++run)
+  {
+    cl::loss<float, cl::temperature::fixed> a(cl::temperature::fixed(0.05f), {}, 3);
+    cl::loss<float, cl::temperature::fixed> b(cl::temperature::fixed(0.05f), {}, 3);
+    ASSERT_TRUE(a.step(p, dq1.data(), dk1.data(), r1).ok());
+    ASSERT_TRUE(b.step(p, dq2.data(), dk2.data(), r2).ok());
+    EXPECT_EQ(r1.loss, r2.loss);
+    EXPECT_EQ(r1.grad_logit_scale, r2.grad_logit_scale);
+    EXPECT_EQ(std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(dk1.data(), dk2.data(), dk1.size() * sizeof(float)), 0);
+  }
+}

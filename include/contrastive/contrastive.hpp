@@ -9,6 +9,7 @@
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/online_lse.hpp>
 #include <contrastive/policy/optimizer.hpp>
+#include <contrastive/policy/range_guard.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
 #include <contrastive/problem.hpp>

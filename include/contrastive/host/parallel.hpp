@@ -2,11 +2,10 @@
 #pragma once
 
 /// \file
-/// Minimal fork-join parallelism on std::thread: tasks are handed out through an atomic counter, so uneven tasks
-/// balance themselves. No dependency beyond the standard library.
+/// Minimal fork-join parallelism on std::thread, with a static task assignment so that results do not depend on
+/// scheduling. No dependency beyond the standard library.
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <thread>
 #include <vector>
@@ -36,11 +35,12 @@ unsigned parallel_for(std::size_t n_tasks, unsigned threads, F&& fn)
     }
     return 1;
   }
-  std::atomic<std::size_t> next{0};
+  // Static round-robin assignment: worker w runs tasks w, w + workers, ... Tasks are equal-sized row blocks, and a
+  // fixed assignment makes every per-worker partial (column statistics, dK accumulators) and so every result
+  // bit-reproducible for a given thread count.
   auto body = [&](unsigned w)
   {
-    for (std::size_t t = next.fetch_add(1, std::memory_order_relaxed); t < n_tasks;
-         t = next.fetch_add(1, std::memory_order_relaxed))
+    for (std::size_t t = w; t < n_tasks; t += workers)
     {
       fn(t, w);
     }
