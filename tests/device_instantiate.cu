@@ -20,7 +20,8 @@ namespace cl = contrastive;
   CONTRASTIVE_INSTANTIATE_SCALERS(T, fixed)                                                                            \
   CONTRASTIVE_INSTANTIATE_SCALERS(T, learnable)                                                                        \
   CONTRASTIVE_INSTANTIATE_SCALERS(T, clamped)                                                                          \
-  CONTRASTIVE_INSTANTIATE_SCALERS(T, scheduled)
+  CONTRASTIVE_INSTANTIATE_SCALERS(T, scheduled)                                                                        \
+  CONTRASTIVE_INSTANTIATE_SCALERS(T, range_guard)
 
 CONTRASTIVE_INSTANTIATE_TEMPERATURES(float)
 CONTRASTIVE_INSTANTIATE_TEMPERATURES(__half)

@@ -25,6 +25,7 @@
 #include <contrastive/device/kernels.cuh>
 #include <contrastive/loss.hpp>
 #include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/policy/range_guard.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
 #include <contrastive/problem.hpp>
