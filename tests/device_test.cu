@@ -12,6 +12,10 @@
 
 namespace cl = contrastive;
 namespace ct = contrastive_test;
+using ct::config;
+using ct::config_names;
+using ct::shape;
+using ct::shapes;
 
 namespace
 {
@@ -70,31 +74,6 @@ struct device_buffer
   }
 };
 
-struct shape
-{
-  std::size_t n_q, n_k, dim;
-  cl::objective obj;
-  bool labels;
-};
-// Sizes that are not multiples of the 64-wide tiles, n_q != n_k, dim not a multiple of 8, N = 1, a key queue.
-const shape shapes[] = {
-    {70, 70, 37, cl::objective::symmetric, false},
-    {130, 130, 65, cl::objective::symmetric, false},
-    {50, 300, 24, cl::objective::info_nce, true},
-    {40, 90, 16, cl::objective::info_nce, false},
-    {1, 1, 5, cl::objective::symmetric, false},
-    {1, 7, 3, cl::objective::info_nce, true},
-};
-
-template <class T, class Temp, class Scale, class Algo>
-struct config
-{
-  using element = T;
-  using temperature = Temp;
-  using scaler = Scale;
-  using algorithm = Algo;
-};
-
 template <class T>
 float start_scale()
 {
@@ -119,17 +98,7 @@ using device_configs = ::testing::Types<
 #undef CONTRASTIVE_DEVICE_CONFIGS
     >;
 
-class device_config_names
-{
-public:
-  template <class C>
-  static std::string GetName(int)
-  {
-    return std::string(cl::element_traits<typename C::element>::name) + "_" + C::temperature::name + "_" +
-           C::scaler::name + "_" + C::algorithm::name;
-  }
-};
-TYPED_TEST_SUITE(DeviceTyped, device_configs, device_config_names);
+TYPED_TEST_SUITE(DeviceTyped, device_configs, config_names);
 
 template <class Temp>
 Temp device_temperature()

@@ -9,6 +9,10 @@
 
 namespace ct = contrastive_test;
 namespace cl = contrastive;
+using ct::config;
+using ct::config_names;
+using ct::shape;
+using ct::shapes;
 
 namespace
 {
@@ -77,36 +81,11 @@ void poison(std::vector<T>& v)
   }
 }
 
-struct shape
-{
-  std::size_t n_q, n_k, dim;
-  cl::objective obj;
-  bool labels;
-};
-
-// Not multiples of the tiles; n_q != n_k; dim not a multiple of 8; N = 1; a queue (n_k > n_q) with random labels.
-const shape shapes[] = {
-    {70, 70, 37, cl::objective::symmetric, false},
-    {130, 130, 65, cl::objective::symmetric, false},
-    {50, 300, 24, cl::objective::info_nce, true},
-    {40, 90, 16, cl::objective::info_nce, false},
-    {1, 1, 5, cl::objective::symmetric, false},
-    {1, 7, 3, cl::objective::info_nce, true},
-};
 } // namespace
 
 template <class Config>
 class LossTyped : public ::testing::Test
 {
-};
-
-template <class T, class Temp, class Scale, class Algo>
-struct config
-{
-  using element = T;
-  using temperature = Temp;
-  using scaler = Scale;
-  using algorithm = Algo;
 };
 
 using all_configs = ::testing::Types<
@@ -128,17 +107,6 @@ using all_configs = ::testing::Types<
     CONTRASTIVE_CONFIGS_FOR(__nv_bfloat16)
 #undef CONTRASTIVE_CONFIGS_FOR
     >;
-
-class config_names
-{
-public:
-  template <class C>
-  static std::string GetName(int)
-  {
-    return std::string(cl::element_traits<typename C::element>::name) + "_" + C::temperature::name + "_" +
-           C::scaler::name + "_" + C::algorithm::name;
-  }
-};
 
 TYPED_TEST_SUITE(LossTyped, all_configs, config_names);
 

@@ -9,11 +9,52 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace contrastive_test
 {
 using contrastive::element_traits;
+
+/// One test shape. The list below covers sizes that are not multiples of the host or device tiles, n_q != n_k, dim
+/// not a multiple of 8, N = 1, and a key queue (n_k > n_q) with random labels.
+struct shape
+{
+  std::size_t n_q, n_k, dim;
+  contrastive::objective obj;
+  bool labels;
+};
+
+inline const shape shapes[] = {
+    {70, 70, 37, contrastive::objective::symmetric, false},
+    {130, 130, 65, contrastive::objective::symmetric, false},
+    {50, 300, 24, contrastive::objective::info_nce, true},
+    {40, 90, 16, contrastive::objective::info_nce, false},
+    {1, 1, 5, contrastive::objective::symmetric, false},
+    {1, 7, 3, contrastive::objective::info_nce, true},
+};
+
+/// A typed-test configuration: element type x temperature x scaler x algorithm.
+template <class T, class Temp, class Scale, class Algo>
+struct config
+{
+  using element = T;
+  using temperature = Temp;
+  using scaler = Scale;
+  using algorithm = Algo;
+};
+
+/// Readable typed-test names, e.g. half_clamped_dynamic_fused.
+class config_names
+{
+public:
+  template <class C>
+  static std::string GetName(int)
+  {
+    return std::string(contrastive::element_traits<typename C::element>::name) + "_" + C::temperature::name + "_" +
+           C::scaler::name + "_" + C::algorithm::name;
+  }
+};
 
 /// Random L2-normalised rows (as CLIP features are), stored in T. Never zero.
 template <class T>
