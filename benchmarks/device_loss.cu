@@ -66,6 +66,42 @@ T* random_device_rows(std::size_t rows, std::size_t dim, unsigned seed)
   return d;
 }
 
+/// C = op(A) op(B), bf16 in and out, fp32 accumulation (column-major, cuBLAS conventions).
+void bf16_gemm(cublasHandle_t h,
+               cublasOperation_t op_a,
+               cublasOperation_t op_b,
+               int m,
+               int n,
+               int k,
+               const __nv_bfloat16* a,
+               int lda,
+               const __nv_bfloat16* b,
+               int ldb,
+               __nv_bfloat16* c,
+               int ldc)
+{
+  const float one = 1.0f, zero = 0.0f;
+  cublasGemmEx(h,
+               op_a,
+               op_b,
+               m,
+               n,
+               k,
+               &one,
+               a,
+               CUDA_R_16BF,
+               lda,
+               b,
+               CUDA_R_16BF,
+               ldb,
+               &zero,
+               c,
+               CUDA_R_16BF,
+               ldc,
+               CUBLAS_COMPUTE_32F,
+               CUBLAS_GEMM_DEFAULT);
+}
+
 template <class T, class Algorithm>
 void step_benchmark(benchmark::State& state)
 {
@@ -151,69 +187,14 @@ void cublas_baseline(benchmark::State& state)
   }
   else
   {
-    const float one = 1.0f, zero = 0.0f;
     events ev;
     for (auto _ : state)
     {
       cudaEventRecord(ev.start);
       // S = K^T-major product: column-major view, S(n x n) = K Q^T.
-      cublasGemmEx(h,
-                   CUBLAS_OP_T,
-                   CUBLAS_OP_N,
-                   n,
-                   n,
-                   dim,
-                   &one,
-                   k,
-                   CUDA_R_16BF,
-                   dim,
-                   q,
-                   CUDA_R_16BF,
-                   dim,
-                   &zero,
-                   s,
-                   CUDA_R_16BF,
-                   n,
-                   CUBLAS_COMPUTE_32F,
-                   CUBLAS_GEMM_DEFAULT);
-      cublasGemmEx(h,
-                   CUBLAS_OP_N,
-                   CUBLAS_OP_N,
-                   dim,
-                   n,
-                   n,
-                   &one,
-                   k,
-                   CUDA_R_16BF,
-                   dim,
-                   s,
-                   CUDA_R_16BF,
-                   n,
-                   &zero,
-                   dq,
-                   CUDA_R_16BF,
-                   dim,
-                   CUBLAS_COMPUTE_32F,
-                   CUBLAS_GEMM_DEFAULT);
-      cublasGemmEx(h,
-                   CUBLAS_OP_N,
-                   CUBLAS_OP_T,
-                   dim,
-                   n,
-                   n,
-                   &one,
-                   q,
-                   CUDA_R_16BF,
-                   dim,
-                   s,
-                   CUDA_R_16BF,
-                   n,
-                   &zero,
-                   dq,
-                   CUDA_R_16BF,
-                   dim,
-                   CUBLAS_COMPUTE_32F,
-                   CUBLAS_GEMM_DEFAULT);
+      bf16_gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, dim, k, dim, q, dim, s, n);
+      bf16_gemm(h, CUBLAS_OP_N, CUBLAS_OP_N, dim, n, n, k, dim, s, n, dq, dim);
+      bf16_gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, dim, n, n, q, dim, s, n, dq, dim);
       cudaEventRecord(ev.stop);
       state.SetIterationTime(ev.seconds());
     }
@@ -239,31 +220,12 @@ void roofline_matmul(benchmark::State& state)
     state.SkipWithError("setup failed");
     return;
   }
-  const float one = 1.0f, zero = 0.0f;
   events ev;
   double best = 0.0;
   for (auto _ : state)
   {
     cudaEventRecord(ev.start);
-    cublasGemmEx(h,
-                 CUBLAS_OP_N,
-                 CUBLAS_OP_N,
-                 n,
-                 n,
-                 n,
-                 &one,
-                 a,
-                 CUDA_R_16BF,
-                 n,
-                 b,
-                 CUDA_R_16BF,
-                 n,
-                 &zero,
-                 c,
-                 CUDA_R_16BF,
-                 n,
-                 CUBLAS_COMPUTE_32F,
-                 CUBLAS_GEMM_DEFAULT);
+    bf16_gemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, a, n, b, n, c, n);
     cudaEventRecord(ev.stop);
     const double t = ev.seconds();
     state.SetIterationTime(t);
