@@ -213,7 +213,6 @@ public:
   {
     CONTRASTIVE_RETURN_IF_ERROR(validate(p, nullptr, nullptr, false));
     const host::forward_result r = engine_.template forward<Algorithm>(temperature_.scale());
-    last_forward_ = r;
     forward_ready_ = true;
     loss_value = r.loss;
     if (row_lse != nullptr)
@@ -243,8 +242,7 @@ public:
     {
       return {errc::null_pointer, "dk", "null gradient output for k"};
     }
-    last_backward_ = engine_.template backward<Algorithm>(scaler_.loss_scale(), dq, dk);
-    grad_logit_scale_scaled = last_backward_.grad_logit_scale;
+    grad_logit_scale_scaled = engine_.template backward<Algorithm>(scaler_.loss_scale(), dq, dk).grad_logit_scale;
     forward_ready_ = false;
     return {};
   }
@@ -353,8 +351,6 @@ private:
   Scaler scaler_;
   host::engine<Element> engine_;
   std::int64_t step_ = 0;
-  host::forward_result last_forward_{};
-  host::backward_result last_backward_{};
   bool forward_ready_ = false;
 };
 } // namespace contrastive
