@@ -11,7 +11,7 @@
 
 #include "support.hpp"
 
-#include <contrastive/host/parallel.hpp>
+#include <contrastive/host/thread_pool.hpp>
 
 #include <benchmark/benchmark.h>
 

@@ -615,9 +615,10 @@ inline cl::scaler::dynamic make_scaler(const settings& s, bool sixteen_bit)
 {
   if (!sixteen_bit || s.scaler == scaler_kind::none)
   {
-    // A dynamic rule with both factors 1 never changes its scale: a constant 1, in the same type.
-    cl::scaler::dynamic d = cl::scaler::dynamic::paddle_dygraph(1.0f, 1.0f, 1.0f);
-    return d;
+    // A dynamic rule whose intervals are never reached (2^31 - 1 steps) keeps its scale: a constant 1, in the same
+    // type.
+    const std::int32_t never = std::numeric_limits<std::int32_t>::max();
+    return cl::scaler::dynamic::paddle_dygraph(1.0f, 2.0f, 0.5f, never, never);
   }
   switch (s.scaler)
   {

@@ -256,3 +256,31 @@ TEST(Device, BadArgumentsAreRefused)
   cl::problem<float> q{&dummy, &dummy, 1, 2, 1, nullptr, cl::objective::symmetric};
   EXPECT_EQ(device_loss::step(nullptr, bytes, q, &dummy, &dummy, no_state), cudaErrorInvalidValue);
 }
+
+// Sizes whose byte counts overflow and outputs that alias are refused by the size query itself, before any CUDA call
+// (so this runs without a device too).
+TEST(Device, OversizedAndAliasedProblemsAreRefused)
+{
+  using fused = cl::device::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused>;
+  using mat = cl::device::loss<__half, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized>;
+  alignas(256) static unsigned char fake_state[sizeof(fused::state_type)];
+  auto* state = reinterpret_cast<fused::state_type*>(fake_state);
+  auto* mstate = reinterpret_cast<mat::state_type*>(fake_state);
+  std::vector<__half> q(64), k(64), dq(64), dk(64);
+  const std::size_t huge[][3] = {{(std::size_t(1) << 60) + 1, (std::size_t(1) << 60) + 1, 16},
+                                 {100, 100, std::size_t(1) << 62},
+                                 {100, 100, ~std::size_t(0)},
+                                 {std::size_t(1) << 31, std::size_t(1) << 31, 1}};
+  for (const auto& s : huge)
+  {
+    std::size_t bytes = 12345;
+    const cl::problem<__half> p{q.data(), k.data(), s[0], s[1], s[2], nullptr, cl::objective::symmetric};
+    EXPECT_EQ(fused::step(nullptr, bytes, p, dq.data(), dk.data(), state), cudaErrorInvalidValue);
+    EXPECT_EQ(mat::step(nullptr, bytes, p, dq.data(), dk.data(), mstate), cudaErrorInvalidValue);
+    EXPECT_EQ(bytes, 12345u) << "a refused size query must not write the size";
+  }
+  std::size_t bytes = 0;
+  const cl::problem<__half> p{q.data(), k.data(), 8, 8, 8, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(fused::step(nullptr, bytes, p, dq.data(), dq.data(), state), cudaErrorInvalidValue);
+  EXPECT_EQ(fused::step(nullptr, bytes, p, const_cast<__half*>(p.q), dk.data(), state), cudaErrorInvalidValue);
+}

@@ -16,6 +16,7 @@
 ///      `advance(grad)`.
 /// `step()` is 2-4 at once for callers whose only gradients are dQ and dK.
 
+#include <contrastive/detail/checked.hpp>
 #include <contrastive/detail/step_logic.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
@@ -27,7 +28,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <type_traits>
 
 namespace contrastive
@@ -97,6 +102,51 @@ status check_problem(const problem<T>& p,
             "labels",
             "null labels mean the diagonal, which needs n_q <= n_k (got n_q = " + std::to_string(p.n_q) +
                 ", n_k = " + std::to_string(p.n_k) + ")"};
+  }
+  // Every product of caller sizes the library forms (elements and bytes of the inputs and outputs) must fit size_t.
+  const detail::checked_size q_bytes = detail::checked_size(p.n_q) * p.dim * sizeof(T);
+  const detail::checked_size k_bytes = detail::checked_size(p.n_k) * p.dim * sizeof(T);
+  if (!q_bytes.ok())
+  {
+    return {errc::size_overflow,
+            "n_q",
+            "n_q * dim * sizeof(element) = " + std::to_string(p.n_q) + " * " + std::to_string(p.dim) + " * " +
+                std::to_string(sizeof(T)) + " bytes does not fit in size_t"};
+  }
+  if (!k_bytes.ok())
+  {
+    return {errc::size_overflow,
+            "n_k",
+            "n_k * dim * sizeof(element) = " + std::to_string(p.n_k) + " * " + std::to_string(p.dim) + " * " +
+                std::to_string(sizeof(T)) + " bytes does not fit in size_t"};
+  }
+  if (!(detail::checked_size(p.n_q) * sizeof(std::int32_t)).ok())
+  {
+    return {errc::size_overflow, "n_q", "n_q labels do not fit in size_t bytes"};
+  }
+  if (need_grads)
+  {
+    // Outputs must not overlap each other or the inputs (dq == dk would silently lose dQ; an output over an input
+    // would be read after it is written).
+    const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
+    {
+      const auto x = reinterpret_cast<std::uintptr_t>(a);
+      const auto y = reinterpret_cast<std::uintptr_t>(b);
+      return x < y + b_bytes && y < x + a_bytes;
+    };
+    const std::size_t qb = q_bytes.value, kb = k_bytes.value;
+    if (overlaps(dq, qb, dk, kb))
+    {
+      return {errc::invalid_argument, "dk", "dk overlaps dq; the two gradient outputs must be separate buffers"};
+    }
+    if (overlaps(dq, qb, p.q, qb) || overlaps(dq, qb, p.k, kb))
+    {
+      return {errc::invalid_argument, "dq", "dq overlaps an input (q or k); outputs must not alias inputs"};
+    }
+    if (overlaps(dk, kb, p.q, qb) || overlaps(dk, kb, p.k, kb))
+    {
+      return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
+    }
   }
   if (p.labels != nullptr && check_labels)
   {
@@ -181,9 +231,16 @@ public:
     return engine_.bytes_held();
   }
 
+  /// The whole state. Byte-deterministic (padding zeroed, members copied as bytes): two saves of the same state
+  /// compare equal with memcmp, so a checkpoint can be checksummed or compared as a blob.
   checkpoint save() const noexcept
   {
-    return {temperature_, scaler_, step_};
+    checkpoint c;
+    std::memset(static_cast<void*>(&c), 0, sizeof c);
+    std::memcpy(static_cast<void*>(&c.temperature), &temperature_, sizeof temperature_);
+    std::memcpy(static_cast<void*>(&c.scaler), &scaler_, sizeof scaler_);
+    c.step = step_;
+    return c;
   }
 
   /// Restores a checkpoint after validating it; on error nothing changes.
@@ -212,7 +269,12 @@ public:
   status forward(const problem_type& p, float& loss_value, float* row_lse = nullptr, float* col_lse = nullptr)
   {
     CONTRASTIVE_RETURN_IF_ERROR(validate(p, nullptr, nullptr, false));
-    const host::forward_result r = engine_.template forward<Algorithm>(temperature_.scale());
+    host::forward_result r;
+    CONTRASTIVE_RETURN_IF_ERROR(guarded(
+        [&]
+        {
+          r = engine_.template forward<Algorithm>(temperature_.scale());
+        }));
     forward_ready_ = true;
     loss_value = r.loss;
     if (row_lse != nullptr)
@@ -242,7 +304,17 @@ public:
     {
       return {errc::null_pointer, "dk", "null gradient output for k"};
     }
-    grad_logit_scale_scaled = engine_.template backward<Algorithm>(scaler_.loss_scale(), dq, dk).grad_logit_scale;
+    if (dq == dk)
+    {
+      return {errc::invalid_argument, "dk", "dk is dq; the two gradient outputs must be separate buffers"};
+    }
+    host::backward_result br;
+    CONTRASTIVE_RETURN_IF_ERROR(guarded(
+        [&]
+        {
+          br = engine_.template backward<Algorithm>(scaler_.loss_scale(), dq, dk);
+        }));
+    grad_logit_scale_scaled = br.grad_logit_scale;
     forward_ready_ = false;
     return {};
   }
@@ -253,8 +325,14 @@ public:
   {
     CONTRASTIVE_RETURN_IF_ERROR(validate(p, dq, dk, true));
     const float ls = scaler_.loss_scale();
-    const host::forward_result fr = engine_.template forward<Algorithm>(temperature_.scale());
-    const host::backward_result br = engine_.template backward<Algorithm>(ls, dq, dk);
+    host::forward_result fr;
+    host::backward_result br;
+    CONTRASTIVE_RETURN_IF_ERROR(guarded(
+        [&]
+        {
+          fr = engine_.template forward<Algorithm>(temperature_.scale());
+          br = engine_.template backward<Algorithm>(ls, dq, dk);
+        }));
     forward_ready_ = false;
     rec = step_record{};
     rec.step = step_;
@@ -322,6 +400,43 @@ public:
   }
 
 private:
+  /// Runs `f` (engine work that may allocate) and turns any exception into a status: the library never throws.
+  /// A failure leaves the engine released and no forward ready.
+  template <class F>
+  status guarded(F&& f)
+  {
+    try
+    {
+      f();
+      return {};
+    }
+    catch (const std::bad_alloc&)
+    {
+      return fail_resources("memory", "a buffer of the host engine could not be allocated");
+    }
+    catch (const std::length_error&)
+    {
+      return fail_resources("memory", "a buffer of the host engine exceeds the largest possible allocation");
+    }
+    catch (const std::system_error& e)
+    {
+      return fail_resources("threads", std::string("the system refused a resource: ") + e.what());
+    }
+    catch (...)
+    {
+      return fail_resources("memory", "an allocation failed");
+    }
+  }
+
+  status fail_resources(const char* what, std::string message)
+  {
+    engine_.release();
+    forward_ready_ = false;
+    return {errc::resource_exhausted, what, std::move(message)};
+  }
+
+  /// Step 1: every check, before any state or buffer changes. Only then does the engine resize and convert; if that
+  /// runs out of memory the engine is released (errc::resource_exhausted) and no earlier forward stays ready.
   status validate(const problem_type& p, const void* dq, const void* dk, bool need_grads)
   {
     CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, need_grads));
@@ -333,7 +448,21 @@ private:
     {
       return {errc::invalid_scaler, "scaler", why};
     }
-    const std::ptrdiff_t bad = engine_.prepare(p);
+    if (engine_.threads() > host::max_threads)
+    {
+      return {errc::invalid_argument,
+              "threads",
+              std::to_string(engine_.threads()) + " threads requested; at most " + std::to_string(host::max_threads)};
+    }
+    const detail::checked_size bytes = engine_.template bytes_for<Algorithm>(p);
+    if (!bytes.ok())
+    {
+      return {errc::size_overflow,
+              "n_q",
+              "the engine's buffers for n_q = " + std::to_string(p.n_q) + ", n_k = " + std::to_string(p.n_k) +
+                  ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name + ") do not fit in size_t bytes"};
+    }
+    const std::ptrdiff_t bad = engine_.first_nonfinite(p);
     if (bad != 0)
     {
       const bool in_q = bad > 0;
@@ -343,6 +472,20 @@ private:
               name,
               std::string(name) + "[" + std::to_string(idx / p.dim) + "][" + std::to_string(idx % p.dim) +
                   "] is not finite"};
+    }
+    forward_ready_ = false;
+    status st = guarded(
+        [&]
+        {
+          engine_.template prepare<Algorithm>(p);
+        });
+    if (!st.ok())
+    {
+      return {errc::resource_exhausted,
+              "memory",
+              "the host engine needs " + std::to_string(bytes.value) + " bytes for n_q = " + std::to_string(p.n_q) +
+                  ", n_k = " + std::to_string(p.n_k) + ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name +
+                  "): " + st.message()};
     }
     return {};
   }

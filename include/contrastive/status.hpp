@@ -23,6 +23,8 @@ enum class errc
   invalid_argument,    ///< any other argument outside its domain
   workspace_too_small, ///< the caller's workspace is smaller than required
   cuda_error,          ///< a CUDA runtime call failed
+  size_overflow,       ///< a product of sizes (elements or bytes of a buffer) does not fit in size_t
+  resource_exhausted,  ///< memory (the message gives the bytes asked for) or threads could not be had
 };
 
 /// Short name of an error code.
@@ -52,6 +54,10 @@ inline const char* to_string(errc e) noexcept
     return "workspace_too_small";
   case errc::cuda_error:
     return "cuda_error";
+  case errc::size_overflow:
+    return "size_overflow";
+  case errc::resource_exhausted:
+    return "resource_exhausted";
   }
   return "unknown";
 }

@@ -109,9 +109,29 @@ struct loss
     return {};
   }
 
-  /// Workspace layout for a problem (also the size query).
+  /// Workspace layout for a problem (also the size query). Every size is computed without wrapping: a problem whose
+  /// workspace does not fit in size_t bytes is refused with cudaErrorInvalidValue before any CUDA call.
   static cudaError_t layout(const problem<Element>& p, detail::workspace_layout& w)
   {
+    {
+      using contrastive::detail::checked_size;
+      const checked_size nq_pad = contrastive::detail::round_up(checked_size(p.n_q), traits::block_m);
+      const checked_size nk_pad = contrastive::detail::round_up(checked_size(p.n_k), traits::block_m);
+      const checked_size ld = contrastive::detail::round_up(checked_size(p.dim), traits::d_chunk);
+      const checked_size f = sizeof(float);
+      // Generous bound on the sum of the aligned sub-buffers: 16 x 256 bytes of alignment slack, the statistics, the
+      // accumulators and the materialized matrix.
+      checked_size bound = checked_size(16 * 256) + checked_size(3) * (checked_size(p.n_q) + p.n_k) * f +
+                           (nq_pad + nk_pad) * ld * f + checked_size(detail::elementwise_blocks) * f;
+      if (materialized)
+      {
+        bound = bound + checked_size(p.n_q) * checked_size(p.n_k) * sizeof(Element);
+      }
+      if (!bound.ok())
+      {
+        return cudaErrorInvalidValue;
+      }
+    }
     const std::size_t bm = traits::block_m;
     w.nq_pad = (p.n_q + bm - 1) / bm * bm;
     w.nk_pad = (p.n_k + bm - 1) / bm * bm;
@@ -158,10 +178,10 @@ struct loss
                                                     state_type* d_state,
                                                     cudaStream_t stream = 0)
   {
-    // Labels are device memory: their range is not read here (see the file comment).
+    // Labels are device memory: their range is not read here (see the file comment). check_problem also refuses
+    // sizes whose byte counts overflow and outputs that overlap each other or the inputs.
     if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr || p.n_q > (1u << 30) ||
         p.n_k > (1u << 30) || p.dim > (1u << 24))
-
     {
       return cudaErrorInvalidValue;
     }

@@ -9,6 +9,8 @@
 /// and dQ = s G K, dK = s G^T Q, d loss / d log s = sum_ij G_ij S_ij = <dQ, Q> (the last form costs O(n d)).
 
 #include <contrastive/detail/config.hpp>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/math.hpp>
 #include <contrastive/problem.hpp>
 
 #include <cstddef>
@@ -35,5 +37,43 @@ make_grad_coefficients(objective obj, std::size_t n_q, std::size_t n_k) noexcept
   const float c = static_cast<float>(1.0 / static_cast<double>(n_q));
   return {c, 0.0f, c};
 }
+
+/// G_ij = dL/dS_ij of one logit, from its scaled value x and the log-sum-exp of its row (and, symmetric, of its
+/// column), without the positive's -pos_coef (see `positive_gradient`). Host and device call this one formula.
+CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float
+logit_gradient(float x, float row_lse, float col_lse, const grad_coefficients& gc, bool symmetric) noexcept
+{
+  const float row = gc.row_coef * detail::exp_approx(x - row_lse);
+  return symmetric ? row + gc.col_coef * detail::exp_approx(x - col_lse) : row;
+}
+
+/// The positive's term: G_pp = logit_gradient(S_pp, ...) - pos_coef.
+CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float positive_gradient(float g, const grad_coefficients& gc) noexcept
+{
+  return g - gc.pos_coef;
+}
+
+/// The materialized algorithm's rounding chain, as a framework's autocast rounds (see algorithm::materialized):
+///   A = round_T(q . k)  ->  S = round_T(s A)  ->  G in float  ->  dS = round_T(loss_scale G)  ->  dA = round_T(s dS)
+/// with d loss / d log s accumulated as sum dS * A. One definition for host and device.
+template <class T>
+struct materialized_chain
+{
+  /// S = round_T(s * A) from the stored element-type A (as float).
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float logit(float a, float s) noexcept
+  {
+    return round_to<T>(s * a);
+  }
+  /// dS = round_T(loss_scale * G).
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float scaled_gradient(float g, float loss_scale) noexcept
+  {
+    return round_to<T>(loss_scale * g);
+  }
+  /// dA = s * dS, to be rounded to T where it is stored.
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float product_gradient(float ds, float s) noexcept
+  {
+    return s * ds;
+  }
+};
 
 } // namespace contrastive

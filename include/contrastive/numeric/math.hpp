@@ -27,7 +27,8 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float exp_approx(float x) noexce
 #if CONTRASTIVE_IN_DEVICE_CODE
   return expf(x);
 #else
-  const float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  // NaN fails both tests and becomes -104 here (a NaN cast to int below would be undefined); the result is x again.
+  const float xc = x >= -104.0f ? (x <= 89.0f ? x : 89.0f) : -104.0f;
   const float n = __builtin_rintf(xc * 1.44269504088896341f);
   float r = __builtin_fmaf(n, -0.693145751953125f, xc);
   r = __builtin_fmaf(n, -1.428606765330187045e-06f, r);

@@ -46,6 +46,29 @@ struct online_lse
     max = (max != max || o.max != o.max) ? max + o.max : m;
   }
 
+  /// Moves the state to `new_max` (>= max, finite or -inf for an empty block): sum *= exp(max - new_max). A block of
+  /// values is absorbed as `rebase(max(max, block_max)); sum += sum_j exp(x_j - max)`; host and device tiles use this
+  /// one update. An empty state (and an empty block) keeps sum = 0.
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE void rebase(float new_max) noexcept
+  {
+    if (new_max == -detail::infinity_f)
+    {
+      sum = 0.0f;
+    }
+    else if (max != -detail::infinity_f)
+    {
+      sum *= detail::exp_approx(max - new_max);
+    }
+    max = new_max;
+  }
+
+  /// The shift a block's exponentials use after `rebase`: the max, or 0 for an empty state (whose values are all
+  /// -inf and contribute exp(-inf) = 0).
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float shift() const noexcept
+  {
+    return max == -detail::infinity_f ? 0.0f : max;
+  }
+
   /// log(sum exp(x)); -inf when empty.
   CONTRASTIVE_HOST_DEVICE float value() const noexcept
   {

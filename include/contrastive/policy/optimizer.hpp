@@ -51,7 +51,7 @@ struct optimizer
       return lr_ok && momentum >= 0.0f && momentum < 1.0f;
     }
     return kind == optimizer_kind::adam && lr_ok && beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f &&
-           eps > 0.0f;
+           eps > 0.0f && eps < 1e30f;
   }
 };
 
@@ -61,6 +61,12 @@ struct optimizer_state
   double m = 0.0;
   double v = 0.0;
   std::int64_t t = 0;
+
+  /// A state some sequence of finite updates could have produced (checked by `restore`).
+  CONTRASTIVE_HOST_DEVICE bool valid() const noexcept
+  {
+    return m - m == 0.0 && v >= 0.0 && v < 1.0e300 && t >= 0;
+  }
 };
 
 /// Applies one update to `theta` with gradient `g`; returns the new theta.

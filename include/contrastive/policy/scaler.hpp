@@ -152,9 +152,10 @@ struct dynamic
     {
       return "loss scale must be >= 0 (not NaN)";
     }
-    if (!(growth_factor >= 1.0 && growth_factor < 1e30) || !(backoff_factor > 0.0 && backoff_factor <= 1.0))
+    // As torch.amp.GradScaler: growth must grow and back-off must shrink (a constant scale is static_scale).
+    if (!(growth_factor > 1.0 && growth_factor < 1e30) || !(backoff_factor > 0.0 && backoff_factor < 1.0))
     {
-      return "growth_factor must be >= 1 and backoff_factor in (0, 1]";
+      return "growth_factor must be > 1 and backoff_factor in (0, 1)";
     }
     if (growth_interval < 1 || backoff_interval < 1)
     {

@@ -32,6 +32,27 @@ CONTRASTIVE_HOST_DEVICE inline float logit_scale_of(float tau) noexcept
   return static_cast<float>(-::log(static_cast<double>(tau)));
 }
 
+/// The domain of every temperature: |theta| = |log(1/tau)| <= theta_limit, i.e. tau in [1.8e-35, 5.5e34], where s =
+/// 1/tau and tau are both normal floats. Every policy refuses a tau outside it, and a learnt theta is kept inside it.
+inline constexpr float theta_limit = 80.0f;
+
+/// Whether tau is a temperature every policy accepts (finite, > 0, log(1/tau) within +-theta_limit).
+CONTRASTIVE_HOST_DEVICE inline bool valid_tau(float tau) noexcept
+{
+  if (!(tau > 0.0f && tau < 3.0e38f))
+  {
+    return false;
+  }
+  const float theta = logit_scale_of(tau);
+  return theta >= -theta_limit && theta <= theta_limit;
+}
+
+/// Whether a learnt logit scale is inside the domain (NaN is not).
+CONTRASTIVE_HOST_DEVICE inline bool valid_theta(float theta) noexcept
+{
+  return theta >= -theta_limit && theta <= theta_limit;
+}
+
 /// tau never changes and no gradient is used. State: tau.
 struct fixed
 {
@@ -62,7 +83,7 @@ struct fixed
   CONTRASTIVE_HOST_DEVICE void advance(float) noexcept {}
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
-    return (tau_value > 0.0f && tau_value < 3.0e38f) ? "" : "tau must be finite and > 0";
+    return valid_tau(tau_value) ? "" : "tau must be finite and > 0, with |log(1/tau)| <= 80";
   }
 };
 
@@ -101,18 +122,29 @@ struct learnable
   {
     return true;
   }
+  /// One optimiser step. The result never leaves the domain: an update that would (a huge learning rate, say)
+  /// stops at +-theta_limit, so the policy stays usable instead of refusing every later call.
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
   {
-    theta = apply_update(opt, opt_state, theta, grad_theta);
+    const float next = apply_update(opt, opt_state, theta, grad_theta);
+    theta = next != next ? theta : (next < -theta_limit ? -theta_limit : (next > theta_limit ? theta_limit : next));
     ++steps;
   }
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
-    if (!(theta > -80.0f && theta < 80.0f))
+    if (!valid_theta(theta))
     {
-      return "tau must be finite and > 0 (logit scale log(1/tau) outside (-80, 80))";
+      return "tau must be finite and > 0 (logit scale log(1/tau) outside [-80, 80])";
     }
-    return opt.valid() ? "" : "optimizer settings out of range (lr >= 0, 0 <= betas/momentum < 1, eps > 0)";
+    if (!opt.valid())
+    {
+      return "optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)";
+    }
+    if (!opt_state.valid())
+    {
+      return "optimizer state invalid (moments must be finite, the second moment and the step count >= 0)";
+    }
+    return steps >= 0 ? "" : "steps must be >= 0";
   }
 };
 
@@ -252,9 +284,9 @@ struct scheduled : clamped
 
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
-    if (!(tau_start > 0.0f && tau_start < 3.0e38f && tau_end > 0.0f && tau_end < 3.0e38f))
+    if (!valid_tau(tau_start) || !valid_tau(tau_end))
     {
-      return "tau_start and tau_end must be finite and > 0";
+      return "tau_start and tau_end must be finite and > 0, with |log(1/tau)| <= 80";
     }
     if (kind != schedule_kind::freeze_then_learn && kind != schedule_kind::linear && kind != schedule_kind::cosine)
     {

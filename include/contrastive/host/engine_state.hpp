@@ -1,0 +1,395 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The host engine's state and the work both algorithms share: the logits tile S = s Q_blk K_tile^T of a row block
+/// against a key tile, the forward pass over it (row and column log-sum-exps with the positive kept apart), and the
+/// gradient tile G. fused.hpp and materialized.hpp build their backward passes from these.
+
+#include <contrastive/host/gemm.hpp>
+#include <contrastive/host/operands.hpp>
+#include <contrastive/host/thread_pool.hpp>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/numeric/math.hpp>
+#include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/problem.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace contrastive
+{
+namespace host
+{
+/// Result of a forward pass.
+struct forward_result
+{
+  float loss = 0.0f;
+  float max_logit = 0.0f; ///< largest logit S_ij (materialized: its element-type value)
+  bool logits_nonfinite = false;
+};
+
+/// Result of a backward pass. `grad_logit_scale` is d(loss_scale * loss)/d(log s).
+struct backward_result
+{
+  float grad_logit_scale = 0.0f;
+  bool dq_nonfinite = false;
+  bool dk_nonfinite = false;
+};
+
+/// Per-worker scratch: one row block's packed queries, one tile, its packed gradient, one block accumulator, and
+/// (symmetric forward) the worker's running column statistics.
+struct worker_scratch
+{
+  std::vector<float> qa;      // Q block as a_panels [block_m / MR][d][MR]
+  std::vector<float> qb;      // Q block as b_panels [dp / NR][block_m][NR] (fused dK = G^T Q_blk)
+  std::vector<float> tile;    // block_m x block_n logits / gradients
+  std::vector<float> ga;      // G as a_panels [block_m / MR][block_n][MR]
+  std::vector<float> gt;      // G^T as a_panels [block_n / MR][block_m][MR]
+  std::vector<float> acc;     // max(block_m, block_n) x dp accumulator
+  std::vector<float> col_max; // nk_pad column running max (symmetric forward)
+  std::vector<float> col_sum; // nk_pad column running sum
+
+  std::size_t capacity_bytes() const noexcept
+  {
+    return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
+            col_max.capacity() + col_sum.capacity()) *
+           sizeof(float);
+  }
+};
+
+/// Everything the algorithms read and write. The caller's q and k are read in place (packed per row block or once
+/// per call); keep them alive from `forward` to `backward`.
+template <class T>
+struct engine_state
+{
+  using traits = element_traits<T>;
+
+  thread_pool pool;
+  unsigned threads = 1; ///< configured
+  unsigned workers = 1; ///< used for the current problem (<= threads, <= its rows)
+
+  const T* q = nullptr;
+  const T* k = nullptr;
+  std::size_t n_q = 0, n_k = 0, d = 0, dp = 0, nq_pad = 0, nk_pad = 0;
+  objective obj = objective::symmetric;
+  const std::int32_t* labels = nullptr;
+  float scale = 1.0f;
+
+  std::vector<float> k_logit; // K as b_panels over d: [nk_pad / NR][d][NR]          (S = Q K^T)
+  std::vector<float> k_rows;  // K as b_panels over keys: [dp / NR][nk_pad][NR]     (dQ = G K)
+  std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR] (dK = dA^T Q)
+  std::vector<float> row_lse, row_loss, row_max, pos, col_lse;
+  std::vector<T> logits;             // materialized: n_q x n_k
+  std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place
+  std::vector<worker_scratch> scratch;
+
+  bool symmetric() const noexcept
+  {
+    return obj == objective::symmetric;
+  }
+  std::size_t positive_of(std::size_t i) const noexcept
+  {
+    return labels != nullptr ? static_cast<std::size_t>(labels[i]) : i;
+  }
+
+  /// Packs rows [i0, i0 + block_m) of Q into ws.qa (and, when `both`, ws.qb).
+  void pack_query_block(std::size_t i0, worker_scratch& ws, bool both) const
+  {
+    const std::size_t rows = std::min(block_m, n_q - i0);
+    pack_rows_as_a(q, d, i0, rows, block_m, ws.qa.data());
+    if (both)
+    {
+      pack_rows_over_rows(q, d, dp, i0, rows, block_m, block_m, ws.qb.data());
+    }
+  }
+
+  /// Unscaled dot products of the packed query block with keys [j0, j0 + cols) into ws.tile (ld block_n); columns
+  /// up to the NR-rounded width are written (zero keys beyond n_k).
+  void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
+  {
+    gemm_packed(round_up(rows, kernel_mr),
+                round_up(cols, kernel_nr),
+                d,
+                ws.qa.data(),
+                k_logit.data() + j0 * d,
+                d * kernel_nr,
+                ws.tile.data(),
+                block_n,
+                false);
+  }
+
+  /// The scaled logits of block (i0, j0) in ws.tile, computed as the forward computed them (fused: s * (q . k) in
+  /// float; materialized: the chain from the stored element-type products). Returns whether any is non-finite.
+  template <class Algorithm>
+  bool scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
+  {
+    float poison = 0.0f;
+    const float s = scale;
+    if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
+    {
+      for (std::size_t ii = 0; ii < rows; ++ii)
+      {
+        const T* in = &logits[(i0 + ii) * n_k + j0];
+        float* out = &ws.tile[ii * block_n];
+        poison += lane_sum(cols,
+                           [&](std::size_t jj)
+                           {
+                             const float x = materialized_chain<T>::logit(traits::to_float(in[jj]), s);
+                             out[jj] = x;
+                             return x * 0.0f;
+                           });
+      }
+    }
+    else
+    {
+      dot_tile(j0, rows, cols, ws);
+      for (std::size_t ii = 0; ii < rows; ++ii)
+      {
+        float* row = &ws.tile[ii * block_n];
+        poison += lane_sum(cols,
+                           [&](std::size_t jj)
+                           {
+                             const float x = s * row[jj];
+                             row[jj] = x;
+                             return x * 0.0f;
+                           });
+      }
+    }
+    return poison != 0.0f;
+  }
+
+  /// Forward over one row block: row log-sum-exps of the negatives, positives taken from the tile that holds them,
+  /// and (symmetric) the worker's column statistics. Materialized also stores A = round_T(Q K^T). Returns whether a
+  /// logit was non-finite.
+  template <class Algorithm>
+  bool forward_block_row(std::size_t i0, unsigned w)
+  {
+    worker_scratch& ws = scratch[w];
+    float* tile = ws.tile.data();
+    const std::size_t rows = std::min(block_m, n_q - i0);
+    const bool sym = symmetric();
+    pack_query_block(i0, ws, false);
+    online_lse row_state[block_m];
+    bool bad = false;
+    for (std::size_t j0 = 0; j0 < n_k; j0 += block_n)
+    {
+      const std::size_t cols = std::min(block_n, n_k - j0);
+      if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
+      {
+        dot_tile(j0, rows, cols, ws);
+        for (std::size_t ii = 0; ii < rows; ++ii)
+        {
+          T* out = &logits[(i0 + ii) * n_k + j0];
+          const float* in = &tile[ii * block_n];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            out[jj] = traits::from_float(in[jj]);
+          }
+        }
+      }
+      bad |= scaled_tile<Algorithm>(i0, j0, rows, cols, ws);
+      // The positive is kept apart from the negatives' statistics (row and, symmetric, column: the same element).
+      for (std::size_t ii = 0; ii < rows; ++ii)
+      {
+        const std::size_t p = positive_of(i0 + ii);
+        if (p >= j0 && p < j0 + cols)
+        {
+          float& x = tile[ii * block_n + (p - j0)];
+          pos[i0 + ii] = x;
+          x = -detail::infinity_f;
+        }
+      }
+      for (std::size_t ii = 0; ii < rows; ++ii)
+      {
+        const float* x = &tile[ii * block_n];
+        const float m = lane_max(cols,
+                                 -detail::infinity_f,
+                                 [&](std::size_t jj)
+                                 {
+                                   return x[jj];
+                                 });
+        if (m == -detail::infinity_f)
+        {
+          continue;
+        }
+        online_lse& st = row_state[ii];
+        st.rebase(detail::max_f(st.max, m));
+        const float shift = st.shift();
+        st.sum += lane_sum(cols,
+                           [&](std::size_t jj)
+                           {
+                             return detail::exp_approx(x[jj] - shift);
+                           });
+      }
+      if (sym)
+      {
+        float* cmax = &ws.col_max[j0];
+        float* csum = &ws.col_sum[j0];
+        float new_max[block_n];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          new_max[jj] = cmax[jj];
+        }
+        for (std::size_t ii = 0; ii < rows; ++ii)
+        {
+          const float* x = &tile[ii * block_n];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            new_max[jj] = detail::max_f(new_max[jj], x[jj]);
+          }
+        }
+        float shift[block_n];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          online_lse st{cmax[jj], csum[jj]};
+          st.rebase(new_max[jj]);
+          cmax[jj] = st.max;
+          csum[jj] = st.sum;
+          shift[jj] = st.shift();
+        }
+        for (std::size_t ii = 0; ii < rows; ++ii)
+        {
+          const float* x = &tile[ii * block_n];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            csum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+          }
+        }
+      }
+    }
+    for (std::size_t ii = 0; ii < rows; ++ii)
+    {
+      const contrastive::row_loss rl = finish_row(row_state[ii], pos[i0 + ii]);
+      row_lse[i0 + ii] = rl.lse;
+      row_loss[i0 + ii] = rl.loss;
+      row_max[i0 + ii] = row_state[ii].max;
+    }
+    return bad;
+  }
+
+  /// G = dL/dS of block (i0, j0) into ws.tile (rows x cols valid, zero elsewhere up to block_m x block_n), from the
+  /// scaled logits already there.
+  void gradient_tile(std::size_t i0,
+                     std::size_t j0,
+                     std::size_t rows,
+                     std::size_t cols,
+                     const grad_coefficients& gc,
+                     worker_scratch& ws) const noexcept
+  {
+    const bool sym = symmetric();
+    for (std::size_t ii = 0; ii < block_m; ++ii)
+    {
+      float* g = &ws.tile[ii * block_n];
+      if (ii >= rows)
+      {
+        std::fill(g, g + block_n, 0.0f);
+        continue;
+      }
+      const float lr = row_lse[i0 + ii];
+      const float* lc = sym ? &col_lse[j0] : &row_lse[i0 + ii];
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        g[jj] = logit_gradient(g[jj], lr, sym ? lc[jj] : 0.0f, gc, sym);
+      }
+      std::fill(g + cols, g + block_n, 0.0f);
+      const std::size_t p = positive_of(i0 + ii);
+      if (p >= j0 && p < j0 + cols)
+      {
+        g[p - j0] = positive_gradient(g[p - j0], gc);
+      }
+    }
+  }
+
+  /// acc (block_m x dp, ld dp) += G(ws.tile, rows x cols) K[j0 : j0 + cols].
+  void dq_product(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
+  {
+    const std::size_t m_pad = round_up(rows, kernel_mr);
+    pack_a(ws.tile.data(), block_n, m_pad, m_pad, cols, ws.ga.data());
+    gemm_packed(m_pad, dp, cols, ws.ga.data(), k_rows.data() + j0 * kernel_nr, nk_pad * kernel_nr, acc, dp, true);
+  }
+
+  /// Forward over all row blocks; fills the statistics and returns the loss, max logit and non-finite flag.
+  template <class Algorithm>
+  forward_result forward(float s)
+  {
+    scale = s;
+    const bool sym = symmetric();
+    for (auto& ws : scratch)
+    {
+      std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);
+      std::fill(ws.col_sum.begin(), ws.col_sum.end(), 0.0f);
+    }
+    unsigned char bad[max_threads] = {};
+    parallel_for(pool,
+                 nq_pad / block_m,
+                 workers,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   bad[w] |= forward_block_row<Algorithm>(t * block_m, w) ? 1 : 0;
+                 });
+    forward_result r;
+    for (unsigned w = 0; w < workers; ++w)
+    {
+      r.logits_nonfinite |= bad[w] != 0;
+    }
+    double row_sum = 0.0;
+    float max_logit = -detail::infinity_f;
+    for (std::size_t i = 0; i < n_q; ++i)
+    {
+      row_sum += row_loss[i];
+      r.logits_nonfinite |= !(pos[i] - pos[i] == 0.0f);
+      max_logit = std::max(max_logit, std::max(row_max[i], pos[i]));
+    }
+    r.max_logit = max_logit;
+    double total = row_sum / static_cast<double>(n_q);
+    if (sym)
+    {
+      double col_sum = 0.0;
+      for (std::size_t j = 0; j < n_k; ++j)
+      {
+        online_lse c{};
+        for (unsigned w = 0; w < workers; ++w)
+        {
+          c.merge(online_lse{scratch[w].col_max[j], scratch[w].col_sum[j]});
+        }
+        const contrastive::row_loss rl = finish_row(c, pos[j]);
+        col_lse[j] = rl.lse;
+        col_sum += rl.loss;
+      }
+      total = 0.5 * (total + col_sum / static_cast<double>(n_k));
+    }
+    r.loss = static_cast<float>(total);
+    return r;
+  }
+
+  /// Scales a float row by `factor`, rounds to T and writes d elements; returns whether any result is non-finite.
+  bool store_row(const float* acc, float factor, T* out) const noexcept
+  {
+    float poison = 0.0f;
+    for (std::size_t c = 0; c < d; ++c)
+    {
+      const T v = traits::from_float(factor * acc[c]);
+      poison += traits::to_float(v) * 0.0f;
+      out[c] = v;
+    }
+    return poison != 0.0f;
+  }
+
+  /// sum_c acc[c] * q_i[c] over d elements.
+  float dot_query(const float* acc, std::size_t i) const noexcept
+  {
+    const T* row = q + i * d;
+    return lane_sum(d,
+                    [&](std::size_t c)
+                    {
+                      return acc[c] * traits::to_float(row[c]);
+                    });
+  }
+};
+} // namespace host
+} // namespace contrastive

@@ -1,0 +1,158 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The fused algorithm's backward on the host: the logits tiles are recomputed (bit-identical to the forward's), turned
+/// into G, and multiplied into dQ = s G K and dK = s G^T Q without ever storing the n_q x n_k matrix.
+///
+/// Work is split so that no worker needs an n_k x D accumulator of its own and every result is bit-reproducible for
+/// a given thread count: the row blocks form W row groups and the key tiles W key groups; in round r (r = 0..W-1)
+/// worker w multiplies row group w against key group (w + r) mod W. Within a round no two workers touch the same dQ
+/// rows or the same dK rows, so dQ and dK accumulate in one shared float buffer each (the caller's dq/dk themselves
+/// when the element type is float and the shapes are aligned), in a fixed order.
+
+#include <contrastive/host/engine_state.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+
+namespace contrastive
+{
+namespace host
+{
+/// Whether the fused backward accumulates straight into the caller's float dq/dk (no accumulator copies): float
+/// elements, d a multiple of NR (rows of the accumulators are d wide) and n_k a multiple of MR (the dK product writes
+/// whole MR-row panels).
+template <class T>
+constexpr bool fused_in_place(std::size_t n_k, std::size_t d) noexcept
+{
+  return std::is_same_v<T, float> && d % kernel_nr == 0 && n_k % kernel_mr == 0;
+}
+
+/// Backward of `loss_scale * loss` for the fused algorithm after `forward<fused>`.
+template <class T>
+backward_result fused_backward(engine_state<T>& st, float loss_scale, T* dq, T* dk)
+{
+  const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
+  const float out_scale = loss_scale * st.scale;
+  const std::size_t row_blocks = st.nq_pad / block_m;
+  const std::size_t key_tiles = st.nk_pad / block_n;
+  const unsigned groups = static_cast<unsigned>(std::min<std::size_t>(st.workers, row_blocks));
+  const bool in_place = fused_in_place<T>(st.n_k, st.d);
+  float* dq_acc = in_place ? reinterpret_cast<float*>(dq) : st.dq_acc.data();
+  float* dk_acc = in_place ? reinterpret_cast<float*>(dk) : st.dk_acc.data();
+  const std::size_t ld = in_place ? st.d : st.dp;
+
+  // Zero the accumulators (dk_acc also its padding rows up to the last MR panel).
+  const std::size_t dk_rows = in_place ? st.n_k : st.nk_pad;
+  parallel_for(st.pool,
+               groups,
+               groups,
+               [&](std::size_t g, unsigned)
+               {
+                 const std::size_t q0 = st.n_q * g / groups, q1 = st.n_q * (g + 1) / groups;
+                 std::fill(dq_acc + q0 * ld, dq_acc + q1 * ld, 0.0f);
+                 const std::size_t k0 = dk_rows * g / groups, k1 = dk_rows * (g + 1) / groups;
+                 std::fill(dk_acc + k0 * ld, dk_acc + k1 * ld, 0.0f);
+               });
+
+  for (unsigned round = 0; round < groups; ++round)
+  {
+    st.pool.run(groups,
+                [&](unsigned w)
+                {
+                  worker_scratch& ws = st.scratch[w];
+                  const unsigned kg = (w + round) % groups;
+                  const std::size_t b0 = row_blocks * w / groups, b1 = row_blocks * (w + 1) / groups;
+                  const std::size_t t0 = key_tiles * kg / groups, t1 = key_tiles * (kg + 1) / groups;
+                  if (t0 == t1)
+                  {
+                    return;
+                  }
+                  for (std::size_t b = b0; b < b1; ++b)
+                  {
+                    const std::size_t i0 = b * block_m;
+                    const std::size_t rows = std::min(block_m, st.n_q - i0);
+                    st.pack_query_block(i0, ws, true);
+                    float* acc = ws.acc.data();
+                    std::fill(acc, acc + block_m * st.dp, 0.0f);
+                    for (std::size_t t = t0; t < t1; ++t)
+                    {
+                      const std::size_t j0 = t * block_n;
+                      if (j0 >= st.n_k)
+                      {
+                        break;
+                      }
+                      const std::size_t cols = std::min(block_n, st.n_k - j0);
+                      st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
+                      st.gradient_tile(i0, j0, rows, cols, gc, ws);
+                      st.dq_product(j0, rows, cols, ws, acc);
+                      // dK rows [j0, j0 + cols) += G^T Q_blk: A = G^T panels over the block's rows.
+                      const std::size_t m_pad = round_up(cols, kernel_mr);
+                      pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
+                      gemm_packed(m_pad,
+                                  in_place ? st.d : st.dp,
+                                  block_m,
+                                  ws.gt.data(),
+                                  ws.qb.data(),
+                                  block_m * kernel_nr,
+                                  dk_acc + j0 * ld,
+                                  ld,
+                                  true);
+                    }
+                    for (std::size_t ii = 0; ii < rows; ++ii)
+                    {
+                      float* dst = dq_acc + (i0 + ii) * ld;
+                      const float* src = acc + ii * st.dp;
+                      for (std::size_t c = 0; c < st.d; ++c)
+                      {
+                        dst[c] += src[c];
+                      }
+                    }
+                  }
+                });
+  }
+
+  // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
+  double dlogs_parts[max_threads] = {};
+  unsigned char bad_q[max_threads] = {}, bad_k[max_threads] = {};
+  constexpr std::size_t chunk = 64;
+  parallel_for(st.pool,
+               (st.n_q + chunk - 1) / chunk,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 const std::size_t end = std::min(st.n_q, (t + 1) * chunk);
+                 for (std::size_t i = t * chunk; i < end; ++i)
+                 {
+                   const float* acc = dq_acc + i * ld;
+                   dlogs_parts[w] += static_cast<double>(st.dot_query(acc, i));
+                   bad_q[w] |= st.store_row(acc, out_scale, dq + i * st.d) ? 1 : 0;
+                 }
+               });
+  parallel_for(st.pool,
+               (st.n_k + chunk - 1) / chunk,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 const std::size_t end = std::min(st.n_k, (t + 1) * chunk);
+                 for (std::size_t j = t * chunk; j < end; ++j)
+                 {
+                   bad_k[w] |= st.store_row(dk_acc + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
+                 }
+               });
+  backward_result r;
+  double dlogs = 0.0;
+  for (unsigned w = 0; w < st.workers; ++w)
+  {
+    dlogs += dlogs_parts[w];
+    r.dq_nonfinite |= bad_q[w] != 0;
+    r.dk_nonfinite |= bad_k[w] != 0;
+  }
+  r.grad_logit_scale = static_cast<float>(static_cast<double>(out_scale) * dlogs);
+  return r;
+}
+} // namespace host
+} // namespace contrastive

@@ -1,0 +1,209 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The host GEMM core: a register-blocked float micro-kernel over packed operands, and the packed layouts every host
+/// product uses.
+///
+///   micro_kernel:  C[MR x NR] (+)= sum_p a[p][0..MR) (outer) b[p][0..NR)
+///
+/// Both operands are packed so that each step p reads MR broadcast scalars and NR contiguous floats, and consecutive
+/// steps are consecutive in memory: no strided reads (a 2 KiB stride maps every row of a D = 512 operand to the same
+/// few L1 sets). MR x NR fills the vector register file without spilling, as BLIS does per ISA:
+///   AVX-512 (32 zmm):  8 x 32, 16 accumulators + 2 B vectors
+///   AVX2/AVX (16 ymm): 6 x 16, 12 accumulators + 2 B vectors + 1 broadcast
+///   SSE/other (16 xmm): 4 x 8, 8 accumulators
+/// The block shapes of the algorithms (rows per task, keys per tile) are multiples of MR and NR for every ISA.
+///
+/// Packed layouts (float):
+///   a_panels  [rows_pad / MR][k][MR]   rows of a row-major matrix, the A operand of row-times-matrix products
+///   b_panels  [cols_pad / NR][k][NR]   columns of the B operand; for B = X^T (logits) the "columns" are rows of X
+///   The loss keeps K as b_panels over D (for S = Q K^T) and as b_panels over keys (for dQ = G K), and packs each
+///   task's block of Q both ways.
+
+#include <contrastive/detail/config.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+namespace contrastive
+{
+namespace host
+{
+#if defined(__AVX512F__)
+inline constexpr int vector_floats = 16;
+inline constexpr int kernel_mr = 8;
+inline constexpr int kernel_nr = 32;
+inline constexpr const char* kernel_isa = "avx512";
+#elif defined(__AVX__)
+inline constexpr int vector_floats = 8;
+inline constexpr int kernel_mr = 6;
+inline constexpr int kernel_nr = 16;
+#if defined(__AVX2__) && defined(__FMA__)
+inline constexpr const char* kernel_isa = "avx2+fma";
+#else
+inline constexpr const char* kernel_isa = "avx";
+#endif
+#else
+inline constexpr int vector_floats = 4;
+inline constexpr int kernel_mr = 4;
+inline constexpr int kernel_nr = 8;
+inline constexpr const char* kernel_isa = "generic";
+#endif
+
+/// Rows per task and keys per tile: multiples of MR and NR (and of each other's MR, since the dK product runs over
+/// key tiles as its rows).
+inline constexpr std::size_t block_m = kernel_mr == 6 ? 96 : 64;
+inline constexpr std::size_t block_n = kernel_mr == 6 ? 192 : 256;
+static_assert(block_m % kernel_mr == 0 && block_n % kernel_nr == 0 && block_n % kernel_mr == 0, "tile shapes");
+
+CONTRASTIVE_HOST_DEVICE constexpr std::size_t round_up(std::size_t x, std::size_t m) noexcept
+{
+  return (x + m - 1) / m * m;
+}
+
+namespace kernel
+{
+#if defined(__GNUC__) || defined(__clang__)
+typedef float vfloat __attribute__((vector_size(vector_floats * sizeof(float)), aligned(4), may_alias));
+inline constexpr int nr_vectors = kernel_nr / vector_floats;
+
+/// C[MR x NR] (ld ldc) = or += sum over kc steps of a[p][0..MR) times b[p][0..NR), both packed contiguously.
+CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
+                                          const float* __restrict a,
+                                          const float* __restrict b,
+                                          float* __restrict c,
+                                          std::size_t ldc,
+                                          bool accumulate) noexcept
+{
+  // Accumulating kernels start from C, so every element is one sequential chain c + a0 b0 + a1 b1 + ... over the
+  // whole reduction, whatever MR, NR and the block sizes are: results do not depend on the ISA's register blocking.
+  vfloat acc[kernel_mr][nr_vectors];
+  for (int i = 0; i < kernel_mr; ++i)
+  {
+    for (int v = 0; v < nr_vectors; ++v)
+    {
+      if (accumulate)
+      {
+        std::memcpy(&acc[i][v], c + i * ldc + v * vector_floats, sizeof(vfloat));
+      }
+      else
+      {
+        acc[i][v] = vfloat{} - vfloat{};
+      }
+    }
+  }
+  for (std::size_t p = 0; p < kc; ++p)
+  {
+    vfloat bv[nr_vectors];
+    for (int v = 0; v < nr_vectors; ++v)
+    {
+      std::memcpy(&bv[v], b + v * vector_floats, sizeof(vfloat));
+    }
+    for (int i = 0; i < kernel_mr; ++i)
+    {
+      const float ai = a[i];
+      for (int v = 0; v < nr_vectors; ++v)
+      {
+        acc[i][v] += ai * bv[v];
+      }
+    }
+    a += kernel_mr;
+    b += kernel_nr;
+  }
+  for (int i = 0; i < kernel_mr; ++i)
+  {
+    for (int v = 0; v < nr_vectors; ++v)
+    {
+      std::memcpy(c + i * ldc + v * vector_floats, &acc[i][v], sizeof(vfloat));
+    }
+  }
+}
+#else
+inline void
+micro_kernel(std::size_t kc, const float* a, const float* b, float* c, std::size_t ldc, bool accumulate) noexcept
+{
+  float acc[kernel_mr][kernel_nr];
+  for (int i = 0; i < kernel_mr; ++i)
+    for (int j = 0; j < kernel_nr; ++j)
+      acc[i][j] = accumulate ? c[i * ldc + j] : 0.0f;
+  for (std::size_t p = 0; p < kc; ++p, a += kernel_mr, b += kernel_nr)
+    for (int i = 0; i < kernel_mr; ++i)
+      for (int j = 0; j < kernel_nr; ++j)
+        acc[i][j] += a[i] * b[j];
+  for (int i = 0; i < kernel_mr; ++i)
+    for (int j = 0; j < kernel_nr; ++j)
+      c[i * ldc + j] = acc[i][j];
+}
+#endif
+} // namespace kernel
+
+/// C (m_pad x n_pad, ld ldc; m_pad, n_pad multiples of MR, NR) (+)= A B with A as a_panels [m_pad/MR][kc][MR] and B as
+/// b_panels whose panel c starts at b + c * b_panel_stride and holds [kc][NR].
+inline void gemm_packed(std::size_t m_pad,
+                        std::size_t n_pad,
+                        std::size_t kc,
+                        const float* a,
+                        const float* b,
+                        std::size_t b_panel_stride,
+                        float* c,
+                        std::size_t ldc,
+                        bool accumulate) noexcept
+{
+  for (std::size_t jc = 0; jc < n_pad; jc += kernel_nr)
+  {
+    const float* bp = b + (jc / kernel_nr) * b_panel_stride;
+    for (std::size_t ic = 0; ic < m_pad; ic += kernel_mr)
+    {
+      kernel::micro_kernel(kc, a + ic * kc, bp, c + ic * ldc + jc, ldc, accumulate);
+    }
+  }
+}
+
+/// Packs rows [0, rows) of a float row-major matrix (ld ld, k columns used) as a_panels [rows_pad/MR][k][MR], padding
+/// rows with zeros up to rows_pad.
+inline void pack_a(const float* src, std::size_t ld, std::size_t rows, std::size_t rows_pad, std::size_t k, float* dst)
+{
+  for (std::size_t r0 = 0; r0 < rows_pad; r0 += kernel_mr)
+  {
+    float* panel = dst + r0 * k;
+    for (std::size_t p = 0; p < k; ++p)
+    {
+      for (int i = 0; i < kernel_mr; ++i)
+      {
+        const std::size_t r = r0 + static_cast<std::size_t>(i);
+        panel[p * kernel_mr + i] = r < rows ? src[r * ld + p] : 0.0f;
+      }
+    }
+  }
+}
+
+/// Packs the transpose: columns [0, cols) of a float row-major matrix (ld ld, k rows used) as a_panels of its transpose
+/// [cols_pad/MR][k][MR], padding with zeros.
+inline void
+pack_a_transposed(const float* src, std::size_t ld, std::size_t cols, std::size_t cols_pad, std::size_t k, float* dst)
+{
+  for (std::size_t c0 = 0; c0 < cols_pad; c0 += kernel_mr)
+  {
+    float* panel = dst + c0 * k;
+    if (c0 + kernel_mr <= cols)
+    {
+      for (std::size_t p = 0; p < k; ++p)
+      {
+        std::memcpy(panel + p * kernel_mr, src + p * ld + c0, kernel_mr * sizeof(float));
+      }
+      continue;
+    }
+    for (std::size_t p = 0; p < k; ++p)
+    {
+      for (int j = 0; j < kernel_mr; ++j)
+      {
+        const std::size_t c = c0 + static_cast<std::size_t>(j);
+        panel[p * kernel_mr + j] = c < cols ? src[p * ld + c] : 0.0f;
+      }
+    }
+  }
+}
+} // namespace host
+} // namespace contrastive

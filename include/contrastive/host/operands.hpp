@@ -1,0 +1,220 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Operands of the host engine: the finiteness scan of the caller's arrays, their conversion from the element type to
+/// float straight into the packed layouts of host/gemm.hpp, and the 16-lane reductions the tile loops use.
+
+#include <contrastive/host/gemm.hpp>
+#include <contrastive/host/thread_pool.hpp>
+#include <contrastive/numeric/element_traits.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace contrastive
+{
+namespace host
+{
+/// Sum of f(0..n) in 16 lanes (vectorisable: the compiler may not reorder a scalar float reduction).
+template <class F>
+CONTRASTIVE_FORCEINLINE float lane_sum(std::size_t n, F&& f) noexcept
+{
+  float acc[16] = {};
+  std::size_t j = 0;
+  for (; j + 16 <= n; j += 16)
+  {
+    for (int l = 0; l < 16; ++l)
+    {
+      acc[l] += f(j + l);
+    }
+  }
+  float t = 0.0f;
+  for (; j < n; ++j)
+  {
+    t += f(j);
+  }
+  for (int l = 0; l < 16; ++l)
+  {
+    t += acc[l];
+  }
+  return t;
+}
+
+/// Max of init and f(0..n) in 16 lanes.
+template <class F>
+CONTRASTIVE_FORCEINLINE float lane_max(std::size_t n, float init, F&& f) noexcept
+{
+  float acc[16];
+  for (int l = 0; l < 16; ++l)
+  {
+    acc[l] = init;
+  }
+  std::size_t j = 0;
+  for (; j + 16 <= n; j += 16)
+  {
+    for (int l = 0; l < 16; ++l)
+    {
+      const float x = f(j + l);
+      acc[l] = acc[l] > x ? acc[l] : x;
+    }
+  }
+  float t = init;
+  for (; j < n; ++j)
+  {
+    const float x = f(j);
+    t = t > x ? t : x;
+  }
+  for (int l = 0; l < 16; ++l)
+  {
+    t = t > acc[l] ? t : acc[l];
+  }
+  return t;
+}
+
+/// Index (row * d + col) + 1 of the first non-finite element of src (rows x d), or 0. Reads only src.
+template <class T>
+std::ptrdiff_t scan_nonfinite(thread_pool& pool, const T* src, std::size_t rows, std::size_t d, unsigned workers)
+{
+  using traits = element_traits<T>;
+  constexpr std::size_t chunk = 256;
+  constexpr unsigned most = 64;
+  const std::size_t tasks = (rows + chunk - 1) / chunk;
+  const unsigned used = static_cast<unsigned>(std::min<std::size_t>(std::min<std::size_t>(workers, tasks), most));
+  std::ptrdiff_t first_bad[most] = {};
+  parallel_for(pool,
+               tasks,
+               used,
+               [&](std::size_t t, unsigned w)
+               {
+                 if (first_bad[w] != 0)
+                 {
+                   return; // this worker's tasks only grow: its first bad index is already its smallest
+                 }
+                 const std::size_t end = std::min(rows, (t + 1) * chunk);
+                 for (std::size_t i = t * chunk; i < end; ++i)
+                 {
+                   const T* row = src + i * d;
+                   const float poison = lane_sum(d,
+                                                 [&](std::size_t c)
+                                                 {
+                                                   return traits::to_float(row[c]) * 0.0f;
+                                                 });
+                   if (poison == 0.0f)
+                   {
+                     continue;
+                   }
+                   for (std::size_t c = 0; c < d; ++c)
+                   {
+                     if (!traits::is_finite(row[c]))
+                     {
+                       first_bad[w] = static_cast<std::ptrdiff_t>(i * d + c) + 1;
+                       return;
+                     }
+                   }
+                 }
+               });
+  std::ptrdiff_t bad = 0;
+  for (unsigned w = 0; w < used; ++w)
+  {
+    if (first_bad[w] != 0 && (bad == 0 || first_bad[w] < bad))
+    {
+      bad = first_bad[w];
+    }
+  }
+  return bad;
+}
+
+/// Rows [r0, r0 + rows) of src (row-major, d columns, element T) as the B operand of the logits product, "columns"
+/// being rows: b_panels [rows_pad / NR][d][NR], zero beyond `rows`. Used for K (S = Q K^T) once per call.
+template <class T>
+void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
+{
+  using traits = element_traits<T>;
+  for (std::size_t c = 0; c < rows_pad; c += kernel_nr)
+  {
+    float* panel = dst + c * d;
+    for (int jj = 0; jj < kernel_nr; ++jj)
+    {
+      const std::size_t r = c + static_cast<std::size_t>(jj);
+      if (r < rows)
+      {
+        const T* row = src + (r0 + r) * d;
+        for (std::size_t p = 0; p < d; ++p)
+        {
+          panel[p * kernel_nr + jj] = traits::to_float(row[p]);
+        }
+      }
+      else
+      {
+        for (std::size_t p = 0; p < d; ++p)
+        {
+          panel[p * kernel_nr + jj] = 0.0f;
+        }
+      }
+    }
+  }
+}
+
+/// Rows [r0, r0 + rows) of src as the B operand of a product over rows (dQ = G K, dK = G^T Q): b_panels over the
+/// dimension, [dp / NR][ld_rows][NR] (panel stride ld_rows * NR floats), rows beyond `rows` and columns beyond d zero
+/// up to rows_pad and dp.
+template <class T>
+void pack_rows_over_rows(const T* src,
+                         std::size_t d,
+                         std::size_t dp,
+                         std::size_t r0,
+                         std::size_t rows,
+                         std::size_t rows_pad,
+                         std::size_t ld_rows,
+                         float* dst)
+{
+  using traits = element_traits<T>;
+  for (std::size_t r = 0; r < rows_pad; ++r)
+  {
+    const T* row = r < rows ? src + (r0 + r) * d : src;
+    for (std::size_t c = 0; c < dp; c += kernel_nr)
+    {
+      float* out = dst + c * ld_rows + r * kernel_nr;
+      for (int jj = 0; jj < kernel_nr; ++jj)
+      {
+        const std::size_t col = c + static_cast<std::size_t>(jj);
+        out[jj] = (r < rows && col < d) ? traits::to_float(row[col]) : 0.0f;
+      }
+    }
+  }
+}
+
+/// Rows [r0, r0 + rows) of src as the A operand of the logits product: a_panels [rows_pad / MR][d][MR], zero beyond
+/// `rows`.
+template <class T>
+void pack_rows_as_a(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
+{
+  using traits = element_traits<T>;
+  for (std::size_t c = 0; c < rows_pad; c += kernel_mr)
+  {
+    float* panel = dst + c * d;
+    for (int ii = 0; ii < kernel_mr; ++ii)
+    {
+      const std::size_t r = c + static_cast<std::size_t>(ii);
+      if (r < rows)
+      {
+        const T* row = src + (r0 + r) * d;
+        for (std::size_t p = 0; p < d; ++p)
+        {
+          panel[p * kernel_mr + ii] = traits::to_float(row[p]);
+        }
+      }
+      else
+      {
+        for (std::size_t p = 0; p < d; ++p)
+        {
+          panel[p * kernel_mr + ii] = 0.0f;
+        }
+      }
+    }
+  }
+}
+} // namespace host
+} // namespace contrastive

@@ -1,0 +1,213 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A persistent fork-join worker pool on std::thread, with a static task assignment so that results do not depend on
+/// scheduling. Threads are started on first use and kept until the pool is destroyed; every `run` wakes them, runs
+/// one function per worker and waits for all. No dependency beyond the standard library.
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace contrastive
+{
+namespace host
+{
+/// The most threads a loss may be configured with; a larger request is refused at its first call
+/// (errc::invalid_argument).
+inline constexpr unsigned max_threads = 4096;
+
+/// Number of worker threads used when the caller asks for 0 ("all cores").
+inline unsigned default_threads() noexcept
+{
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1u : n;
+}
+
+/// Fork-join pool. `run(workers, fn)` calls fn(w) for w in [0, workers) concurrently, worker 0 on the calling thread,
+/// and returns when all have finished. If the system refuses a thread (or the pool's own memory), the calling thread
+/// runs the missing workers' shares after its own: the assignment of work to worker indices (and so every result) is
+/// unchanged, only slower, and no exception leaves the pool. Not reentrant; one caller at a time. Copying gives a new,
+/// empty pool (threads are started again on its first run); moving moves the threads.
+class thread_pool
+{
+  struct impl
+  {
+    std::vector<std::thread> threads;
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::condition_variable done;
+    const std::function<void(unsigned)>* job = nullptr;
+    std::size_t generation = 0;
+    unsigned active = 0;
+    unsigned pending = 0;
+    bool stop = false;
+
+    ~impl()
+    {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        stop = true;
+        ++generation;
+      }
+      wake.notify_all();
+      for (auto& t : threads)
+      {
+        t.join();
+      }
+    }
+
+    void grow(std::size_t wanted) noexcept
+    {
+      try
+      {
+        threads.reserve(wanted);
+        while (threads.size() < wanted)
+        {
+          const unsigned index = static_cast<unsigned>(threads.size()) + 1;
+          threads.emplace_back(
+              [this, index]
+              {
+                loop(index);
+              });
+        }
+      }
+      catch (...)
+      {
+        // Fewer threads than asked: run() gives the missing workers' shares to the caller.
+      }
+    }
+
+    void loop(unsigned index)
+    {
+      std::size_t seen = 0;
+      for (;;)
+      {
+        const std::function<void(unsigned)>* current = nullptr;
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          wake.wait(lock,
+                    [&]
+                    {
+                      return generation != seen;
+                    });
+          seen = generation;
+          if (stop)
+          {
+            return;
+          }
+          if (index > active)
+          {
+            continue; // not needed for this run
+          }
+          current = job;
+        }
+        (*current)(index);
+        std::lock_guard<std::mutex> lock(mutex);
+        if (--pending == 0)
+        {
+          done.notify_one();
+        }
+      }
+    }
+  };
+
+public:
+  thread_pool() = default;
+  thread_pool(const thread_pool&) noexcept {}
+  thread_pool& operator=(const thread_pool&) noexcept
+  {
+    return *this;
+  }
+  thread_pool(thread_pool&&) noexcept = default;
+  thread_pool& operator=(thread_pool&&) noexcept = default;
+  ~thread_pool() = default;
+
+  /// Threads started so far (excluding the caller).
+  std::size_t started() const noexcept
+  {
+    return impl_ ? impl_->threads.size() : 0;
+  }
+
+  template <class F>
+  void run(unsigned workers, F&& fn)
+  {
+    if (workers <= 1)
+    {
+      fn(0u);
+      return;
+    }
+    if (!impl_)
+    {
+      impl_.reset(new (std::nothrow) impl);
+    }
+    if (!impl_)
+    {
+      for (unsigned w = 0; w < workers; ++w)
+      {
+        fn(w);
+      }
+      return;
+    }
+    impl& p = *impl_;
+    if (p.threads.size() < workers - 1)
+    {
+      p.grow(workers - 1);
+    }
+    const unsigned helpers = static_cast<unsigned>(std::min<std::size_t>(workers - 1, p.threads.size()));
+    const std::function<void(unsigned)> job = [&fn](unsigned w)
+    {
+      fn(w);
+    };
+    {
+      std::lock_guard<std::mutex> lock(p.mutex);
+      p.job = &job;
+      p.active = helpers;
+      p.pending = helpers;
+      ++p.generation;
+    }
+    p.wake.notify_all();
+    fn(0u);
+    for (unsigned w = helpers + 1; w < workers; ++w) // shares of threads the system refused
+    {
+      fn(w);
+    }
+    std::unique_lock<std::mutex> lock(p.mutex);
+    p.done.wait(lock,
+                [&]
+                {
+                  return p.pending == 0;
+                });
+    p.job = nullptr;
+  }
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+/// Runs fn(task, worker) for task in [0, n_tasks) on up to `threads` workers of `pool`. Static round-robin
+/// assignment: worker w runs tasks w, w + workers, ... Tasks are equal-sized blocks, and a fixed assignment makes every
+/// per-worker partial (column statistics, reductions) and so every result bit-reproducible for a given thread count.
+template <class F>
+unsigned parallel_for(thread_pool& pool, std::size_t n_tasks, unsigned threads, F&& fn)
+{
+  const unsigned workers = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(threads, n_tasks)));
+  pool.run(workers,
+           [&](unsigned w)
+           {
+             for (std::size_t t = w; t < n_tasks; t += workers)
+             {
+               fn(t, w);
+             }
+           });
+  return workers;
+}
+} // namespace host
+} // namespace contrastive
