@@ -334,20 +334,12 @@ public:
           br = engine_.template backward<Algorithm>(ls, dq, dk);
         }));
     forward_ready_ = false;
-    rec = step_record{};
-    rec.step = step_;
-    rec.loss = fr.loss;
-    rec.tau = temperature_.tau();
-    rec.loss_scale = ls;
-    rec.grad_logit_scale = br.grad_logit_scale / ls;
-    rec.max_logit = fr.max_logit;
-    rec.pending = true;
-    rec.first_nonfinite = detail::first_nonfinite(fr.logits_nonfinite,
-                                                  fr.loss,
-                                                  br.dq_nonfinite,
-                                                  br.dk_nonfinite,
-                                                  temperature_.wants_gradient(),
-                                                  rec.grad_logit_scale);
+    rec = detail::make_record(
+        step_,
+        temperature_.tau(),
+        ls,
+        temperature_.wants_gradient(),
+        {fr.loss, fr.max_logit, br.grad_logit_scale, fr.logits_nonfinite, br.dq_nonfinite, br.dk_nonfinite});
     return {};
   }
 
@@ -363,7 +355,7 @@ public:
     {
       return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
     }
-    const float inv = static_cast<float>(1.0 / static_cast<double>(rec.loss_scale));
+    const float inv = detail::unscale_factor(rec.loss_scale);
     float poison = 0.0f;
     for (std::size_t i = 0; i < n; ++i)
     {

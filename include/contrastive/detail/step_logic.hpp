@@ -49,6 +49,39 @@ first_nonfinite(bool logits_bad, float loss, bool dq_bad, bool dk_bad, bool want
   return nonfinite_site::none;
 }
 
+/// What the forward and backward passes report, from which `make_record` fills a pending step record.
+struct pass_outcome
+{
+  float loss;
+  float max_logit;
+  float grad_logit_scale_scaled; ///< d(loss_scale * loss)/d(log s)
+  bool logits_bad;
+  bool dq_bad;
+  bool dk_bad;
+};
+
+/// The pending record of steps 1-3 (host `loss::forward_backward` and the device's finish kernel).
+CONTRASTIVE_HOST_DEVICE inline step_record
+make_record(std::int64_t step, float tau, float loss_scale, bool wants_gradient, const pass_outcome& o) noexcept
+{
+  step_record rec{};
+  rec.step = step;
+  rec.loss = o.loss;
+  rec.tau = tau;
+  rec.loss_scale = loss_scale;
+  rec.grad_logit_scale = o.grad_logit_scale_scaled / loss_scale;
+  rec.max_logit = o.max_logit;
+  rec.pending = true;
+  rec.first_nonfinite = first_nonfinite(o.logits_bad, o.loss, o.dq_bad, o.dk_bad, wants_gradient, rec.grad_logit_scale);
+  return rec;
+}
+
+/// The factor `unscale_and_check` multiplies caller gradients by: 1 / loss_scale rounded once to float.
+CONTRASTIVE_HOST_DEVICE inline float unscale_factor(float loss_scale) noexcept
+{
+  return static_cast<float>(1.0 / static_cast<double>(loss_scale));
+}
+
 /// Scaler update; temperature update only for a finite step; then the temperature's optional observe hook.
 template <class Element, class Temperature, class Scaler>
 CONTRASTIVE_HOST_DEVICE void finish_step(Temperature& temperature, Scaler& scaler, step_record& rec) noexcept

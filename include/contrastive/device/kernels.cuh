@@ -241,7 +241,7 @@ logit_at(const shared_tiles<T>& sm, const pass_args& p, int r, int c, int row, i
     const T* m = static_cast<const T*>(p.matrix);
     const long long idx = Src == source::matrix ? static_cast<long long>(row) * p.matrix_ld + col
                                                 : static_cast<long long>(col) * p.matrix_ld + row;
-    return round_to<T>(s * element_traits<T>::to_float(m[idx]));
+    return materialized_chain<T>::logit(element_traits<T>::to_float(m[idx]), s);
   }
 }
 
@@ -293,15 +293,15 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
       }
       if (m > -contrastive::detail::infinity_f)
       {
-        const float new_max = fmaxf(neg.max, m);
+        neg.rebase(fmaxf(neg.max, m)); // the tile update host and device share (online_lse::rebase)
+        const float shift = neg.shift();
         float sum = 0.0f;
 #pragma unroll
         for (int t = 0; t < traits::block_n / 4; ++t)
         {
-          sum += __expf(x[t] - new_max);
+          sum += contrastive::detail::exp_approx(x[t] - shift);
         }
-        neg.sum = neg.sum * __expf(neg.max - new_max) + sum;
-        neg.max = new_max;
+        neg.sum += sum;
       }
     }
     if constexpr (Src == source::compute)
@@ -349,7 +349,10 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
   // G is stored divided by the larger coefficient so that it sits near [-2, 1] in 16-bit storage.
   const float norm = Src == source::compute ? fmaxf(p.coef_a, p.coef_b) : 1.0f;
   const float inv_norm = 1.0f / norm;
-  const float lse_row = (Src == source::compute && row < p.n_a && p.lse_a != nullptr) ? p.lse_a[row] : 0.0f;
+  // A missing row term (the info_nce column pass) is an infinite log-sum-exp: its exp is 0, never 0 * inf.
+  const float lse_row =
+      (Src == source::compute && row < p.n_a && p.lse_a != nullptr) ? p.lse_a[row] : contrastive::detail::infinity_f;
+  const grad_coefficients coef{p.coef_a, p.coef_b, p.coef_pos};
   float* acc_block = p.acc + static_cast<long long>(row0) * p.ld_acc;
   for (int col0 = 0; col0 < p.n_b; col0 += bn)
   {
@@ -369,14 +372,11 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
         if constexpr (Src == source::compute)
         {
           const float x = s * sm.v.st[r][c];
-          g = p.lse_a != nullptr ? p.coef_a * __expf(x - lse_row) : 0.0f;
-          if (p.lse_b != nullptr)
-          {
-            g += p.coef_b * __expf(x - p.lse_b[col]);
-          }
+          const bool two_sided = p.lse_b != nullptr;
+          g = logit_gradient(x, lse_row, two_sided ? p.lse_b[col] : 0.0f, coef, two_sided);
           if (is_positive<T>(p, row, col))
           {
-            g -= p.coef_pos;
+            g = positive_gradient(g, coef);
           }
           g *= inv_norm;
         }
@@ -555,19 +555,16 @@ __global__ void __launch_bounds__(256)
   {
     const int row = static_cast<int>(idx / p.n_b), col = static_cast<int>(idx % p.n_b);
     const float a = element_traits<T>::to_float(m[idx]);
-    const float x = round_to<T>(s * a);
-    float g = gc.row_coef * __expf(x - row_lse[row]);
-    if (col_lse != nullptr)
-    {
-      g += gc.col_coef * __expf(x - col_lse[col]);
-    }
+    const float x = materialized_chain<T>::logit(a, s);
+    const bool sym = col_lse != nullptr;
+    float g = logit_gradient(x, row_lse[row], sym ? col_lse[col] : 0.0f, gc, sym);
     if (is_positive<T>(p, row, col))
     {
-      g -= gc.pos_coef;
+      g = positive_gradient(g, gc);
     }
-    const float ds = round_to<T>(ls * g);
+    const float ds = materialized_chain<T>::scaled_gradient(g, ls);
     dlogs += ds * a;
-    m[idx] = element_traits<T>::from_float(s * ds);
+    m[idx] = element_traits<T>::from_float(materialized_chain<T>::product_gradient(ds, s));
   }
   using reduce_t = cub::BlockReduce<float, 256>;
   __shared__ typename reduce_t::TempStorage tmp;
@@ -607,21 +604,17 @@ __global__ void finish_forward_backward(State* state,
                                         int symmetric,
                                         int materialized)
 {
-  step_record rec{};
   const float ls = scalars->loss_scale;
   const float s = scalars->scale;
-  const float loss = symmetric ? 0.5f * (sums->row_loss / n_q + sums->col_loss / n_k) : sums->row_loss / n_q;
-  const float grad_scaled = materialized ? s * sums->dlogs : ls * s * sums->dlogs;
-  rec.step = state->step;
-  rec.loss = loss;
-  rec.tau = state->temperature.tau();
-  rec.loss_scale = ls;
-  rec.grad_logit_scale = grad_scaled / ls;
-  rec.max_logit = sums->max_logit;
-  rec.pending = true;
-  rec.first_nonfinite = contrastive::detail::first_nonfinite(
-      flags[0] != 0, loss, flags[1] != 0, flags[2] != 0, scalars->wants_gradient != 0, rec.grad_logit_scale);
-  state->record = rec;
+  contrastive::detail::pass_outcome o{};
+  o.loss = symmetric ? 0.5f * (sums->row_loss / n_q + sums->col_loss / n_k) : sums->row_loss / n_q;
+  o.max_logit = sums->max_logit;
+  o.grad_logit_scale_scaled = materialized ? s * sums->dlogs : ls * s * sums->dlogs;
+  o.logits_bad = flags[0] != 0;
+  o.dq_bad = flags[1] != 0;
+  o.dk_bad = flags[2] != 0;
+  state->record =
+      contrastive::detail::make_record(state->step, state->temperature.tau(), ls, scalars->wants_gradient != 0, o);
 }
 
 /// Step 4 on the device: scaler update, then the temperature update for a finite step.
@@ -644,7 +637,7 @@ __global__ void __launch_bounds__(256) unscale_and_check(float* grads, long long
   {
     return; // no step in progress: nothing to unscale against (the host API reports this as an error)
   }
-  const float inv = 1.0f / state->record.loss_scale;
+  const float inv = contrastive::detail::unscale_factor(state->record.loss_scale);
   bool bad = false;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x)
