@@ -165,11 +165,16 @@ status check_problem(const problem<T>& p,
   return {};
 }
 
-/// The loss with its policies. Element: float, __half or __nv_bfloat16. Policies come last, with defaults.
+template <class G>
+inline constexpr bool is_gemm_v = std::is_same_v<G, gemm::builtin> || std::is_same_v<G, gemm::cblas>;
+
+/// The loss with its policies. Element: float, __half or __nv_bfloat16. Policies come last, with defaults; the last,
+/// Gemm, chooses the host GEMM core (gemm::builtin, or gemm::cblas with <contrastive/host/cblas_gemm.hpp>).
 template <class Element,
           class Temperature = temperature::learnable,
           class Scaler = scaler::static_scale,
-          class Algorithm = algorithm::fused>
+          class Algorithm = algorithm::fused,
+          class Gemm = gemm::builtin>
 class loss
 {
   static_assert(is_element_type_v<Element>, "Element must be float, __half or __nv_bfloat16");
@@ -180,12 +185,14 @@ class loss
       scaler::is_scaler_policy_v<Scaler>,
       "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
   static_assert(is_algorithm_v<Algorithm>, "Algorithm must be algorithm::fused or algorithm::materialized");
+  static_assert(is_gemm_v<Gemm>, "Gemm must be gemm::builtin or gemm::cblas");
 
 public:
   using element_type = Element;
   using temperature_type = Temperature;
   using scaler_type = Scaler;
   using algorithm_type = Algorithm;
+  using gemm_type = Gemm;
   using problem_type = problem<Element>;
 
   /// Everything a training run must save to resume bit-exactly (trivially copyable).
@@ -484,7 +491,7 @@ private:
 
   Temperature temperature_;
   Scaler scaler_;
-  host::engine<Element> engine_;
+  host::engine<Element, Gemm> engine_;
   std::int64_t step_ = 0;
   bool forward_ready_ = false;
 };

@@ -45,6 +45,26 @@ struct fused
 };
 } // namespace algorithm
 
+/// The host GEMM core, chosen at compile time (the last template argument of `contrastive::loss`; the device path
+/// uses cuBLAS-free kernels of its own and ignores it).
+namespace gemm
+{
+/// The library's own packed, register-blocked micro-kernel (host/gemm.hpp): no dependency.
+struct builtin
+{
+  static constexpr const char* name = "builtin";
+};
+
+/// A CBLAS `cblas_sgemm` (OpenBLAS, BLIS, MKL, ...) for users who already link one: include
+/// <contrastive/host/cblas_gemm.hpp> and link a CBLAS (CMake: the `contrastive::cblas` target, which finds one with
+/// FindBLAS). Run the BLAS single-threaded (OPENBLAS_NUM_THREADS=1, or `host::cblas_single_threaded()`): the loss
+/// parallelises over its own workers and calls the BLAS from each of them.
+struct cblas
+{
+  static constexpr const char* name = "cblas";
+};
+} // namespace gemm
+
 /// Inputs of one call. Row-major, contiguous rows: q is n_q x dim, k is n_k x dim.
 template <class T>
 struct problem

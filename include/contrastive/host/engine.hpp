@@ -10,6 +10,7 @@
 /// 6 n_q n_k d. Memory: see `bytes_for`.
 
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/host/builtin_gemm.hpp>
 #include <contrastive/host/engine_state.hpp>
 #include <contrastive/host/fused.hpp>
 #include <contrastive/host/gemm.hpp>
@@ -28,10 +29,15 @@ namespace contrastive
 {
 namespace host
 {
-/// Reusable host state. Not thread-safe; one engine per concurrent caller.
-template <class T>
+/// Reusable host state. Not thread-safe; one engine per concurrent caller. Gemm: gemm::builtin or gemm::cblas.
+template <class T, class Gemm = gemm::builtin>
 class engine
 {
+  static_assert(gemm_backend_available<Gemm>::value,
+                "gemm::cblas needs #include <contrastive/host/cblas_gemm.hpp> and a CBLAS library "
+                "(CMake: link contrastive::cblas)");
+  using backend = gemm_backend<Gemm, T>;
+
 public:
   explicit engine(unsigned threads = 0)
   {
@@ -54,45 +60,47 @@ public:
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
-  ///   keys        2 nk_pad dp                        K packed for S = Q K^T and for dQ = G K
+  ///   keys        builtin: 2 nk_pad dp (K packed for S = Q K^T and for dQ = G K); cblas: n_k d for 16-bit, 0 float
   ///   statistics  5 n_q + n_k                        row lse, loss, max, positive; column lse
-  ///   scratch     W (2 block_m dp + 3 block_m block_n + max(block_m, block_n) dp [+ 2 nk_pad symmetric])
-  ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float with d % NR == 0 and
-  ///                                                  n_k % MR == 0 (then the caller's dq/dk accumulate in place)
-  ///   materialized  nq_pad dp + n_q n_k elements of T   Q packed for dK = dA^T Q, and the logits
+  ///   scratch     W (query block [builtin 2 block_m dp, cblas block_m d] + 3 block_m block_n
+  ///               + max(block_m, block_n) dp [+ 2 nk_pad symmetric])
+  ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place
+  ///                                                  (builtin: d % NR == 0 and n_k % MR == 0; cblas: always)
+  ///   materialized  queries (builtin nq_pad dp; cblas n_q d for 16-bit) + n_q n_k elements of T (the logits)
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for(const Problem& p) const noexcept
   {
     using detail::checked_size;
+    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized>;
+    gemm_shape sh;
+    if (!shape_of(p, sh))
+    {
+      return {0, true};
+    }
     const checked_size dp = detail::round_up(checked_size(p.dim), kernel_nr);
-    const checked_size nq_pad = detail::round_up(checked_size(p.n_q), block_m);
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
-    const checked_size keys = checked_size(2) * nk_pad * dp;
     const checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(p.n_k);
-    checked_size per_worker = checked_size(2 * block_m) * dp + checked_size(3 * block_m * block_n) +
+    checked_size per_worker = backend::worker_floats(sh) + checked_size(3 * block_m * block_n) +
                               checked_size(std::max(block_m, block_n)) * dp;
     if (sym)
     {
       per_worker = per_worker + checked_size(2) * nk_pad;
     }
-    checked_size floats = keys + stats + checked_size(workers_for(p)) * per_worker;
-    checked_size bytes{};
-    if constexpr (std::is_same_v<Algorithm, algorithm::fused>)
+    checked_size floats = backend::held_floats(sh, materialized) + stats + checked_size(workers_for(p)) * per_worker;
+    if constexpr (!materialized)
     {
-      if (!fused_in_place<T>(p.n_k, p.dim))
+      if (!backend::in_place_ok(p.n_k, p.dim))
       {
         floats = floats + (checked_size(p.n_q) + nk_pad) * dp;
       }
-      bytes = floats * f;
+      return floats * f;
     }
     else
     {
-      floats = floats + nq_pad * dp;
-      bytes = floats * f + checked_size(p.n_q) * checked_size(p.n_k) * checked_size(sizeof(T));
+      return floats * f + checked_size(p.n_q) * checked_size(p.n_k) * checked_size(sizeof(T));
     }
-    return bytes;
   }
 
   /// Index (row * dim + col) + 1 of the first non-finite element of q (negative: of k), or 0 when all are finite.
@@ -114,7 +122,7 @@ public:
   template <class Algorithm, class Problem>
   void prepare(const Problem& p)
   {
-    engine_state<T>& s = st_;
+    engine_state<T, Gemm>& s = st_;
     ready_ = false;
     s.q = p.q;
     s.k = p.k;
@@ -129,8 +137,6 @@ public:
     s.workers = workers_for(p);
     constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized>;
     const bool sym = s.symmetric();
-    s.k_logit.resize(s.nk_pad * s.d);
-    s.k_rows.resize(s.nk_pad * s.dp);
     s.row_lse.resize(s.n_q);
     s.row_loss.resize(s.n_q);
     s.row_max.resize(s.n_q);
@@ -138,24 +144,23 @@ public:
     s.col_lse.resize(sym ? s.n_k : 0);
     if constexpr (materialized)
     {
-      s.q_rows.resize(s.nq_pad * s.dp);
       s.logits.resize(s.n_q * s.n_k);
       free(s.dq_acc);
       free(s.dk_acc);
     }
     else
     {
-      free(s.q_rows);
       std::vector<T>().swap(s.logits);
-      const bool in_place = fused_in_place<T>(s.n_k, s.d);
+      const bool in_place = backend::in_place_ok(s.n_k, s.d);
       s.dq_acc.resize(in_place ? 0 : s.n_q * s.dp);
       s.dk_acc.resize(in_place ? 0 : s.nk_pad * s.dp);
     }
+    gemm_shape sh;
+    shape_of(p, sh);
     s.scratch.resize(s.workers);
     for (auto& ws : s.scratch)
     {
-      ws.qa.resize(block_m * s.d);
-      ws.qb.resize(block_m * s.dp);
+      backend::size_worker(sh, ws);
       ws.tile.resize(block_m * block_n);
       ws.ga.resize(block_m * block_n);
       ws.gt.resize(block_m * block_n);
@@ -163,30 +168,7 @@ public:
       ws.col_max.resize(sym ? s.nk_pad : 0);
       ws.col_sum.resize(sym ? s.nk_pad : 0);
     }
-    // Keys: b_panels over d (logits) and over keys (dQ); materialized also queries over queries (dK).
-    parallel_for(s.pool,
-                 s.nk_pad / kernel_nr,
-                 s.workers,
-                 [&](std::size_t c, unsigned)
-                 {
-                   const std::size_t r0 = c * kernel_nr;
-                   const std::size_t rows = r0 < s.n_k ? std::min<std::size_t>(kernel_nr, s.n_k - r0) : 0;
-                   pack_rows_over_dim(s.k, s.d, r0, rows, kernel_nr, s.k_logit.data() + r0 * s.d);
-                   pack_rows_over_rows(s.k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, s.k_rows.data() + r0 * kernel_nr);
-                 });
-    if constexpr (materialized)
-    {
-      parallel_for(s.pool,
-                   s.nq_pad / kernel_nr,
-                   s.workers,
-                   [&](std::size_t c, unsigned)
-                   {
-                     const std::size_t r0 = c * kernel_nr;
-                     const std::size_t rows = r0 < s.n_q ? std::min<std::size_t>(kernel_nr, s.n_q - r0) : 0;
-                     pack_rows_over_rows(
-                         s.q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, s.q_rows.data() + r0 * kernel_nr);
-                   });
-    }
+    s.mm.prepare(s.pool, s.workers, sh, s.q, s.k, materialized);
     ready_ = true;
   }
 
@@ -230,12 +212,11 @@ public:
   /// scratch, the materialized matrix). `bytes_for` gives the same number before allocating.
   std::size_t bytes_held() const noexcept
   {
-    const engine_state<T>& s = st_;
-    std::size_t b = (s.k_logit.capacity() + s.k_rows.capacity() + s.q_rows.capacity() + s.row_lse.capacity() +
-                     s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() + s.col_lse.capacity() +
-                     s.dq_acc.capacity() + s.dk_acc.capacity()) *
+    const engine_state<T, Gemm>& s = st_;
+    std::size_t b = (s.row_lse.capacity() + s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() +
+                     s.col_lse.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity()) *
                         sizeof(float) +
-                    s.logits.capacity() * sizeof(T);
+                    s.logits.capacity() * sizeof(T) + s.mm.bytes();
     for (const auto& ws : s.scratch)
     {
       b += ws.capacity_bytes();
@@ -246,32 +227,40 @@ public:
   /// Frees every buffer (after a failed `prepare`, so that a half-sized engine holds no memory).
   void release() noexcept
   {
-    engine_state<T>& s = st_;
-    for (auto* v : {&s.k_logit,
-                    &s.k_rows,
-                    &s.q_rows,
-                    &s.row_lse,
-                    &s.row_loss,
-                    &s.row_max,
-                    &s.pos,
-                    &s.col_lse,
-                    &s.dq_acc,
-                    &s.dk_acc})
+    engine_state<T, Gemm>& s = st_;
+    for (auto* v : {&s.row_lse, &s.row_loss, &s.row_max, &s.pos, &s.col_lse, &s.dq_acc, &s.dk_acc})
     {
       free(*v);
     }
+    s.mm.release();
     std::vector<T>().swap(s.logits);
     std::vector<worker_scratch>().swap(s.scratch);
     ready_ = false;
   }
 
 private:
+  /// The padded shape of p; false when a padded size does not fit size_t.
+  template <class Problem>
+  static bool shape_of(const Problem& p, gemm_shape& sh) noexcept
+  {
+    const detail::checked_size dp = detail::round_up(detail::checked_size(p.dim), kernel_nr);
+    const detail::checked_size nq_pad = detail::round_up(detail::checked_size(p.n_q), block_m);
+    const detail::checked_size nk_pad = detail::round_up(detail::checked_size(p.n_k), block_n);
+    sh.n_q = p.n_q;
+    sh.n_k = p.n_k;
+    sh.d = p.dim;
+    sh.dp = dp.value;
+    sh.nq_pad = nq_pad.value;
+    sh.nk_pad = nk_pad.value;
+    return dp.ok() && nq_pad.ok() && nk_pad.ok();
+  }
+
   static void free(std::vector<float>& v) noexcept
   {
     std::vector<float>().swap(v);
   }
 
-  engine_state<T> st_;
+  engine_state<T, Gemm> st_;
   bool ready_ = false;
 };
 } // namespace host

@@ -6,6 +6,7 @@
 /// against a key tile, the forward pass over it (row and column log-sum-exps with the positive kept apart), and the
 /// gradient tile G. fused.hpp and materialized.hpp build their backward passes from these.
 
+#include <contrastive/host/builtin_gemm.hpp>
 #include <contrastive/host/gemm.hpp>
 #include <contrastive/host/operands.hpp>
 #include <contrastive/host/thread_pool.hpp>
@@ -41,30 +42,9 @@ struct backward_result
   bool dk_nonfinite = false;
 };
 
-/// Per-worker scratch: one row block's packed queries, one tile, its packed gradient, one block accumulator, and
-/// (symmetric forward) the worker's running column statistics.
-struct worker_scratch
-{
-  std::vector<float> qa;      // Q block as a_panels [block_m / MR][d][MR]
-  std::vector<float> qb;      // Q block as b_panels [dp / NR][block_m][NR] (fused dK = G^T Q_blk)
-  std::vector<float> tile;    // block_m x block_n logits / gradients
-  std::vector<float> ga;      // G as a_panels [block_m / MR][block_n][MR]
-  std::vector<float> gt;      // G^T as a_panels [block_n / MR][block_m][MR]
-  std::vector<float> acc;     // max(block_m, block_n) x dp accumulator
-  std::vector<float> col_max; // nk_pad column running max (symmetric forward)
-  std::vector<float> col_sum; // nk_pad column running sum
-
-  std::size_t capacity_bytes() const noexcept
-  {
-    return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
-            col_max.capacity() + col_sum.capacity()) *
-           sizeof(float);
-  }
-};
-
 /// Everything the algorithms read and write. The caller's q and k are read in place (packed per row block or once
 /// per call); keep them alive from `forward` to `backward`.
-template <class T>
+template <class T, class Gemm>
 struct engine_state
 {
   using traits = element_traits<T>;
@@ -80,9 +60,7 @@ struct engine_state
   const std::int32_t* labels = nullptr;
   float scale = 1.0f;
 
-  std::vector<float> k_logit; // K as b_panels over d: [nk_pad / NR][d][NR]          (S = Q K^T)
-  std::vector<float> k_rows;  // K as b_panels over keys: [dp / NR][nk_pad][NR]     (dQ = G K)
-  std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR] (dK = dA^T Q)
+  gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
   std::vector<float> row_lse, row_loss, row_max, pos, col_lse;
   std::vector<T> logits;             // materialized: n_q x n_k
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place
@@ -97,30 +75,12 @@ struct engine_state
     return labels != nullptr ? static_cast<std::size_t>(labels[i]) : i;
   }
 
-  /// Packs rows [i0, i0 + block_m) of Q into ws.qa (and, when `both`, ws.qb).
-  void pack_query_block(std::size_t i0, worker_scratch& ws, bool both) const
+  /// Prepares rows [i0, i0 + block_m) of Q for the logits (and, `for_dk`, the dK) products.
+  void query_block(std::size_t i0, worker_scratch& ws, bool for_dk) const
   {
-    const std::size_t rows = std::min(block_m, n_q - i0);
-    pack_rows_as_a(q, d, i0, rows, block_m, ws.qa.data());
-    if (both)
-    {
-      pack_rows_over_rows(q, d, dp, i0, rows, block_m, block_m, ws.qb.data());
-    }
-  }
-
-  /// Unscaled dot products of the packed query block with keys [j0, j0 + cols) into ws.tile (ld block_n); columns
-  /// up to the NR-rounded width are written (zero keys beyond n_k).
-  void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
-  {
-    gemm_packed(round_up(rows, kernel_mr),
-                round_up(cols, kernel_nr),
-                d,
-                ws.qa.data(),
-                k_logit.data() + j0 * d,
-                d * kernel_nr,
-                ws.tile.data(),
-                block_n,
-                false);
+    ws.block_i0 = i0;
+    ws.block_rows = std::min(block_m, n_q - i0);
+    mm.query_block(i0, ws.block_rows, ws, for_dk);
   }
 
   /// The scaled logits of block (i0, j0) in ws.tile, computed as the forward computed them (fused: s * (q . k) in
@@ -147,7 +107,7 @@ struct engine_state
     }
     else
     {
-      dot_tile(j0, rows, cols, ws);
+      mm.dot_tile(j0, rows, cols, ws);
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
         float* row = &ws.tile[ii * block_n];
@@ -173,7 +133,7 @@ struct engine_state
     float* tile = ws.tile.data();
     const std::size_t rows = std::min(block_m, n_q - i0);
     const bool sym = symmetric();
-    pack_query_block(i0, ws, false);
+    query_block(i0, ws, false);
     online_lse row_state[block_m];
     bool bad = false;
     for (std::size_t j0 = 0; j0 < n_k; j0 += block_n)
@@ -181,7 +141,7 @@ struct engine_state
       const std::size_t cols = std::min(block_n, n_k - j0);
       if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
       {
-        dot_tile(j0, rows, cols, ws);
+        mm.dot_tile(j0, rows, cols, ws);
         for (std::size_t ii = 0; ii < rows; ++ii)
         {
           T* out = &logits[(i0 + ii) * n_k + j0];
@@ -303,14 +263,6 @@ struct engine_state
         g[p - j0] = positive_gradient(g[p - j0], gc);
       }
     }
-  }
-
-  /// acc (block_m x dp, ld dp) += G(ws.tile, rows x cols) K[j0 : j0 + cols].
-  void dq_product(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
-  {
-    const std::size_t m_pad = round_up(rows, kernel_mr);
-    pack_a(ws.tile.data(), block_n, m_pad, m_pad, cols, ws.ga.data());
-    gemm_packed(m_pad, dp, cols, ws.ga.data(), k_rows.data() + j0 * kernel_nr, nk_pad * kernel_nr, acc, dp, true);
   }
 
   /// Forward over all row blocks; fills the statistics and returns the loss, max logit and non-finite flag.

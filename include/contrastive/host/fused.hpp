@@ -22,25 +22,16 @@ namespace contrastive
 {
 namespace host
 {
-/// Whether the fused backward accumulates straight into the caller's float dq/dk (no accumulator copies): float
-/// elements, d a multiple of NR (rows of the accumulators are d wide) and n_k a multiple of MR (the dK product writes
-/// whole MR-row panels).
-template <class T>
-constexpr bool fused_in_place(std::size_t n_k, std::size_t d) noexcept
-{
-  return std::is_same_v<T, float> && d % kernel_nr == 0 && n_k % kernel_mr == 0;
-}
-
 /// Backward of `loss_scale * loss` for the fused algorithm after `forward<fused>`.
-template <class T>
-backward_result fused_backward(engine_state<T>& st, float loss_scale, T* dq, T* dk)
+template <class T, class Gemm>
+backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* dq, T* dk)
 {
   const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
   const float out_scale = loss_scale * st.scale;
   const std::size_t row_blocks = st.nq_pad / block_m;
   const std::size_t key_tiles = st.nk_pad / block_n;
   const unsigned groups = static_cast<unsigned>(std::min<std::size_t>(st.workers, row_blocks));
-  const bool in_place = fused_in_place<T>(st.n_k, st.d);
+  const bool in_place = gemm_backend<Gemm, T>::in_place_ok(st.n_k, st.d);
   float* dq_acc = in_place ? reinterpret_cast<float*>(dq) : st.dq_acc.data();
   float* dk_acc = in_place ? reinterpret_cast<float*>(dk) : st.dk_acc.data();
   const std::size_t ld = in_place ? st.d : st.dp;
@@ -75,7 +66,7 @@ backward_result fused_backward(engine_state<T>& st, float loss_scale, T* dq, T* 
                   {
                     const std::size_t i0 = b * block_m;
                     const std::size_t rows = std::min(block_m, st.n_q - i0);
-                    st.pack_query_block(i0, ws, true);
+                    st.query_block(i0, ws, true);
                     float* acc = ws.acc.data();
                     std::fill(acc, acc + block_m * st.dp, 0.0f);
                     for (std::size_t t = t0; t < t1; ++t)
@@ -88,19 +79,8 @@ backward_result fused_backward(engine_state<T>& st, float loss_scale, T* dq, T* 
                       const std::size_t cols = std::min(block_n, st.n_k - j0);
                       st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
                       st.gradient_tile(i0, j0, rows, cols, gc, ws);
-                      st.dq_product(j0, rows, cols, ws, acc);
-                      // dK rows [j0, j0 + cols) += G^T Q_blk: A = G^T panels over the block's rows.
-                      const std::size_t m_pad = round_up(cols, kernel_mr);
-                      pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
-                      gemm_packed(m_pad,
-                                  in_place ? st.d : st.dp,
-                                  block_m,
-                                  ws.gt.data(),
-                                  ws.qb.data(),
-                                  block_m * kernel_nr,
-                                  dk_acc + j0 * ld,
-                                  ld,
-                                  true);
+                      st.mm.dq_product(j0, rows, cols, ws, acc, st.dp);
+                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, in_place ? st.d : st.dp);
                     }
                     for (std::size_t ii = 0; ii < rows; ++ii)
                     {

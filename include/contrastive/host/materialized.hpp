@@ -16,8 +16,8 @@ namespace contrastive
 namespace host
 {
 /// Backward of `loss_scale * loss` for the materialized algorithm after `forward<materialized>`.
-template <class T>
-backward_result materialized_backward(engine_state<T>& st, float loss_scale, T* dq, T* dk)
+template <class T, class Gemm>
+backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scale, T* dq, T* dk)
 {
   using traits = element_traits<T>;
   const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
@@ -86,7 +86,7 @@ backward_result materialized_backward(engine_state<T>& st, float loss_scale, T* 
                        std::fill(out, out + cols, 0.0f);
                      }
                    }
-                   st.dq_product(j0, rows, cols, ws, acc);
+                   st.mm.dq_product(j0, rows, cols, ws, acc, st.dp);
                  }
                  bool bad = false;
                  for (std::size_t ii = 0; ii < rows; ++ii)
@@ -132,16 +132,7 @@ backward_result materialized_backward(engine_state<T>& st, float loss_scale, T* 
                        std::fill(out, out + m_pad, 0.0f);
                      }
                    }
-                   pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
-                   gemm_packed(m_pad,
-                               st.dp,
-                               block_m,
-                               ws.gt.data(),
-                               st.q_rows.data() + i0 * kernel_nr,
-                               st.nq_pad * kernel_nr,
-                               acc,
-                               st.dp,
-                               true);
+                   st.mm.dk_queries(i0, cols, ws, acc);
                  }
                  bool bad = false;
                  for (std::size_t jj = 0; jj < cols; ++jj)

@@ -1,0 +1,203 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The host GEMM backends' interface, and the built-in backend on the packed micro-kernel of host/gemm.hpp.
+///
+/// A backend `gemm_backend<Tag, T>` owns the prepared keys (and, materialized, queries) and runs the four products
+/// of the loss on per-worker scratch:
+///   query_block   pack rows [i0, i0 + rows) of Q for the next products          (per row block)
+///   dot_tile      tile (rows x cols, ld block_n) = Q_blk K[j0 : j0 + cols]^T    (logits, unscaled)
+///   dq_product    acc (rows x dp) += G K[j0 : j0 + cols], G in the tile
+///   dk_block      acc (cols x ·) += G^T Q_blk                                   (fused)
+///   dk_queries    acc (cols x dp) += dA^T Q[i0 : i0 + rows], dA in the tile     (materialized)
+/// Each product is deterministic: the same call on the same data gives the same bits (the backward's recomputed
+/// logits equal the forward's).
+
+#include <contrastive/detail/checked.hpp>
+#include <contrastive/host/gemm.hpp>
+#include <contrastive/host/operands.hpp>
+#include <contrastive/host/thread_pool.hpp>
+#include <contrastive/problem.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+namespace contrastive
+{
+namespace host
+{
+/// Per-worker scratch: one row block's prepared queries, one tile, its packed gradient, one block accumulator, and
+/// (symmetric forward) the worker's running column statistics.
+struct worker_scratch
+{
+  std::vector<float> qa;      // query block, first form (builtin: a_panels; cblas: row-major float)
+  std::vector<float> qb;      // query block, second form (builtin: b_panels over rows, for dK = G^T Q_blk)
+  std::vector<float> tile;    // block_m x block_n logits / gradients
+  std::vector<float> ga;      // G as a_panels [block_m / MR][block_n][MR]
+  std::vector<float> gt;      // G^T as a_panels [block_n / MR][block_m][MR]
+  std::vector<float> acc;     // max(block_m, block_n) x dp accumulator
+  std::vector<float> col_max; // nk_pad column running max (symmetric forward)
+  std::vector<float> col_sum; // nk_pad column running sum
+  std::size_t block_i0 = 0;   // the row block prepared by the last query_block
+  std::size_t block_rows = 0;
+
+  std::size_t capacity_bytes() const noexcept
+  {
+    return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
+            col_max.capacity() + col_sum.capacity()) *
+           sizeof(float);
+  }
+};
+
+/// Shapes a backend needs, set by the engine before `prepare`.
+struct gemm_shape
+{
+  std::size_t n_q = 0, n_k = 0, d = 0, dp = 0, nq_pad = 0, nk_pad = 0;
+};
+
+template <class Tag, class T>
+struct gemm_backend; // specialised by builtin_gemm.hpp and cblas_gemm.hpp
+
+/// Whether `gemm_backend<Tag, T>` is defined (its header included).
+template <class Tag>
+struct gemm_backend_available : std::false_type
+{
+};
+template <>
+struct gemm_backend_available<gemm::builtin> : std::true_type
+{
+};
+
+template <class T>
+struct gemm_backend<gemm::builtin, T>
+{
+  gemm_shape sh;
+  const T* q = nullptr;
+  std::vector<float> k_logit; // K as b_panels over d: [nk_pad / NR][d][NR]                       (S = Q K^T)
+  std::vector<float> k_rows;  // K as b_panels over keys: [dp / NR][nk_pad][NR]                  (dQ = G K)
+  std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR]  (dK = dA^T Q)
+
+  /// Floats held for the keys (and queries), and per worker for a query block.
+  static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept
+  {
+    detail::checked_size f = detail::checked_size(2) * s.nk_pad * s.dp;
+    return materialized ? f + detail::checked_size(s.nq_pad) * s.dp : f;
+  }
+  static detail::checked_size worker_floats(const gemm_shape& s) noexcept
+  {
+    return detail::checked_size(block_m) * s.d + detail::checked_size(block_m) * s.dp;
+  }
+  static void size_worker(const gemm_shape& s, worker_scratch& ws)
+  {
+    ws.qa.resize(block_m * s.d);
+    ws.qb.resize(block_m * s.dp);
+  }
+  /// Whether the fused backward may accumulate in the caller's float dq/dk: the dK product writes whole MR-row
+  /// panels of NR-wide columns, so rows must be d wide with d % NR == 0 and n_k % MR == 0.
+  static constexpr bool in_place_ok(std::size_t n_k, std::size_t d) noexcept
+  {
+    return std::is_same_v<T, float> && d % kernel_nr == 0 && n_k % kernel_mr == 0;
+  }
+
+  void prepare(thread_pool& pool, unsigned workers, const gemm_shape& s, const T* q_in, const T* k, bool materialized)
+  {
+    sh = s;
+    q = q_in;
+    k_logit.resize(s.nk_pad * s.d);
+    k_rows.resize(s.nk_pad * s.dp);
+    if (materialized)
+    {
+      q_rows.resize(s.nq_pad * s.dp);
+    }
+    else
+    {
+      std::vector<float>().swap(q_rows);
+    }
+    parallel_for(pool,
+                 s.nk_pad / kernel_nr,
+                 workers,
+                 [&](std::size_t c, unsigned)
+                 {
+                   const std::size_t r0 = c * kernel_nr;
+                   const std::size_t rows = r0 < s.n_k ? std::min<std::size_t>(kernel_nr, s.n_k - r0) : 0;
+                   pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
+                   pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
+                 });
+    if (materialized)
+    {
+      parallel_for(pool,
+                   s.nq_pad / kernel_nr,
+                   workers,
+                   [&](std::size_t c, unsigned)
+                   {
+                     const std::size_t r0 = c * kernel_nr;
+                     const std::size_t rows = r0 < s.n_q ? std::min<std::size_t>(kernel_nr, s.n_q - r0) : 0;
+                     pack_rows_over_rows(q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, q_rows.data() + r0 * kernel_nr);
+                   });
+    }
+  }
+
+  void release() noexcept
+  {
+    std::vector<float>().swap(k_logit);
+    std::vector<float>().swap(k_rows);
+    std::vector<float>().swap(q_rows);
+  }
+
+  std::size_t bytes() const noexcept
+  {
+    return (k_logit.capacity() + k_rows.capacity() + q_rows.capacity()) * sizeof(float);
+  }
+
+  void query_block(std::size_t i0, std::size_t rows, worker_scratch& ws, bool for_dk) const
+  {
+    pack_rows_as_a(q, sh.d, i0, rows, block_m, ws.qa.data());
+    if (for_dk)
+    {
+      pack_rows_over_rows(q, sh.d, sh.dp, i0, rows, block_m, block_m, ws.qb.data());
+    }
+  }
+
+  void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
+  {
+    gemm_packed(round_up(rows, kernel_mr),
+                round_up(cols, kernel_nr),
+                sh.d,
+                ws.qa.data(),
+                k_logit.data() + j0 * sh.d,
+                sh.d * kernel_nr,
+                ws.tile.data(),
+                block_n,
+                false);
+  }
+
+  void dq_product(
+      std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld) const noexcept
+  {
+    const std::size_t m_pad = round_up(rows, kernel_mr);
+    pack_a(ws.tile.data(), block_n, m_pad, m_pad, cols, ws.ga.data());
+    gemm_packed(m_pad, sh.dp, cols, ws.ga.data(), k_rows.data() + j0 * kernel_nr, sh.nk_pad * kernel_nr, acc, ld, true);
+  }
+
+  /// acc rows [0, cols) (+ the zero rows up to the MR panel), columns [0, width) with width = d when in place else
+  /// dp, += G^T Q_blk.
+  void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
+  {
+    const std::size_t m_pad = round_up(cols, kernel_mr);
+    pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
+    gemm_packed(m_pad, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, true);
+  }
+
+  void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
+  {
+    const std::size_t m_pad = round_up(cols, kernel_mr);
+    pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
+    gemm_packed(
+        m_pad, sh.dp, block_m, ws.gt.data(), q_rows.data() + i0 * kernel_nr, sh.nq_pad * kernel_nr, acc, sh.dp, true);
+  }
+};
+} // namespace host
+} // namespace contrastive

@@ -1,0 +1,235 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The host GEMM backend on a CBLAS `cblas_sgemm` (gemm::cblas). Optional: include this header only if you link a
+/// CBLAS (OpenBLAS is the documented one: Debian's libopenblas-dev; CMake: `contrastive::cblas`).
+///
+/// Operands stay row-major float: float inputs are used in place (no copy at all), 16-bit inputs are converted once
+/// per call (keys) or per row block (queries). Each product is one sgemm on a tile; the loss calls them from its own
+/// workers, so run the BLAS single-threaded (OPENBLAS_NUM_THREADS=1 or `cblas_single_threaded()`), or give the loss
+/// one thread and let the BLAS parallelise.
+
+#include <contrastive/host/builtin_gemm.hpp>
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <type_traits>
+#include <vector>
+
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+
+namespace contrastive
+{
+namespace host
+{
+/// Makes OpenBLAS single-threaded when it is the linked CBLAS (a no-op for other libraries). Affects the whole
+/// process: call it when the loss's own threads should do the parallel work.
+inline void cblas_single_threaded() noexcept
+{
+  if (openblas_set_num_threads != nullptr)
+  {
+    openblas_set_num_threads(1);
+  }
+}
+
+template <>
+struct gemm_backend_available<gemm::cblas> : std::true_type
+{
+};
+
+template <class T>
+struct gemm_backend<gemm::cblas, T>
+{
+  static constexpr bool is_float = std::is_same_v<T, float>;
+
+  gemm_shape sh;
+  const float* qf = nullptr; // row-major float queries (float: the caller's q; 16-bit materialized: q_copy)
+  const float* kf = nullptr; // row-major float keys (float: the caller's k; 16-bit: k_copy)
+  const T* q = nullptr;
+  std::vector<float> k_copy, q_copy;
+
+  static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept
+  {
+    if (is_float)
+    {
+      return detail::checked_size(0);
+    }
+    const detail::checked_size keys = detail::checked_size(s.n_k) * s.d;
+    return materialized ? keys + detail::checked_size(s.n_q) * s.d : keys;
+  }
+  static detail::checked_size worker_floats(const gemm_shape& s) noexcept
+  {
+    return is_float ? detail::checked_size(0) : detail::checked_size(block_m) * s.d;
+  }
+  static void size_worker(const gemm_shape& s, worker_scratch& ws)
+  {
+    ws.qa.resize(is_float ? 0 : block_m * s.d);
+    std::vector<float>().swap(ws.qb);
+  }
+  static constexpr bool in_place_ok(std::size_t, std::size_t) noexcept
+  {
+    return is_float;
+  }
+
+  void prepare(thread_pool& pool, unsigned workers, const gemm_shape& s, const T* q_in, const T* k, bool materialized)
+  {
+    sh = s;
+    q = q_in;
+    if constexpr (is_float)
+    {
+      qf = q_in;
+      kf = k;
+    }
+    else
+    {
+      k_copy.resize(s.n_k * s.d);
+      convert(pool, workers, k, s.n_k * s.d, k_copy.data());
+      kf = k_copy.data();
+      if (materialized)
+      {
+        q_copy.resize(s.n_q * s.d);
+        convert(pool, workers, q_in, s.n_q * s.d, q_copy.data());
+        qf = q_copy.data();
+      }
+      else
+      {
+        std::vector<float>().swap(q_copy);
+        qf = nullptr;
+      }
+    }
+  }
+
+  void release() noexcept
+  {
+    std::vector<float>().swap(k_copy);
+    std::vector<float>().swap(q_copy);
+  }
+
+  std::size_t bytes() const noexcept
+  {
+    return (k_copy.capacity() + q_copy.capacity()) * sizeof(float);
+  }
+
+  /// Row-major float rows [i0, i0 + rows) of Q: the caller's (float) or converted into ws.qa.
+  void query_block(std::size_t i0, std::size_t rows, worker_scratch& ws, bool) const
+  {
+    if constexpr (!is_float)
+    {
+      const T* src = q + i0 * sh.d;
+      for (std::size_t e = 0; e < rows * sh.d; ++e)
+      {
+        ws.qa[e] = element_traits<T>::to_float(src[e]);
+      }
+    }
+    (void)i0;
+    (void)rows; // engine_state::query_block records them in ws.block_i0 / ws.block_rows
+  }
+
+  void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
+  {
+    cblas_sgemm(CblasRowMajor,
+                CblasNoTrans,
+                CblasTrans,
+                static_cast<int>(rows),
+                static_cast<int>(cols),
+                static_cast<int>(sh.d),
+                1.0f,
+                block(ws),
+                static_cast<int>(sh.d),
+                kf + j0 * sh.d,
+                static_cast<int>(sh.d),
+                0.0f,
+                ws.tile.data(),
+                static_cast<int>(block_n));
+  }
+
+  void dq_product(
+      std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld) const noexcept
+  {
+    cblas_sgemm(CblasRowMajor,
+                CblasNoTrans,
+                CblasNoTrans,
+                static_cast<int>(rows),
+                static_cast<int>(sh.d),
+                static_cast<int>(cols),
+                1.0f,
+                ws.tile.data(),
+                static_cast<int>(block_n),
+                kf + j0 * sh.d,
+                static_cast<int>(sh.d),
+                1.0f,
+                acc,
+                static_cast<int>(ld));
+  }
+
+  void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t) const noexcept
+  {
+    cblas_sgemm(CblasRowMajor,
+                CblasTrans,
+                CblasNoTrans,
+                static_cast<int>(cols),
+                static_cast<int>(sh.d),
+                static_cast<int>(ws.block_rows),
+                1.0f,
+                ws.tile.data(),
+                static_cast<int>(block_n),
+                block(ws),
+                static_cast<int>(sh.d),
+                1.0f,
+                acc,
+                static_cast<int>(ld));
+  }
+
+  void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
+  {
+    const std::size_t rows = std::min(block_m, sh.n_q - i0);
+    cblas_sgemm(CblasRowMajor,
+                CblasTrans,
+                CblasNoTrans,
+                static_cast<int>(cols),
+                static_cast<int>(sh.d),
+                static_cast<int>(rows),
+                1.0f,
+                ws.tile.data(),
+                static_cast<int>(block_n),
+                qf + i0 * sh.d,
+                static_cast<int>(sh.d),
+                1.0f,
+                acc,
+                static_cast<int>(sh.dp));
+  }
+
+private:
+  static void convert(thread_pool& pool, unsigned workers, const T* src, std::size_t n, float* dst)
+  {
+    constexpr std::size_t chunk = 1 << 16;
+    parallel_for(pool,
+                 (n + chunk - 1) / chunk,
+                 workers,
+                 [&](std::size_t t, unsigned)
+                 {
+                   const std::size_t end = std::min(n, (t + 1) * chunk);
+                   for (std::size_t e = t * chunk; e < end; ++e)
+                   {
+                     dst[e] = element_traits<T>::to_float(src[e]);
+                   }
+                 });
+  }
+
+  const float* block(const worker_scratch& ws) const noexcept
+  {
+    if constexpr (is_float)
+    {
+      return q + ws.block_i0 * sh.d;
+    }
+    else
+    {
+      return ws.qa.data();
+    }
+  }
+};
+} // namespace host
+} // namespace contrastive

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The host library beside PyTorch's CPU CLIP loss, same N, D, dtype and thread count, interleaved in one run.
+
+    /usr/bin/python3 scripts/cpu_side_by_side.py [--bench build/benchmarks/contrastive_bench] [--n 4096 8192]
+        [--d 512] [--threads 0] [--rounds 3] [--dtypes float half bfloat16]
+
+PyTorch (Debian's python3-torch, for /usr/bin/python3) runs the loss as the issue describes open_clip's ClipLoss:
+logits = s * img @ txt.T, cross-entropy over rows and over columns (logits.T), backward() to img, txt and s. Each
+PyTorch measurement runs in a fresh subprocess: time per step (median of several steps after a warm-up) and memory as
+the process's resident high-water mark (VmHWM) during the steps minus the mark after the inputs exist. The library is
+timed by contrastive_bench (Google Benchmark, manual time per call) for the same shape; its memory is `mem_call`, the
+peak heap the call allocates above the caller's buffers. Rounds alternate library and PyTorch so both see the same
+machine state; the table gives medians over rounds and the ratios library / PyTorch.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+TORCH_CHILD = r"""
+import os, sys, time, statistics
+import torch
+import torch.nn.functional as F
+n, d, threads, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+g = torch.Generator().manual_seed(0)
+img = F.normalize(torch.randn(n, d, generator=g), dim=1).requires_grad_()
+txt = F.normalize(torch.randn(n, d, generator=g), dim=1).requires_grad_()
+logit_scale = torch.tensor(1.0 / 0.07).log().requires_grad_()
+labels = torch.arange(n)
+
+def hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+def step():
+    img.grad = txt.grad = logit_scale.grad = None
+    logits = logit_scale.exp() * img @ txt.t()
+    loss = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels))
+    loss.backward()
+    return loss
+
+base = hwm()
+step()  # warm-up
+times = []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t0)
+print(statistics.median(times), hwm() - base, torch.__version__, torch.get_num_threads())
+"""
+
+
+def cpu_description():
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model.strip():
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "avx512f" if "avx512f" in flags else ("avx2+fma" if "avx2" in flags and "fma" in flags else "sse")
+    return model, isa, os.cpu_count()
+
+
+def run_torch(n, d, threads, steps):
+    out = subprocess.run(["/usr/bin/python3", "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return float(out[0]), int(out[1]), out[2]
+
+
+def run_library(bench, n, d, dtype, algo, threads, min_time):
+    name = f"host/symmetric/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}/manual_time"
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [bench, f"--benchmark_filter=^{re.escape(name)}$", f"--contrastive_max_n={n}",
+               f"--contrastive_max_d={d}", f"--benchmark_min_time={min_time}", "--benchmark_format=json",
+               f"--benchmark_out={tmp.name}", "--contrastive_roofline_seconds=0.02", "--contrastive_copy_mib=16"]
+        if threads:
+            cmd.append(f"--contrastive_threads={threads}")
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        doc = json.load(open(tmp.name))
+    runs = [b for b in doc["benchmarks"] if b.get("run_name", b["name"]) == name and not b.get("error_occurred")]
+    if not runs:
+        raise RuntimeError(f"{name} did not run (is N in the benchmark's size axis?)")
+    b = runs[0]
+    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
+    return b["real_time"] * scale, b.get("mem_call", float("nan")), b.get("threads", threads)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", default="build/benchmarks/contrastive_bench")
+    ap.add_argument("--n", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0, help="0: all cores (both sides)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--torch-steps", type=int, default=3)
+    ap.add_argument("--min-time", type=float, default=0.5, help="Google Benchmark min time per library run (s)")
+    ap.add_argument("--dtypes", nargs="+", default=["float", "half", "bfloat16"])
+    ap.add_argument("--algorithms", nargs="+", default=["materialized", "fused"])
+    args = ap.parse_args()
+
+    threads = args.threads or os.cpu_count()
+    model, isa, cores = cpu_description()
+    print(f"CPU: {model} ({cores} logical cores), ISA: {isa}; threads: {threads}; D = {args.d}; "
+          f"rounds: {args.rounds} (medians)", flush=True)
+    rows = []
+    for n in args.n:
+        torch_t, torch_m, lib = [], [], {}
+        version = "?"
+        for r in range(args.rounds):
+            t, m, version = run_torch(n, args.d, threads, args.torch_steps)
+            torch_t.append(t)
+            torch_m.append(m)
+            for dtype in args.dtypes:
+                for algo in args.algorithms:
+                    t_l, m_l, _ = run_library(args.bench, n, args.d, dtype, algo, args.threads, args.min_time)
+                    lib.setdefault((dtype, algo), ([], []))
+                    lib[(dtype, algo)][0].append(t_l)
+                    lib[(dtype, algo)][1].append(m_l)
+            print(f"  N = {n}: round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        tt, tm = statistics.median(torch_t), statistics.median(torch_m)
+        rows.append((n, f"PyTorch {version} ClipLoss (float)", tt, tm, 1.0, 1.0))
+        float_fused = None
+        for (dtype, algo), (ts, ms) in lib.items():
+            t, m = statistics.median(ts), statistics.median(ms)
+            if dtype == "float" and algo == "fused":
+                float_fused = t
+            rows.append((n, f"contrastive {dtype} {algo}", t, m, t / tt, m / tm if tm else float("nan")))
+        if float_fused:
+            for (dtype, algo), (ts, _) in lib.items():
+                if algo == "fused" and dtype != "float":
+                    print(f"  N = {n}: {dtype} fused / float fused = {statistics.median(ts) / float_fused:.3f}")
+    print()
+    print("| N | implementation | time / step | memory / step | time vs PyTorch | memory vs PyTorch |")
+    print("|---|---|---|---|---|---|")
+    for n, what, t, m, rt, rm in rows:
+        print(f"| {n} | {what} | {t * 1e3:.0f} ms | {m / 2**20:.1f} MiB | {rt:.2f}x | {rm * 100:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
