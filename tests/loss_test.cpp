@@ -336,3 +336,42 @@ TEST(LossDeterminism, BitIdenticalAcrossRunsWithSeveralThreads)
     EXPECT_EQ(std::memcmp(dk1.data(), dk2.data(), dk1.size() * sizeof(float)), 0);
   }
 }
+
+// Float fused with d a multiple of every ISA's NR accumulates dQ and dK in the caller's buffers (no accumulator
+// copies); n not a multiple of MR exercises the partial last row panel. Against float64, and bytes_held matches
+// the documented formula (bytes_for) exactly.
+TEST(LossInPlace, FloatFusedAccumulatesInTheOutputsAndMatchesFloat64)
+{
+  for (const auto& sh : {shape{70, 70, 64, cl::objective::symmetric, false},
+                         shape{37, 101, 96, cl::objective::info_nce, true},
+                         shape{300, 300, 128, cl::objective::symmetric, false}})
+  {
+    SCOPED_TRACE("n_q " + std::to_string(sh.n_q) + " n_k " + std::to_string(sh.n_k) + " dim " + std::to_string(sh.dim));
+    const auto q = ct::random_rows<float>(sh.n_q, sh.dim, 71);
+    const auto k = ct::random_rows<float>(sh.n_k, sh.dim, 72);
+    std::vector<std::int32_t> labels(sh.n_q);
+    for (std::size_t i = 0; i < sh.n_q; ++i)
+    {
+      labels[i] = static_cast<std::int32_t>((i * 7 + 3) % sh.n_k);
+    }
+    const cl::problem<float> p{q.data(), k.data(), sh.n_q, sh.n_k, sh.dim, sh.labels ? labels.data() : nullptr, sh.obj};
+    for (unsigned threads : {1u, 2u, 3u})
+    {
+      cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused> l(
+          cl::temperature::fixed(0.1f), cl::scaler::static_scale(4.0f), threads);
+      std::vector<float> dq(sh.n_q * sh.dim), dk(sh.n_k * sh.dim);
+      poison(dq);
+      poison(dk);
+      cl::step_record rec;
+      ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+      const ct::reference ref =
+          ct::compute_reference(ct::to_double(q), ct::to_double(k), sh.n_q, sh.n_k, sh.dim, p.labels, sh.obj, 10.0);
+      using tol = ct::tolerance<float, cl::algorithm::fused>;
+      EXPECT_NEAR(rec.loss, ref.loss, tol::loss(ref.max_abs_logit));
+      EXPECT_LE(ct::max_rel_error(dq, ref.dq, 0.25), tol::grad(ref.max_abs_logit));
+      EXPECT_LE(ct::max_rel_error(dk, ref.dk, 0.25), tol::grad(ref.max_abs_logit));
+      EXPECT_EQ(l.bytes_held(), cl::host::engine<float>(threads).bytes_for<cl::algorithm::fused>(p).value)
+          << "bytes_held and the documented formula disagree";
+    }
+  }
+}

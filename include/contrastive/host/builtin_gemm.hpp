@@ -39,6 +39,7 @@ struct worker_scratch
   std::vector<float> ga;      // G as a_panels [block_m / MR][block_n][MR]
   std::vector<float> gt;      // G^T as a_panels [block_n / MR][block_m][MR]
   std::vector<float> acc;     // max(block_m, block_n) x dp accumulator
+  std::vector<float> panel;   // MR x dp: a partial last row panel of an in-place product
   std::vector<float> col_max; // nk_pad column running max (symmetric forward)
   std::vector<float> col_sum; // nk_pad column running sum
   std::size_t block_i0 = 0;   // the row block prepared by the last query_block
@@ -47,7 +48,7 @@ struct worker_scratch
   std::size_t capacity_bytes() const noexcept
   {
     return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
-            col_max.capacity() + col_sum.capacity()) *
+            panel.capacity() + col_max.capacity() + col_sum.capacity()) *
            sizeof(float);
   }
 };
@@ -88,18 +89,19 @@ struct gemm_backend<gemm::builtin, T>
   }
   static detail::checked_size worker_floats(const gemm_shape& s) noexcept
   {
-    return detail::checked_size(block_m) * s.d + detail::checked_size(block_m) * s.dp;
+    return detail::checked_size(block_m) * s.d + detail::checked_size(block_m + kernel_mr) * s.dp;
   }
   static void size_worker(const gemm_shape& s, worker_scratch& ws)
   {
     ws.qa.resize(block_m * s.d);
     ws.qb.resize(block_m * s.dp);
+    ws.panel.resize(kernel_mr * s.dp);
   }
-  /// Whether the fused backward may accumulate in the caller's float dq/dk: the dK product writes whole MR-row
-  /// panels of NR-wide columns, so rows must be d wide with d % NR == 0 and n_k % MR == 0.
-  static constexpr bool in_place_ok(std::size_t n_k, std::size_t d) noexcept
+  /// Whether the fused backward may accumulate in the caller's float dq/dk: the products write NR-wide column
+  /// panels, so rows must be d wide with d % NR == 0 (a partial last row panel goes through ws.panel).
+  static constexpr bool in_place_ok(std::size_t, std::size_t d) noexcept
   {
-    return std::is_same_v<T, float> && d % kernel_nr == 0 && n_k % kernel_mr == 0;
+    return std::is_same_v<T, float> && d % kernel_nr == 0;
   }
 
   void prepare(thread_pool& pool, unsigned workers, const gemm_shape& s, const T* q_in, const T* k, bool materialized)
@@ -182,13 +184,44 @@ struct gemm_backend<gemm::builtin, T>
     gemm_packed(m_pad, sh.dp, cols, ws.ga.data(), k_rows.data() + j0 * kernel_nr, sh.nk_pad * kernel_nr, acc, ld, true);
   }
 
-  /// acc rows [0, cols) (+ the zero rows up to the MR panel), columns [0, width) with width = d when in place else
-  /// dp, += G^T Q_blk.
+  /// acc rows [0, cols), columns [0, width) (width = d when in place, else dp) += G^T Q_blk. Only those rows are
+  /// written: a partial last MR panel is accumulated in ws.panel (starting from acc's values, so the summation order
+  /// is the same) and copied back.
   void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
+    const std::size_t m_full = cols / kernel_mr * kernel_mr;
     pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
-    gemm_packed(m_pad, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, true);
+    gemm_packed(m_full, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, true);
+    if (m_full == m_pad)
+    {
+      return;
+    }
+    float* panel = ws.panel.data();
+    const std::size_t tail = cols - m_full;
+    for (std::size_t r = 0; r < static_cast<std::size_t>(kernel_mr); ++r)
+    {
+      for (std::size_t c = 0; c < width; ++c)
+      {
+        panel[r * width + c] = r < tail ? acc[(m_full + r) * ld + c] : 0.0f;
+      }
+    }
+    gemm_packed(kernel_mr,
+                width,
+                block_m,
+                ws.gt.data() + m_full * block_m,
+                ws.qb.data(),
+                block_m * kernel_nr,
+                panel,
+                width,
+                true);
+    for (std::size_t r = 0; r < tail; ++r)
+    {
+      for (std::size_t c = 0; c < width; ++c)
+      {
+        acc[(m_full + r) * ld + c] = panel[r * width + c];
+      }
+    }
   }
 
   void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept

@@ -61,8 +61,9 @@ public:
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
   ///   keys        builtin: 2 nk_pad dp (K packed for S = Q K^T and for dQ = G K); cblas: n_k d for 16-bit, 0 float
-  ///   statistics  5 n_q + n_k                        row lse, loss, max, positive; column lse
-  ///   scratch     W (query block [builtin 2 block_m dp, cblas block_m d] + 3 block_m block_n
+  ///   statistics  4 n_q [+ n_k symmetric]            row lse, loss, max, positive; column lse
+  ///   scratch     W (query block [builtin block_m d + (block_m + MR) dp, cblas 16-bit block_m d]
+  ///               + 3 block_m block_n
   ///               + max(block_m, block_n) dp [+ 2 nk_pad symmetric])
   ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place
   ///                                                  (builtin: d % NR == 0 and n_k % MR == 0; cblas: always)
@@ -81,7 +82,7 @@ public:
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
-    const checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(p.n_k);
+    const checked_size stats = checked_size(4) * checked_size(p.n_q) + checked_size(sym ? p.n_k : 0);
     checked_size per_worker = backend::worker_floats(sh) + checked_size(3 * block_m * block_n) +
                               checked_size(std::max(block_m, block_n)) * dp;
     if (sym)

@@ -66,8 +66,21 @@ CONTRASTIVE_HOST_DEVICE constexpr std::size_t round_up(std::size_t x, std::size_
 namespace kernel
 {
 #if defined(__GNUC__) || defined(__clang__)
-typedef float vfloat __attribute__((vector_size(vector_floats * sizeof(float)), aligned(4), may_alias));
+typedef float vfloat __attribute__((vector_size(vector_floats * sizeof(float))));
+/// The same vector, as an unaligned, aliasing view of float memory: loads and stores through it are plain
+/// (unaligned) vector moves, so the accumulators and B stay in registers (a memcpy into a vector variable made GCC
+/// keep both on the stack on AVX2).
+typedef float vfloat_u __attribute__((vector_size(vector_floats * sizeof(float)), aligned(4), may_alias));
 inline constexpr int nr_vectors = kernel_nr / vector_floats;
+
+CONTRASTIVE_FORCEINLINE vfloat load(const float* p) noexcept
+{
+  return *reinterpret_cast<const vfloat_u*>(p);
+}
+CONTRASTIVE_FORCEINLINE void store(float* p, vfloat v) noexcept
+{
+  *reinterpret_cast<vfloat_u*>(p) = v;
+}
 
 /// C[MR x NR] (ld ldc) = or += sum over kc steps of a[p][0..MR) times b[p][0..NR), both packed contiguously.
 CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
@@ -84,14 +97,7 @@ CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
   {
     for (int v = 0; v < nr_vectors; ++v)
     {
-      if (accumulate)
-      {
-        std::memcpy(&acc[i][v], c + i * ldc + v * vector_floats, sizeof(vfloat));
-      }
-      else
-      {
-        acc[i][v] = vfloat{} - vfloat{};
-      }
+      acc[i][v] = accumulate ? load(c + i * ldc + v * vector_floats) : vfloat{} - vfloat{};
     }
   }
   for (std::size_t p = 0; p < kc; ++p)
@@ -99,7 +105,7 @@ CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
     vfloat bv[nr_vectors];
     for (int v = 0; v < nr_vectors; ++v)
     {
-      std::memcpy(&bv[v], b + v * vector_floats, sizeof(vfloat));
+      bv[v] = load(b + v * vector_floats);
     }
     for (int i = 0; i < kernel_mr; ++i)
     {
@@ -116,7 +122,7 @@ CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
   {
     for (int v = 0; v < nr_vectors; ++v)
     {
-      std::memcpy(c + i * ldc + v * vector_floats, &acc[i][v], sizeof(vfloat));
+      store(c + i * ldc + v * vector_floats, acc[i][v]);
     }
   }
 }
