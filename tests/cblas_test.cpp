@@ -21,8 +21,8 @@ template <class T, class Algo>
 void check_backend(unsigned threads)
 {
   using tol = ct::tolerance<T, Algo>;
-  // The seeds of loss_test: the n_q = 1 x n_k = 7 x dim = 3 case is bound by the float cancellation in P_pp - 1 for
-  // some draws (both backends alike; see docs/design.md, "Known accuracy limit").
+  // For some draws the n_q = 1 x n_k = 7 x dim = 3 case is bound by the frameworks' cancellation in P_pp - 1, which the
+  // materialized algorithm keeps on purpose (docs/design.md, "Positive's gradient"); these seeds avoid it.
   std::uint32_t seed = 1000;
   for (const ct::shape& sh : ct::shapes)
   {

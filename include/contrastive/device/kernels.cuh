@@ -72,6 +72,8 @@ struct pass_args
   // backward inputs/outputs
   const float* lse_a = nullptr;
   const float* lse_b = nullptr;
+  const float* loss_a = nullptr; ///< fused: per-row losses of A and of B, for the positive's exact G_pp
+  const float* loss_b = nullptr;
   float coef_a = 0.0f, coef_b = 0.0f, coef_pos = 0.0f;
   float* acc = nullptr;           ///< float accumulator rows (n_a rounded up to block_m) x ld_acc, zeroed
   void* out = nullptr;            ///< dA in the element type
@@ -376,7 +378,10 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
           g = logit_gradient(x, lse_row, two_sided ? p.lse_b[col] : 0.0f, coef, two_sided);
           if (is_positive<T>(p, row, col))
           {
-            g = positive_gradient(g, coef);
+            g = exact_positive_gradient(p.loss_a != nullptr ? p.loss_a[row] : 0.0f,
+                                        p.loss_b != nullptr ? p.loss_b[col] : 0.0f,
+                                        coef,
+                                        two_sided);
           }
           g *= inv_norm;
         }

@@ -288,13 +288,17 @@ struct loss
     else
     {
       rows.lse_a = f(w.row_lse);
+      rows.loss_a = f(w.row_loss);
       rows.coef_a = gc.row_coef;
       rows.lse_b = sym ? f(w.col_lse) : nullptr;
+      rows.loss_b = sym ? f(w.col_loss) : nullptr;
       rows.coef_b = sym ? gc.col_coef : 0.0f;
       rows.coef_pos = gc.pos_coef;
       rows.dlogs_partial = f(w.partials);
       // dK: rows are keys, columns queries; G^T_ji = col_coef C_ij + row_coef P_ij - pos.
       cols.lse_a = sym ? f(w.col_lse) : nullptr;
+      cols.loss_a = sym ? f(w.col_loss) : nullptr;
+      cols.loss_b = f(w.row_loss);
       cols.coef_a = sym ? gc.col_coef : 0.0f;
       cols.lse_b = f(w.row_lse);
       cols.coef_b = gc.row_coef;

@@ -61,7 +61,7 @@ public:
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
   ///   keys        builtin: 2 nk_pad dp (K packed for S = Q K^T and for dQ = G K); cblas: n_k d for 16-bit, 0 float
-  ///   statistics  4 n_q [+ n_k symmetric]            row lse, loss, max, positive; column lse
+  ///   statistics  4 n_q [+ 2 n_k symmetric]          row lse, loss, max, positive; column lse, loss
   ///   scratch     W (query block [builtin block_m d + (block_m + MR) dp, cblas 16-bit block_m d]
   ///               + 3 block_m block_n
   ///               + max(block_m, block_n) dp [+ 2 nk_pad symmetric])
@@ -82,7 +82,7 @@ public:
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
-    const checked_size stats = checked_size(4) * checked_size(p.n_q) + checked_size(sym ? p.n_k : 0);
+    const checked_size stats = checked_size(4) * checked_size(p.n_q) + checked_size(sym ? 2 : 0) * p.n_k;
     checked_size per_worker = backend::worker_floats(sh) + checked_size(3 * block_m * block_n) +
                               checked_size(std::max(block_m, block_n)) * dp;
     if (sym)
@@ -143,6 +143,7 @@ public:
     s.row_max.resize(s.n_q);
     s.pos.resize(s.n_q);
     s.col_lse.resize(sym ? s.n_k : 0);
+    s.col_loss.resize(sym ? s.n_k : 0);
     if constexpr (materialized)
     {
       s.logits.resize(s.n_q * s.n_k);
@@ -215,7 +216,7 @@ public:
   {
     const engine_state<T, Gemm>& s = st_;
     std::size_t b = (s.row_lse.capacity() + s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() +
-                     s.col_lse.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity()) *
+                     s.col_lse.capacity() + s.col_loss.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity()) *
                         sizeof(float) +
                     s.logits.capacity() * sizeof(T) + s.mm.bytes();
     for (const auto& ws : s.scratch)
@@ -229,7 +230,7 @@ public:
   void release() noexcept
   {
     engine_state<T, Gemm>& s = st_;
-    for (auto* v : {&s.row_lse, &s.row_loss, &s.row_max, &s.pos, &s.col_lse, &s.dq_acc, &s.dk_acc})
+    for (auto* v : {&s.row_lse, &s.row_loss, &s.row_max, &s.pos, &s.col_lse, &s.col_loss, &s.dq_acc, &s.dk_acc})
     {
       free(*v);
     }

@@ -61,7 +61,7 @@ struct engine_state
   float scale = 1.0f;
 
   gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
-  std::vector<float> row_lse, row_loss, row_max, pos, col_lse;
+  std::vector<float> row_lse, row_loss, row_max, pos, col_lse, col_loss;
   std::vector<T> logits;             // materialized: n_q x n_k
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place
   std::vector<worker_scratch> scratch;
@@ -232,9 +232,11 @@ struct engine_state
     return bad;
   }
 
-  /// G = dL/dS of block (i0, j0) into ws.tile (rows x cols valid, zero elsewhere up to block_m x block_n), from the
+  /// G = dL/dS of block (i0, j0) into ws.tile; the positive's term exactly (fused) or by subtraction (materialized,
+  /// as frameworks) (rows x cols valid, zero elsewhere up to block_m x block_n), from the
   /// scaled logits already there.
-  void gradient_tile(std::size_t i0,
+  void gradient_tile(bool exact_positive,
+                     std::size_t i0,
                      std::size_t j0,
                      std::size_t rows,
                      std::size_t cols,
@@ -260,7 +262,8 @@ struct engine_state
       const std::size_t p = positive_of(i0 + ii);
       if (p >= j0 && p < j0 + cols)
       {
-        g[p - j0] = positive_gradient(g[p - j0], gc);
+        g[p - j0] = exact_positive ? exact_positive_gradient(row_loss[i0 + ii], sym ? col_loss[p] : 0.0f, gc, sym)
+                                   : positive_gradient(g[p - j0], gc);
       }
     }
   }
@@ -311,6 +314,7 @@ struct engine_state
         }
         const contrastive::row_loss rl = finish_row(c, pos[j]);
         col_lse[j] = rl.lse;
+        col_loss[j] = rl.loss;
         col_sum += rl.loss;
       }
       total = 0.5 * (total + col_sum / static_cast<double>(n_k));

@@ -78,7 +78,7 @@ backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* d
                       }
                       const std::size_t cols = std::min(block_n, st.n_k - j0);
                       st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
-                      st.gradient_tile(i0, j0, rows, cols, gc, ws);
+                      st.gradient_tile(true, i0, j0, rows, cols, gc, ws);
                       st.mm.dq_product(j0, rows, cols, ws, acc, st.dp);
                       st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, in_place ? st.d : st.dp);
                     }

@@ -38,7 +38,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                  {
                    const std::size_t cols = std::min(block_n, st.n_k - j0);
                    st.template scaled_tile<algorithm::materialized>(i0, j0, rows, cols, ws);
-                   st.gradient_tile(i0, j0, rows, cols, gc, ws);
+                   st.gradient_tile(false, i0, j0, rows, cols, gc, ws);
                    for (std::size_t ii = 0; ii < rows; ++ii)
                    {
                      T* m = &st.logits[(i0 + ii) * st.n_k + j0];

@@ -53,6 +53,19 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float positive_gradient(float g,
   return g - gc.pos_coef;
 }
 
+/// The positive's G_pp without cancellation, for the fused algorithm: with P_pp = exp(-row loss) and C_pp =
+/// exp(-column loss), G_pp = row_coef (P_pp - 1) + col_coef (C_pp - 1) = row_coef expm1(-row loss) + col_coef
+/// expm1(-column loss). `positive_gradient` forms P_pp - 1 by subtraction, as frameworks' softmax-minus-one-hot does
+/// (and the materialized algorithm, which reproduces them, keeps doing); when the positive dominates its row that
+/// difference keeps few digits (~1e-7 absolute against values of ~1e-4), and Adam turns the noise in d loss / d log s
+/// into full-size steps of the temperature.
+CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float
+exact_positive_gradient(float row_loss, float col_loss, const grad_coefficients& gc, bool symmetric) noexcept
+{
+  const float row = gc.row_coef * ::expm1f(-row_loss);
+  return symmetric ? row + gc.col_coef * ::expm1f(-col_loss) : row;
+}
+
 /// The materialized algorithm's rounding chain, as a framework's autocast rounds (see algorithm::materialized):
 ///   A = round_T(q . k)  ->  S = round_T(s A)  ->  G in float  ->  dS = round_T(loss_scale G)  ->  dA = round_T(s dS)
 /// with d loss / d log s accumulated as sum dS * A. One definition for host and device.
