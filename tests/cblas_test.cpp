@@ -30,12 +30,7 @@ void check_backend(unsigned threads)
                  " n_k " + std::to_string(sh.n_k) + " dim " + std::to_string(sh.dim));
     const auto q = ct::random_rows<T>(sh.n_q, sh.dim, ++seed);
     const auto k = ct::random_rows<T>(sh.n_k, sh.dim, ++seed);
-    std::vector<std::int32_t> labels(sh.n_q);
-    std::mt19937 rng(++seed);
-    for (auto& l : labels)
-    {
-      l = static_cast<std::int32_t>(rng() % sh.n_k);
-    }
+    const std::vector<std::int32_t> labels = ct::random_labels(sh.n_q, sh.n_k, ++seed);
     const cl::problem<T> p{q.data(), k.data(), sh.n_q, sh.n_k, sh.dim, sh.labels ? labels.data() : nullptr, sh.obj};
     const float tau = 0.1f; // as loss_test (at 0.05 the 1 x 7 x 3 case is cancellation-bound in both backends)
     cl::loss<T, cl::temperature::learnable, cl::scaler::static_scale, Algo, cl::gemm::cblas> b(

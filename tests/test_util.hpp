@@ -56,6 +56,18 @@ public:
   }
 };
 
+/// n random positive-key indices in [0, n_k).
+inline std::vector<std::int32_t> random_labels(std::size_t n, std::size_t n_k, std::uint32_t seed)
+{
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> labels(n);
+  for (auto& l : labels)
+  {
+    l = static_cast<std::int32_t>(rng() % n_k);
+  }
+  return labels;
+}
+
 /// Random L2-normalised rows (as CLIP features are), stored in T. Never zero.
 template <class T>
 std::vector<T> random_rows(std::size_t rows, std::size_t dim, std::uint32_t seed, float norm = 1.0f)

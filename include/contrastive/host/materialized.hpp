@@ -15,6 +15,33 @@ namespace contrastive
 {
 namespace host
 {
+/// Block (i0, j0) of the stored element-type matrix (rows x cols) into ws.tile as float, zero up to block_m rows and
+/// `width` (>= cols) columns.
+template <class T, class Gemm>
+void load_matrix_tile(const engine_state<T, Gemm>& st,
+                      std::size_t i0,
+                      std::size_t j0,
+                      std::size_t rows,
+                      std::size_t cols,
+                      std::size_t width,
+                      worker_scratch& ws) noexcept
+{
+  for (std::size_t ii = 0; ii < block_m; ++ii)
+  {
+    float* out = &ws.tile[ii * block_n];
+    std::size_t jj = 0;
+    if (ii < rows)
+    {
+      const T* m = &st.logits[(i0 + ii) * st.n_k + j0];
+      for (; jj < cols; ++jj)
+      {
+        out[jj] = element_traits<T>::to_float(m[jj]);
+      }
+    }
+    std::fill(out + jj, out + width, 0.0f);
+  }
+}
+
 /// Backward of `loss_scale * loss` for the materialized algorithm after `forward<materialized>`.
 template <class T, class Gemm>
 backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scale, T* dq, T* dk)
@@ -70,22 +97,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                  for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
                  {
                    const std::size_t cols = std::min(block_n, st.n_k - j0);
-                   for (std::size_t ii = 0; ii < block_m; ++ii)
-                   {
-                     float* out = &ws.tile[ii * block_n];
-                     if (ii < rows)
-                     {
-                       const T* m = &st.logits[(i0 + ii) * st.n_k + j0];
-                       for (std::size_t jj = 0; jj < cols; ++jj)
-                       {
-                         out[jj] = traits::to_float(m[jj]);
-                       }
-                     }
-                     else
-                     {
-                       std::fill(out, out + cols, 0.0f);
-                     }
-                   }
+                   load_matrix_tile(st, i0, j0, rows, cols, cols, ws);
                    st.mm.dq_product(j0, rows, cols, ws, acc, st.dp);
                  }
                  bool bad = false;
@@ -114,24 +126,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                  std::fill(acc, acc + block_n * st.dp, 0.0f);
                  for (std::size_t i0 = 0; i0 < st.n_q; i0 += block_m)
                  {
-                   const std::size_t rows = std::min(block_m, st.n_q - i0);
-                   for (std::size_t ii = 0; ii < block_m; ++ii)
-                   {
-                     float* out = &ws.tile[ii * block_n];
-                     if (ii < rows)
-                     {
-                       const T* m = &st.logits[(i0 + ii) * st.n_k + j0];
-                       for (std::size_t jj = 0; jj < cols; ++jj)
-                       {
-                         out[jj] = traits::to_float(m[jj]);
-                       }
-                       std::fill(out + cols, out + m_pad, 0.0f);
-                     }
-                     else
-                     {
-                       std::fill(out, out + m_pad, 0.0f);
-                     }
-                   }
+                   load_matrix_tile(st, i0, j0, std::min(block_m, st.n_q - i0), cols, m_pad, ws);
                    st.mm.dk_queries(i0, cols, ws, acc);
                  }
                  bool bad = false;
