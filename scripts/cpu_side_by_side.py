@@ -85,16 +85,22 @@ def run_torch(n, d, threads, steps):
 
 
 def run_library(bench, n, d, dtype, algo, threads, min_time):
-    name = f"host/symmetric/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}/manual_time"
+    # N >= 16384 runs one iteration per repetition and says so in the name.
+    pattern = f"^host/symmetric/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}(/iterations:1)?/manual_time$"
+    name = f"host/symmetric/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}"
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        cmd = [bench, f"--benchmark_filter=^{re.escape(name)}$", f"--contrastive_max_n={n}",
+        cmd = [bench, f"--benchmark_filter={pattern}", f"--contrastive_max_n={n}",
                f"--contrastive_max_d={d}", f"--benchmark_min_time={min_time}", "--benchmark_format=json",
                f"--benchmark_out={tmp.name}", "--contrastive_roofline_seconds=0.02", "--contrastive_copy_mib=16"]
         if threads:
             cmd.append(f"--contrastive_threads={threads}")
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        doc = json.load(open(tmp.name))
-    runs = [b for b in doc["benchmarks"] if b.get("run_name", b["name"]) == name and not b.get("error_occurred")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            doc = json.load(open(tmp.name))
+        except ValueError:
+            raise RuntimeError(f"{name}: the benchmark wrote no results:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    runs = [b for b in doc["benchmarks"]
+            if re.match(pattern, b.get("run_name", b["name"])) and not b.get("error_occurred")]
     if not runs:
         raise RuntimeError(f"{name} did not run (is N in the benchmark's size axis?)")
     b = runs[0]
