@@ -24,6 +24,9 @@
 #include "support.hpp"
 
 #include <contrastive/contrastive.hpp>
+#if defined(CONTRASTIVE_BENCH_CBLAS)
+#include <contrastive/host/cblas_gemm.hpp>
+#endif
 
 #include <benchmark/benchmark.h>
 
@@ -88,14 +91,15 @@ std::size_t estimated_bytes(std::size_t n, std::size_t d, pass p, unsigned threa
 {
   const std::size_t dp = (d + 31) / 32 * 32;
   std::size_t b = 2 * n * d * sizeof(T) * (p == pass::forward ? 1 : 2); // caller's buffers
-  b += 4 * (n + 256) * dp * sizeof(float);                              // converted and packed q, k
+  b += 3 * (n + 256) * dp * sizeof(float);                              // packed keys (and queries)
+  b += threads * (4 * 256 * 256 + 2 * n) * sizeof(float);               // per-worker tiles and column statistics
   if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::materialized>)
   {
     b += n * n * sizeof(T);
   }
   else if (p == pass::forward_backward)
   {
-    b += threads * (n + 256) * dp * sizeof(float); // per-worker dK accumulators
+    b += 2 * (n + 256) * dp * sizeof(float); // dQ, dK accumulators (none for aligned float)
   }
   return b;
 }
@@ -112,10 +116,11 @@ struct fixture_base
   bool warm = false;
 };
 
-template <class T, class Algorithm>
+template <class T, class Algorithm, class Gemm>
 struct fixture : fixture_base
 {
-  using loss_type = contrastive::loss<T, contrastive::temperature::fixed, contrastive::scaler::static_scale, Algorithm>;
+  using loss_type =
+      contrastive::loss<T, contrastive::temperature::fixed, contrastive::scaler::static_scale, Algorithm, Gemm>;
 
   fixture(std::size_t n, std::size_t d, contrastive::objective obj, pass ps, unsigned threads)
       : q(n * d), k(n * d), dq(ps == pass::forward ? 0 : n * d), dk(ps == pass::forward ? 0 : n * d),
@@ -181,7 +186,7 @@ struct fixture : fixture_base
 
 std::unique_ptr<fixture_base> g_fixture;
 
-template <class T, class Algorithm>
+template <class T, class Algorithm, class Gemm>
 void run(benchmark::State& state, const std::string& key, contrastive::objective obj, pass ps)
 {
   const std::size_t n = static_cast<std::size_t>(state.range(0));
@@ -203,10 +208,10 @@ void run(benchmark::State& state, const std::string& key, contrastive::objective
   if (!g_fixture || g_fixture->key != key)
   {
     g_fixture.reset(); // free the previous configuration before allocating this one
-    g_fixture = std::make_unique<fixture<T, Algorithm>>(n, d, obj, ps, threads);
+    g_fixture = std::make_unique<fixture<T, Algorithm, Gemm>>(n, d, obj, ps, threads);
     g_fixture->key = key;
   }
-  auto& fx = static_cast<fixture<T, Algorithm>&>(*g_fixture);
+  auto& fx = static_cast<fixture<T, Algorithm, Gemm>&>(*g_fixture);
   std::string error;
 
   reset_rss_peak();
@@ -271,17 +276,20 @@ void run(benchmark::State& state, const std::string& key, contrastive::objective
   state.counters["threads"] = static_cast<double>(fx.loss.threads());
 }
 
-template <class T, class Algorithm>
+template <class T, class Algorithm, class Gemm = contrastive::gemm::builtin>
 void register_one(contrastive::objective obj, pass ps, std::size_t n, std::size_t d)
 {
   const config& cfg = run_config();
+  // The built-in GEMM core is the default and unnamed; another backend appends "+<name>" to the algorithm.
+  const std::string gemm =
+      std::is_same_v<Gemm, contrastive::gemm::builtin> ? std::string() : std::string("+") + Gemm::name;
   const std::string name = std::string("host/") + contrastive::to_string(obj) + "/" + to_string(ps) + "/" +
-                           contrastive::element_traits<T>::name + "/" + Algorithm::name;
+                           contrastive::element_traits<T>::name + "/" + Algorithm::name + gemm;
   benchmark::internal::Benchmark* b = benchmark::RegisterBenchmark(
       name.c_str(),
       [key = name + "/" + std::to_string(n) + "/" + std::to_string(d), obj, ps](benchmark::State& s)
       {
-        run<T, Algorithm>(s, key, obj, ps);
+        run<T, Algorithm, Gemm>(s, key, obj, ps);
       });
   b->ArgNames({"N", "D"})
       ->Args({static_cast<std::int64_t>(n), static_cast<std::int64_t>(d)})
@@ -324,6 +332,15 @@ void register_host_benchmarks()
           register_type<float>(obj, ps, n, d);
           register_type<__nv_bfloat16>(obj, ps, n, d);
           register_type<__half>(obj, ps, n, d);
+#if defined(CONTRASTIVE_BENCH_CBLAS)
+          if (obj == contrastive::objective::symmetric && ps == pass::forward_backward)
+          {
+            // The CBLAS backend beside the built-in core (float and half; OpenBLAS single-threaded, see main.cpp).
+            register_one<float, contrastive::algorithm::materialized, contrastive::gemm::cblas>(obj, ps, n, d);
+            register_one<float, contrastive::algorithm::fused, contrastive::gemm::cblas>(obj, ps, n, d);
+            register_one<__half, contrastive::algorithm::fused, contrastive::gemm::cblas>(obj, ps, n, d);
+          }
+#endif
         }
       }
     }

@@ -12,6 +12,9 @@
 #include "support.hpp"
 
 #include <contrastive/host/thread_pool.hpp>
+#if defined(CONTRASTIVE_BENCH_CBLAS)
+#include <contrastive/host/cblas_gemm.hpp>
+#endif
 
 #include <benchmark/benchmark.h>
 
@@ -81,6 +84,10 @@ int main(int argc, char** argv)
     return 2;
   }
   const unsigned threads = cfg.threads == 0 ? contrastive::host::default_threads() : cfg.threads;
+#if defined(CONTRASTIVE_BENCH_CBLAS)
+  // The loss's own workers call the BLAS: keep OpenBLAS single-threaded (gemm::cblas's documented setting).
+  contrastive::host::cblas_single_threaded();
+#endif
 
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv))

@@ -106,12 +106,20 @@ def main(args):
         print("|" + "---|" * 20)
     order = {"symmetric": 0, "info_nce": 1, "fwd_bwd": 0, "fwd": 1, "float": 0, "bfloat16": 1, "half": 2,
              "materialized": 0, "fused": 1}
-    for key in sorted(keyed, key=lambda k: (k[4], k[5], order[k[0]], order[k[1]], order[k[2]], order[k[3]])):
+    # An algorithm may carry a GEMM backend suffix ("fused+cblas"): it sorts after the built-in one and is compared
+    # with the materialized run of the same backend.
+    def algo_order(a):
+        base, _, backend = a.partition("+")
+        return (order.get(base, 9), backend)
+
+    for key in sorted(keyed, key=lambda k: (k[4], k[5], order[k[0]], order[k[1]], order[k[2]], algo_order(k[3]))):
         obj, ps, ty, algo, n, d = key
         name, r = keyed[key]
         speed = memr = vs_float = ""
-        if algo == "fused" and (obj, ps, ty, "materialized", n, d) in keyed:
-            base = keyed[(obj, ps, ty, "materialized", n, d)][1]
+        base_algo, plus, backend = algo.partition("+")
+        materialized = "materialized" + plus + backend
+        if base_algo == "fused" and (obj, ps, ty, materialized, n, d) in keyed:
+            base = keyed[(obj, ps, ty, materialized, n, d)][1]
             speed = f"{base['seconds'] / r['seconds']:.2f}x"
             if "mem_call" in r and "mem_call" in base:
                 memr = f"{r['mem_call'] / base['mem_call'] * 100:.1f}% ({r['mem_total'] / base['mem_total'] * 100:.1f}%)"
