@@ -283,6 +283,7 @@ public:
           r = engine_.template forward<Algorithm>(temperature_.scale());
         }));
     forward_ready_ = true;
+    last_forward_ = r;
     loss_value = r.loss;
     if (row_lse != nullptr)
     {
@@ -293,6 +294,28 @@ public:
       std::copy(engine_.col_lse().begin(), engine_.col_lse().end(), col_lse);
     }
     return {};
+  }
+
+  /// What the last successful `forward` saw (loss, largest logit, whether a logit was non-finite) and the last
+  /// `backward` produced (whether dQ/dK held a non-finite value, d(loss_scale * loss)/d(log s)): the step diagnosis
+  /// for callers who run the two halves themselves (`diagnose` orders it as a step record does).
+  const host::forward_result& last_forward() const noexcept
+  {
+    return last_forward_;
+  }
+  const host::backward_result& last_backward() const noexcept
+  {
+    return last_backward_;
+  }
+  /// The first non-finite site of the last forward + backward pair, in the order of `step_record::first_nonfinite`.
+  nonfinite_site diagnose() const noexcept
+  {
+    return detail::first_nonfinite(last_forward_.logits_nonfinite,
+                                   last_forward_.loss,
+                                   last_backward_.dq_nonfinite,
+                                   last_backward_.dk_nonfinite,
+                                   temperature_.wants_gradient(),
+                                   last_backward_.grad_logit_scale);
   }
 
   /// Backward of the last `forward` at the current loss scale: dq, dk (Element, multiplied by the loss scale) and
@@ -323,6 +346,7 @@ public:
         }));
     grad_logit_scale_scaled = br.grad_logit_scale;
     forward_ready_ = false;
+    last_backward_ = br;
     return {};
   }
 
@@ -494,5 +518,7 @@ private:
   host::engine<Element, Gemm> engine_;
   std::int64_t step_ = 0;
   bool forward_ready_ = false;
+  host::forward_result last_forward_{};
+  host::backward_result last_backward_{};
 };
 } // namespace contrastive

@@ -1,0 +1,95 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""Side by side: contrastive_torch.ClipLoss and a plain PyTorch ClipLoss on the same tensors (CPU).
+
+    cd python && /usr/bin/python3 -m contrastive_torch.bench [--n 4096] [--d 512] [--dtype float32] [--steps 5]
+
+Each measurement runs in a fresh subprocess: the median time of a forward+backward step after one warm-up, and the
+step's memory as the growth of the process's resident high-water mark (VmHWM) over the steps. The plain loss is
+open_clip's form with one product: logits = s * img @ txt.T, cross-entropy over rows and columns, backward() to img,
+txt and logit_scale.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import math, statistics, sys, time
+import torch, torch.nn.functional as F
+sys.path.insert(0, sys.argv[7])
+import contrastive_torch as ct
+which, n, d, dtype, steps, algorithm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
+dtype = getattr(torch, dtype)
+g = torch.Generator().manual_seed(0)
+img = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).requires_grad_()
+txt = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).requires_grad_()
+log_scale = torch.tensor(math.log(1 / 0.07)).requires_grad_()
+labels = torch.arange(n)
+if which == "contrastive":
+    ct.extension()
+    fn = ct.ClipLoss(algorithm=algorithm)
+else:
+    def fn(a, b, s):
+        logits = s * a @ b.t()
+        return 0.5 * (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.t().float(), labels))
+def hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+def step():
+    img.grad = txt.grad = log_scale.grad = None
+    fn(img, txt, log_scale.exp()).backward()
+base = hwm()
+step()
+times = []
+for _ in range(steps):
+    t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+print(statistics.median(times), hwm() - base, torch.__version__)
+"""
+
+
+def measure(which, n, d, dtype, steps, algorithm, threads):
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", CHILD, which, str(n), str(d), dtype, str(steps), algorithm, here],
+                         check=True, capture_output=True, text=True, env=env).stdout.split()
+    return float(out[0]), int(out[1]), out[2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[4096])
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--algorithm", default="fused", choices=["fused", "materialized"])
+    ap.add_argument("--threads", type=int, default=0, help="0: all cores")
+    args = ap.parse_args()
+    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; dtype {args.dtype}; "
+          f"D = {args.d}; {args.rounds} interleaved rounds (medians)")
+    print("| N | loss | time / step | memory / step | time vs PyTorch | memory vs PyTorch |")
+    print("|---|---|---|---|---|---|")
+    for n in args.n:
+        res = {"pytorch": ([], []), "contrastive": ([], [])}
+        version = "?"
+        for _ in range(args.rounds):
+            for which in ("pytorch", "contrastive"):
+                t, m, version = measure(which, n, args.d, args.dtype, args.steps, args.algorithm, args.threads)
+                res[which][0].append(t)
+                res[which][1].append(m)
+        pt, pm = statistics.median(res["pytorch"][0]), statistics.median(res["pytorch"][1])
+        for which, label in (("pytorch", f"PyTorch {version}"), ("contrastive", f"contrastive_torch {args.algorithm}")):
+            t, m = statistics.median(res[which][0]), statistics.median(res[which][1])
+            print(f"| {n} | {label} | {t * 1e3:.0f} ms | {m / 2**20:.1f} MiB | {t / pt:.2f}x | "
+                  f"{100 * m / pm if pm else float('nan'):.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

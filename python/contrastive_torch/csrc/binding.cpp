@@ -1,0 +1,220 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+//
+// PyTorch binding of the host library: one `Loss` object per (element type, algorithm), holding the library's
+// engine between the forward and the backward of one autograd call. Errors become Python exceptions: the library's
+// status as ValueError (its message names the argument), wrong dtypes as TypeError.
+
+#include <torch/extension.h>
+
+#include <contrastive/contrastive.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cl = contrastive;
+
+namespace
+{
+/// Host loss with a fixed temperature (set per call from PyTorch's logit_scale) and a static loss scale (set per
+/// backward from the incoming gradient, so 16-bit gradients are rounded after scaling, as under GradScaler).
+class handle_base
+{
+public:
+  virtual ~handle_base() = default;
+  virtual std::vector<double> forward(const torch::Tensor& q,
+                                      const torch::Tensor& k,
+                                      double scale,
+                                      const torch::Tensor& labels,
+                                      bool symmetric) = 0;
+  virtual std::vector<torch::Tensor> backward(double loss_scale) = 0;
+  virtual std::size_t bytes_held() const = 0;
+  /// {first non-finite site of the last forward + backward ("none", "logits", ...), largest logit}.
+  virtual std::pair<std::string, double> diagnosis() const = 0;
+};
+
+[[noreturn]] void raise(const cl::status& st)
+{
+  throw std::invalid_argument(std::string("contrastive: ") + st.message() + " [" + cl::to_string(st.code()) + "]");
+}
+
+template <class T, class Algorithm>
+class handle final : public handle_base
+{
+  using loss_type = cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
+
+public:
+  explicit handle(unsigned threads) : loss_(cl::temperature::fixed(1.0f), cl::scaler::static_scale(1.0f), threads) {}
+
+  std::vector<double> forward(const torch::Tensor& q,
+                              const torch::Tensor& k,
+                              double scale,
+                              const torch::Tensor& labels,
+                              bool symmetric) override
+  {
+    const float tau = static_cast<float>(1.0 / scale);
+    set_policies(tau, 1.0f);
+    q_ = q;
+    k_ = k;
+    labels_ = labels;
+    cl::problem<T> p;
+    p.q = reinterpret_cast<const T*>(q.data_ptr());
+    p.k = reinterpret_cast<const T*>(k.data_ptr());
+    p.n_q = static_cast<std::size_t>(q.size(0));
+    p.n_k = static_cast<std::size_t>(k.size(0));
+    p.dim = static_cast<std::size_t>(q.size(1));
+    p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
+    p.obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
+    float value = 0.0f;
+    const cl::status st = loss_.forward(p, value);
+    if (!st.ok())
+    {
+      raise(st);
+    }
+    n_q_ = p.n_q;
+    n_k_ = p.n_k;
+    dim_ = p.dim;
+    return {static_cast<double>(value), static_cast<double>(loss_.tau())};
+  }
+
+  std::vector<torch::Tensor> backward(double loss_scale) override
+  {
+    set_policies(loss_.tau(), static_cast<float>(loss_scale));
+    torch::Tensor dq = torch::empty({static_cast<std::int64_t>(n_q_), static_cast<std::int64_t>(dim_)}, q_.options());
+    torch::Tensor dk = torch::empty({static_cast<std::int64_t>(n_k_), static_cast<std::int64_t>(dim_)}, k_.options());
+    float dlogs = 0.0f;
+    const cl::status st =
+        loss_.backward(reinterpret_cast<T*>(dq.data_ptr()), reinterpret_cast<T*>(dk.data_ptr()), dlogs);
+    if (!st.ok())
+    {
+      raise(st);
+    }
+    q_ = k_ = labels_ = torch::Tensor();
+    return {dq, dk, torch::tensor(static_cast<double>(dlogs), torch::kFloat64)};
+  }
+
+  std::size_t bytes_held() const override
+  {
+    return loss_.bytes_held();
+  }
+
+  std::pair<std::string, double> diagnosis() const override
+  {
+    return {cl::to_string(loss_.diagnose()), static_cast<double>(loss_.last_forward().max_logit)};
+  }
+
+private:
+  void set_policies(float tau, float loss_scale)
+  {
+    typename loss_type::checkpoint c = loss_.save();
+    c.temperature = cl::temperature::fixed(tau);
+    c.scaler = cl::scaler::static_scale(loss_scale);
+    const cl::status st = loss_.restore(c);
+    if (!st.ok())
+    {
+      raise(st);
+    }
+  }
+
+  loss_type loss_;
+  torch::Tensor q_, k_, labels_; // kept alive from forward to backward (the engine reads them again)
+  std::size_t n_q_ = 0, n_k_ = 0, dim_ = 0;
+};
+
+template <class T>
+std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned threads)
+{
+  if (algorithm == "fused")
+  {
+    return std::make_unique<handle<T, cl::algorithm::fused>>(threads);
+  }
+  if (algorithm == "materialized")
+  {
+    return std::make_unique<handle<T, cl::algorithm::materialized>>(threads);
+  }
+  throw std::invalid_argument("contrastive: algorithm: '" + algorithm + "' is not one of 'fused', 'materialized'");
+}
+
+/// The Python-visible object.
+class Loss
+{
+public:
+  Loss(const std::string& dtype, const std::string& algorithm, std::int64_t threads)
+  {
+    if (threads < 0)
+    {
+      throw std::invalid_argument("contrastive: threads: must be >= 0 (0 = all cores)");
+    }
+    const unsigned t = static_cast<unsigned>(threads);
+    if (dtype == "float32")
+    {
+      impl_ = make_for<float>(algorithm, t);
+    }
+    else if (dtype == "bfloat16")
+    {
+      impl_ = make_for<__nv_bfloat16>(algorithm, t);
+    }
+    else if (dtype == "float16")
+    {
+      impl_ = make_for<__half>(algorithm, t);
+    }
+    else
+    {
+      throw pybind11::type_error("contrastive: dtype: " + dtype + " is not float32, bfloat16 or float16");
+    }
+  }
+
+  std::vector<double> forward(const torch::Tensor& q,
+                              const torch::Tensor& k,
+                              double scale,
+                              const c10::optional<torch::Tensor>& labels,
+                              bool symmetric)
+  {
+    return impl_->forward(q, k, scale, labels.has_value() ? *labels : torch::Tensor(), symmetric);
+  }
+
+  std::vector<torch::Tensor> backward(double loss_scale)
+  {
+    return impl_->backward(loss_scale);
+  }
+
+  std::int64_t bytes_held() const
+  {
+    return static_cast<std::int64_t>(impl_->bytes_held());
+  }
+
+  std::pair<std::string, double> diagnosis() const
+  {
+    return impl_->diagnosis();
+  }
+
+private:
+  std::unique_ptr<handle_base> impl_;
+};
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+  m.doc() = "contrastive: temperature-scaled contrastive loss (host engine)";
+  pybind11::class_<Loss>(m, "Loss")
+      .def(pybind11::init<const std::string&, const std::string&, std::int64_t>(),
+           pybind11::arg("dtype"),
+           pybind11::arg("algorithm"),
+           pybind11::arg("threads") = 0)
+      .def("forward",
+           &Loss::forward,
+           pybind11::arg("q"),
+           pybind11::arg("k"),
+           pybind11::arg("scale"),
+           pybind11::arg("labels"),
+           pybind11::arg("symmetric"),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("backward",
+           &Loss::backward,
+           pybind11::arg("loss_scale"),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("bytes_held", &Loss::bytes_held)
+      .def("diagnosis", &Loss::diagnosis);
+}
