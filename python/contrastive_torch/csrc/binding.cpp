@@ -24,11 +24,8 @@ class handle_base
 {
 public:
   virtual ~handle_base() = default;
-  virtual std::vector<double> forward(const torch::Tensor& q,
-                                      const torch::Tensor& k,
-                                      double scale,
-                                      const torch::Tensor& labels,
-                                      bool symmetric) = 0;
+  virtual std::vector<double> forward(
+      const torch::Tensor& q, const torch::Tensor& k, double scale, const torch::Tensor& labels, bool symmetric) = 0;
   virtual std::vector<torch::Tensor> backward(double loss_scale) = 0;
   virtual std::size_t bytes_held() const = 0;
   /// {first non-finite site of the last forward + backward ("none", "logits", ...), largest logit}.
