@@ -12,11 +12,7 @@ arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCONTRASTIVE_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" -DCONTRASTIVE_BUILD_EXAMPLES=OFF >"$out/configure.log" 2>&1 ||
   { tail -30 "$out/configure.log"; exit 1; }
-targets=(device_test)
-if grep -q contrastive_device_bench build-gpu/Makefile 2>/dev/null || [ -f benchmarks/device_loss.cu ]; then
-  targets+=(contrastive_device_bench)
-fi
-cmake --build build-gpu -j"$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 ||
+cmake --build build-gpu -j"$(nproc)" --target device_test contrastive_device_bench >"$out/build.log" 2>&1 ||
   { grep -E "error" "$out/build.log" | head -30; exit 1; }
 
 echo "== device tests"

@@ -16,6 +16,7 @@
 ///      `advance(grad)`.
 /// `step()` is 2-4 at once for callers whose only gradients are dQ and dK.
 
+#include <contrastive/checks.hpp>
 #include <contrastive/detail/checked.hpp>
 #include <contrastive/detail/step_logic.hpp>
 #include <contrastive/host/engine.hpp>
@@ -37,137 +38,6 @@
 
 namespace contrastive
 {
-template <class A>
-inline constexpr bool is_algorithm_v =
-    std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized>;
-
-/// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
-/// checks). `need_grads` also requires dq/dk. `check_labels = false` skips reading the labels (device pointers).
-template <class T>
-status check_problem(const problem<T>& p,
-                     const void* dq = nullptr,
-                     const void* dk = nullptr,
-                     bool need_grads = false,
-                     bool check_labels = true)
-{
-  if (p.n_q == 0)
-  {
-    return {errc::empty_input, "n_q", "no queries (n_q = 0)"};
-  }
-  if (p.n_k == 0)
-  {
-    return {errc::empty_input, "n_k", "no keys (n_k = 0)"};
-  }
-  if (p.dim == 0)
-  {
-    return {errc::empty_input, "dim", "embedding dimension is 0"};
-  }
-  if (p.q == nullptr)
-  {
-    return {errc::null_pointer, "q", "null pointer with n_q = " + std::to_string(p.n_q)};
-  }
-  if (p.k == nullptr)
-  {
-    return {errc::null_pointer, "k", "null pointer with n_k = " + std::to_string(p.n_k)};
-  }
-  if (need_grads && dq == nullptr)
-  {
-    return {errc::null_pointer, "dq", "null gradient output for q"};
-  }
-  if (need_grads && dk == nullptr)
-  {
-    return {errc::null_pointer, "dk", "null gradient output for k"};
-  }
-  if (p.obj != objective::symmetric && p.obj != objective::info_nce)
-  {
-    return {errc::invalid_argument, "obj", "unknown objective"};
-  }
-  if (p.obj == objective::symmetric)
-  {
-    if (p.n_q != p.n_k)
-    {
-      return {errc::shape_mismatch,
-              "n_k",
-              "the symmetric loss needs n_q == n_k (got n_q = " + std::to_string(p.n_q) +
-                  ", n_k = " + std::to_string(p.n_k) + ")"};
-    }
-    if (p.labels != nullptr)
-    {
-      return {errc::invalid_argument, "labels", "the symmetric loss takes its positives from the diagonal; pass null"};
-    }
-  }
-  else if (p.labels == nullptr && p.n_q > p.n_k)
-  {
-    return {errc::shape_mismatch,
-            "labels",
-            "null labels mean the diagonal, which needs n_q <= n_k (got n_q = " + std::to_string(p.n_q) +
-                ", n_k = " + std::to_string(p.n_k) + ")"};
-  }
-  // Every product of caller sizes the library forms (elements and bytes of the inputs and outputs) must fit size_t.
-  const detail::checked_size q_bytes = detail::checked_size(p.n_q) * p.dim * sizeof(T);
-  const detail::checked_size k_bytes = detail::checked_size(p.n_k) * p.dim * sizeof(T);
-  if (!q_bytes.ok())
-  {
-    return {errc::size_overflow,
-            "n_q",
-            "n_q * dim * sizeof(element) = " + std::to_string(p.n_q) + " * " + std::to_string(p.dim) + " * " +
-                std::to_string(sizeof(T)) + " bytes does not fit in size_t"};
-  }
-  if (!k_bytes.ok())
-  {
-    return {errc::size_overflow,
-            "n_k",
-            "n_k * dim * sizeof(element) = " + std::to_string(p.n_k) + " * " + std::to_string(p.dim) + " * " +
-                std::to_string(sizeof(T)) + " bytes does not fit in size_t"};
-  }
-  if (!(detail::checked_size(p.n_q) * sizeof(std::int32_t)).ok())
-  {
-    return {errc::size_overflow, "n_q", "n_q labels do not fit in size_t bytes"};
-  }
-  if (need_grads)
-  {
-    // Outputs must not overlap each other or the inputs (dq == dk would silently lose dQ; an output over an input
-    // would be read after it is written).
-    const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
-    {
-      const auto x = reinterpret_cast<std::uintptr_t>(a);
-      const auto y = reinterpret_cast<std::uintptr_t>(b);
-      return x < y + b_bytes && y < x + a_bytes;
-    };
-    const std::size_t qb = q_bytes.value, kb = k_bytes.value;
-    if (overlaps(dq, qb, dk, kb))
-    {
-      return {errc::invalid_argument, "dk", "dk overlaps dq; the two gradient outputs must be separate buffers"};
-    }
-    if (overlaps(dq, qb, p.q, qb) || overlaps(dq, qb, p.k, kb))
-    {
-      return {errc::invalid_argument, "dq", "dq overlaps an input (q or k); outputs must not alias inputs"};
-    }
-    if (overlaps(dk, kb, p.q, qb) || overlaps(dk, kb, p.k, kb))
-    {
-      return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
-    }
-  }
-  if (p.labels != nullptr && check_labels)
-  {
-    for (std::size_t i = 0; i < p.n_q; ++i)
-    {
-      const std::int64_t l = p.labels[i];
-      if (l < 0 || static_cast<std::size_t>(l) >= p.n_k)
-      {
-        return {errc::label_out_of_range,
-                "labels",
-                "labels[" + std::to_string(i) + "] = " + std::to_string(l) +
-                    " is outside [0, n_k = " + std::to_string(p.n_k) + ")"};
-      }
-    }
-  }
-  return {};
-}
-
-template <class G>
-inline constexpr bool is_gemm_v = std::is_same_v<G, gemm::builtin> || std::is_same_v<G, gemm::cblas>;
-
 /// The loss with its policies. Element: float, __half or __nv_bfloat16. Policies come last, with defaults; the last,
 /// Gemm, chooses the host GEMM core (gemm::builtin, or gemm::cblas with <contrastive/host/cblas_gemm.hpp>).
 template <class Element,

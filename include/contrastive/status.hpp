@@ -101,10 +101,6 @@ private:
   std::string message_;
 };
 
-inline status ok_status()
-{
-  return {};
-}
 } // namespace contrastive
 
 /// Returns early from the enclosing function when `expr` yields a failed status.

@@ -9,10 +9,8 @@
 
 #if defined(__CUDACC__)
 #define CONTRASTIVE_HOST_DEVICE __host__ __device__
-#define CONTRASTIVE_DEVICE __device__
 #else
 #define CONTRASTIVE_HOST_DEVICE
-#define CONTRASTIVE_DEVICE
 #endif
 
 #if defined(__CUDA_ARCH__)

@@ -22,8 +22,8 @@
 /// matches no key, which makes its row's loss infinite (the step is skipped, diagnosed `loss`), and non-finite inputs
 /// surface as non-finite logits (skipped, diagnosed `logits`).
 
+#include <contrastive/checks.hpp>
 #include <contrastive/device/kernels.cuh>
-#include <contrastive/loss.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/policy/range_guard.hpp>
 #include <contrastive/policy/scaler.hpp>
@@ -161,7 +161,7 @@ struct loss
     w.acc_k = take(w.nk_pad * w.ld_acc * sizeof(float));
     w.partials = take(w.n_partials * sizeof(float));
     w.sums = take(sizeof(kernels::step_sums));
-    w.flags = take(4 * sizeof(int));
+    w.flags = take(3 * sizeof(int)); // logits, dQ, dK non-finite
     w.scalars = take(sizeof(kernels::step_scalars));
     w.cub = take(w.cub_bytes);
     w.matrix = take(materialized ? p.n_q * p.n_k * sizeof(Element) : 0);
@@ -208,7 +208,7 @@ struct loss
     const int n_q = static_cast<int>(p.n_q), n_k = static_cast<int>(p.n_k), dim = static_cast<int>(p.dim);
     const grad_coefficients gc = make_grad_coefficients(p.obj, p.n_q, p.n_k);
 
-    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags, 0, 4 * sizeof(int), stream));
+    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream));
     CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(sums, 0, sizeof(kernels::step_sums), stream));
     CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(f(w.acc_q), 0, w.nq_pad * w.ld_acc * sizeof(float), stream));
     CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(f(w.acc_k), 0, w.nk_pad * w.ld_acc * sizeof(float), stream));

@@ -111,7 +111,6 @@ struct element_traits<float>
 {
   using value_type = float;
   static constexpr const char* name = "float";
-  static constexpr int digits = 24;
   CONTRASTIVE_HOST_DEVICE static constexpr float max_finite() noexcept
   {
     return 3.40282347e+38f;
@@ -147,7 +146,6 @@ struct element_traits<__half>
 {
   using value_type = __half;
   static constexpr const char* name = "half";
-  static constexpr int digits = 11;
   CONTRASTIVE_HOST_DEVICE static constexpr float max_finite() noexcept
   {
     return 65504.0f;
@@ -197,7 +195,6 @@ struct element_traits<__nv_bfloat16>
 {
   using value_type = __nv_bfloat16;
   static constexpr const char* name = "bfloat16";
-  static constexpr int digits = 8;
   CONTRASTIVE_HOST_DEVICE static constexpr float max_finite() noexcept
   {
     return 3.38953139e+38f;

@@ -68,12 +68,6 @@ struct range_guard : clamped
     theta = logit_scale_of(initial_tau);
   }
 
-  /// Current ceiling on tau from below (the smallest tau the guard allows now).
-  CONTRASTIVE_HOST_DEVICE float tau_floor() const noexcept
-  {
-    return static_cast<float>(::exp(-static_cast<double>(max_theta)));
-  }
-
   /// theta bound from the element type's range: log(max_finite / headroom).
   CONTRASTIVE_HOST_DEVICE float range_bound(float element_max_finite) const noexcept
   {
