@@ -40,6 +40,7 @@ struct worker_scratch
   std::vector<float> gt;      // G^T as a_panels [block_n / MR][block_m][MR]
   std::vector<float> acc;     // max(block_m, block_n) x dp accumulator
   std::vector<float> panel;   // MR x dp: a partial last row panel of an in-place product
+  std::vector<float> kt;      // fused: one key tile as b_panels over keys [dp / NR][block_n][NR] (dQ = G K_tile)
   std::vector<float> col_max; // nk_pad column running max (symmetric forward)
   std::vector<float> col_sum; // nk_pad column running sum
   std::size_t block_i0 = 0;   // the row block prepared by the last query_block
@@ -48,7 +49,7 @@ struct worker_scratch
   std::size_t capacity_bytes() const noexcept
   {
     return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
-            panel.capacity() + col_max.capacity() + col_sum.capacity()) *
+            panel.capacity() + kt.capacity() + col_max.capacity() + col_sum.capacity()) *
            sizeof(float);
   }
 };
@@ -77,25 +78,31 @@ struct gemm_backend<gemm::builtin, T>
 {
   gemm_shape sh;
   const T* q = nullptr;
+  const T* k_src = nullptr;
   std::vector<float> k_logit; // K as b_panels over d: [nk_pad / NR][d][NR]                       (S = Q K^T)
-  std::vector<float> k_rows;  // K as b_panels over keys: [dp / NR][nk_pad][NR]                  (dQ = G K)
+  std::vector<float> k_rows;  // materialized: K as b_panels over keys [dp / NR][nk_pad][NR]     (dQ = dA K)
   std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR]  (dK = dA^T Q)
 
-  /// Floats held for the keys (and queries), and per worker for a query block.
+  /// Floats held for the keys (and queries): fused keeps one packed copy of K (the logits' operand; the dQ operand
+  /// is packed one tile at a time into worker scratch), materialized also K and Q for its two whole-matrix products.
   static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept
   {
-    detail::checked_size f = detail::checked_size(2) * s.nk_pad * s.dp;
-    return materialized ? f + detail::checked_size(s.nq_pad) * s.dp : f;
+    const detail::checked_size f = detail::checked_size(s.nk_pad) * s.d;
+    return materialized ? f + (detail::checked_size(s.nk_pad) + s.nq_pad) * s.dp : f;
   }
-  static detail::checked_size worker_floats(const gemm_shape& s) noexcept
+  /// Floats per worker: the query block in two layouts, a partial-panel buffer and (fused) one key tile.
+  static detail::checked_size worker_floats(const gemm_shape& s, bool materialized) noexcept
   {
-    return detail::checked_size(block_m) * s.d + detail::checked_size(block_m + kernel_mr) * s.dp;
+    const detail::checked_size f =
+        detail::checked_size(block_m) * s.d + detail::checked_size(block_m + kernel_mr) * s.dp;
+    return materialized ? f : f + detail::checked_size(block_n) * s.dp;
   }
-  static void size_worker(const gemm_shape& s, worker_scratch& ws)
+  static void size_worker(const gemm_shape& s, worker_scratch& ws, bool materialized)
   {
     ws.qa.resize(block_m * s.d);
     ws.qb.resize(block_m * s.dp);
     ws.panel.resize(kernel_mr * s.dp);
+    ws.kt.resize(materialized ? 0 : block_n * s.dp);
   }
   /// Whether the fused backward may accumulate in the caller's float dq/dk: the products write NR-wide column
   /// panels, so rows must be d wide with d % NR == 0 (a partial last row panel goes through ws.panel).
@@ -108,14 +115,16 @@ struct gemm_backend<gemm::builtin, T>
   {
     sh = s;
     q = q_in;
+    k_src = k;
     k_logit.resize(s.nk_pad * s.d);
-    k_rows.resize(s.nk_pad * s.dp);
     if (materialized)
     {
+      k_rows.resize(s.nk_pad * s.dp);
       q_rows.resize(s.nq_pad * s.dp);
     }
     else
     {
+      std::vector<float>().swap(k_rows);
       std::vector<float>().swap(q_rows);
     }
     parallel_for(pool,
@@ -126,7 +135,10 @@ struct gemm_backend<gemm::builtin, T>
                    const std::size_t r0 = c * kernel_nr;
                    const std::size_t rows = r0 < s.n_k ? std::min<std::size_t>(kernel_nr, s.n_k - r0) : 0;
                    pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
-                   pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
+                   if (materialized)
+                   {
+                     pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
+                   }
                  });
     if (materialized)
     {
@@ -176,50 +188,72 @@ struct gemm_backend<gemm::builtin, T>
                 false);
   }
 
-  void dq_product(
-      std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld) const noexcept
+  /// Fused: packs keys [j0, j0 + cols) as the B operand of dQ = G K_tile into ws.kt (once per tile and round).
+  void key_tile(std::size_t j0, std::size_t cols, worker_scratch& ws) const
+  {
+    pack_rows_over_rows(k_src, sh.d, sh.dp, j0, cols, block_n, block_n, ws.kt.data());
+  }
+
+  /// acc rows [0, rows), columns [0, width) += G(ws.tile) K[j0 : j0 + cols]; only those rows are written. K comes
+  /// from the whole packed copy (materialized) or from the tile `key_tile` packed (fused).
+  void dq_product(std::size_t j0,
+                  std::size_t rows,
+                  std::size_t cols,
+                  worker_scratch& ws,
+                  float* acc,
+                  std::size_t ld,
+                  std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(rows, kernel_mr);
     pack_a(ws.tile.data(), block_n, m_pad, m_pad, cols, ws.ga.data());
-    gemm_packed(m_pad, sh.dp, cols, ws.ga.data(), k_rows.data() + j0 * kernel_nr, sh.nk_pad * kernel_nr, acc, ld, true);
+    const bool whole = !k_rows.empty();
+    const float* b = whole ? k_rows.data() + j0 * kernel_nr : ws.kt.data();
+    const std::size_t stride = (whole ? sh.nk_pad : block_n) * kernel_nr;
+    exact_rows(rows, width, cols, ws.ga.data(), b, stride, acc, ld, ws);
   }
 
-  /// acc rows [0, cols), columns [0, width) (width = d when in place, else dp) += G^T Q_blk. Only those rows are
-  /// written: a partial last MR panel is accumulated in ws.panel (starting from acc's values, so the summation order
-  /// is the same) and copied back.
+  /// acc rows [0, cols), columns [0, width) (width = d when in place, else dp) += G^T Q_blk; only those rows are
+  /// written.
   void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
-    const std::size_t m_full = cols / kernel_mr * kernel_mr;
     pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
-    gemm_packed(m_full, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, true);
-    if (m_full == m_pad)
+    exact_rows(cols, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, ws);
+  }
+
+  /// C rows [0, rows) (ld ldc, `width` columns) += A B, A as a_panels with kc steps: whole MR panels straight into
+  /// C, a partial last panel through ws.panel (loaded from C first, so each element's summation order is the same).
+  static void exact_rows(std::size_t rows,
+                         std::size_t width,
+                         std::size_t kc,
+                         const float* a,
+                         const float* b,
+                         std::size_t b_stride,
+                         float* c,
+                         std::size_t ldc,
+                         worker_scratch& ws) noexcept
+  {
+    const std::size_t m_full = rows / kernel_mr * kernel_mr;
+    gemm_packed(m_full, width, kc, a, b, b_stride, c, ldc, true);
+    if (m_full == rows)
     {
       return;
     }
     float* panel = ws.panel.data();
-    const std::size_t tail = cols - m_full;
+    const std::size_t tail = rows - m_full;
     for (std::size_t r = 0; r < static_cast<std::size_t>(kernel_mr); ++r)
     {
-      for (std::size_t c = 0; c < width; ++c)
+      for (std::size_t col = 0; col < width; ++col)
       {
-        panel[r * width + c] = r < tail ? acc[(m_full + r) * ld + c] : 0.0f;
+        panel[r * width + col] = r < tail ? c[(m_full + r) * ldc + col] : 0.0f;
       }
     }
-    gemm_packed(kernel_mr,
-                width,
-                block_m,
-                ws.gt.data() + m_full * block_m,
-                ws.qb.data(),
-                block_m * kernel_nr,
-                panel,
-                width,
-                true);
+    gemm_packed(kernel_mr, width, kc, a + m_full * kc, b, b_stride, panel, width, true);
     for (std::size_t r = 0; r < tail; ++r)
     {
-      for (std::size_t c = 0; c < width; ++c)
+      for (std::size_t col = 0; col < width; ++col)
       {
-        acc[(m_full + r) * ld + c] = panel[r * width + c];
+        c[(m_full + r) * ldc + col] = panel[r * width + col];
       }
     }
   }

@@ -60,11 +60,11 @@ struct gemm_backend<gemm::cblas, T>
     const detail::checked_size keys = detail::checked_size(s.n_k) * s.d;
     return materialized ? keys + detail::checked_size(s.n_q) * s.d : keys;
   }
-  static detail::checked_size worker_floats(const gemm_shape& s) noexcept
+  static detail::checked_size worker_floats(const gemm_shape& s, bool) noexcept
   {
     return is_float ? detail::checked_size(0) : detail::checked_size(block_m) * s.d;
   }
-  static void size_worker(const gemm_shape& s, worker_scratch& ws)
+  static void size_worker(const gemm_shape& s, worker_scratch& ws, bool)
   {
     ws.qa.resize(is_float ? 0 : block_m * s.d);
     std::vector<float>().swap(ws.qb);
@@ -146,8 +146,15 @@ struct gemm_backend<gemm::cblas, T>
                 static_cast<int>(block_n));
   }
 
-  void dq_product(
-      std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld) const noexcept
+  void key_tile(std::size_t, std::size_t, worker_scratch&) const noexcept {}
+
+  void dq_product(std::size_t j0,
+                  std::size_t rows,
+                  std::size_t cols,
+                  worker_scratch& ws,
+                  float* acc,
+                  std::size_t ld,
+                  std::size_t) const noexcept
   {
     cblas_sgemm(CblasRowMajor,
                 CblasNoTrans,

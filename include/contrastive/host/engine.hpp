@@ -60,14 +60,16 @@ public:
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
-  ///   keys        builtin: 2 nk_pad dp (K packed for S = Q K^T and for dQ = G K); cblas: n_k d for 16-bit, 0 float
+  ///   keys        builtin: nk_pad d (K packed for S = Q K^T); cblas: n_k d for 16-bit, 0 for float
   ///   statistics  4 n_q [+ 2 n_k symmetric]          row lse, loss, max, positive; column lse, loss
-  ///   scratch     W (query block [builtin block_m d + (block_m + MR) dp, cblas 16-bit block_m d]
+  ///   scratch     W (query block and key tile [builtin block_m d + (block_m + MR) dp, fused + block_n dp;
+  ///               cblas 16-bit block_m d]
   ///               + 3 block_m block_n
   ///               + max(block_m, block_n) dp [+ 2 nk_pad symmetric])
   ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place
   ///                                                  (builtin: d % NR == 0 and n_k % MR == 0; cblas: always)
-  ///   materialized  queries (builtin nq_pad dp; cblas n_q d for 16-bit) + n_q n_k elements of T (the logits)
+  ///   materialized  K and Q packed for dQ, dK (builtin (nk_pad + nq_pad) dp; cblas n_q d for 16-bit)
+  ///                 + n_q n_k elements of T (the logits)
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for(const Problem& p) const noexcept
   {
@@ -83,7 +85,7 @@ public:
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
     const checked_size stats = checked_size(4) * checked_size(p.n_q) + checked_size(sym ? 2 : 0) * p.n_k;
-    checked_size per_worker = backend::worker_floats(sh) + checked_size(3 * block_m * block_n) +
+    checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(3 * block_m * block_n) +
                               checked_size(std::max(block_m, block_n)) * dp;
     if (sym)
     {
@@ -162,7 +164,7 @@ public:
     s.scratch.resize(s.workers);
     for (auto& ws : s.scratch)
     {
-      backend::size_worker(sh, ws);
+      backend::size_worker(sh, ws, materialized);
       ws.tile.resize(block_m * block_n);
       ws.ga.resize(block_m * block_n);
       ws.gt.resize(block_m * block_n);

@@ -9,7 +9,8 @@
 /// a given thread count: the row blocks form W row groups and the key tiles W key groups; in round r (r = 0..W-1)
 /// worker w multiplies row group w against key group (w + r) mod W. Within a round no two workers touch the same dQ
 /// rows or the same dK rows, so dQ and dK accumulate in one shared float buffer each (the caller's dq/dk themselves
-/// when the element type is float and the shapes are aligned), in a fixed order.
+/// when the element type is float and the shapes are aligned), in a fixed order. Within a round the key tiles are
+/// the outer loop: K's dQ operand is packed one tile at a time, so the only whole packed copy of K is the logits'.
 
 #include <contrastive/host/engine_state.hpp>
 
@@ -62,34 +63,27 @@ backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* d
                   {
                     return;
                   }
-                  for (std::size_t b = b0; b < b1; ++b)
+                  // Key tiles outer: each tile's dQ operand is packed once per round; the query block is packed
+                  // per (tile, block) pair, and dQ accumulates straight into its rows of dq_acc.
+                  const std::size_t width = in_place ? st.d : st.dp;
+                  for (std::size_t t = t0; t < t1; ++t)
                   {
-                    const std::size_t i0 = b * block_m;
-                    const std::size_t rows = std::min(block_m, st.n_q - i0);
-                    st.query_block(i0, ws, true);
-                    float* acc = ws.acc.data();
-                    std::fill(acc, acc + block_m * st.dp, 0.0f);
-                    for (std::size_t t = t0; t < t1; ++t)
+                    const std::size_t j0 = t * block_n;
+                    if (j0 >= st.n_k)
                     {
-                      const std::size_t j0 = t * block_n;
-                      if (j0 >= st.n_k)
-                      {
-                        break;
-                      }
-                      const std::size_t cols = std::min(block_n, st.n_k - j0);
+                      break;
+                    }
+                    const std::size_t cols = std::min(block_n, st.n_k - j0);
+                    st.mm.key_tile(j0, cols, ws);
+                    for (std::size_t b = b0; b < b1; ++b)
+                    {
+                      const std::size_t i0 = b * block_m;
+                      const std::size_t rows = std::min(block_m, st.n_q - i0);
+                      st.query_block(i0, ws, true);
                       st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
                       st.gradient_tile(true, i0, j0, rows, cols, gc, ws);
-                      st.mm.dq_product(j0, rows, cols, ws, acc, st.dp);
-                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, in_place ? st.d : st.dp);
-                    }
-                    for (std::size_t ii = 0; ii < rows; ++ii)
-                    {
-                      float* dst = dq_acc + (i0 + ii) * ld;
-                      const float* src = acc + ii * st.dp;
-                      for (std::size_t c = 0; c < st.d; ++c)
-                      {
-                        dst[c] += src[c];
-                      }
+                      st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, width);
+                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, width);
                     }
                   }
                 });

@@ -98,7 +98,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                  {
                    const std::size_t cols = std::min(block_n, st.n_k - j0);
                    load_matrix_tile(st, i0, j0, rows, cols, cols, ws);
-                   st.mm.dq_product(j0, rows, cols, ws, acc, st.dp);
+                   st.mm.dq_product(j0, rows, cols, ws, acc, st.dp, st.dp);
                  }
                  bool bad = false;
                  for (std::size_t ii = 0; ii < rows; ++ii)
