@@ -340,3 +340,27 @@ TEST(Overflow, GradientOverflowAndParameterDiagnosis)
   EXPECT_EQ(m.temperature().theta, theta);
   EXPECT_EQ(m.scaler().scale, 32.0f);
 }
+
+// Callers who run forward and backward themselves get the same diagnosis a step record gives.
+TEST(Overflow, ForwardBackwardHalvesReportTheDiagnosis)
+{
+  const std::size_t n = 16, dim = 8;
+  const auto q = ct::random_rows<__half>(n, dim, 91), k = ct::random_rows<__half>(n, dim, 92);
+  std::vector<__half> dq(n * dim), dk(n * dim);
+  cl::loss<__half, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized> hot(
+      cl::temperature::fixed(1e-5f));
+  float value = 0.0f, g = 0.0f;
+  ASSERT_TRUE(hot.forward({q.data(), k.data(), n, n, dim}, value).ok());
+  ASSERT_TRUE(hot.backward(dq.data(), dk.data(), g).ok());
+  EXPECT_TRUE(hot.last_forward().logits_nonfinite);
+  EXPECT_EQ(hot.diagnose(), cl::nonfinite_site::logits);
+
+  cl::loss<__half, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized> cool(
+      cl::temperature::fixed(0.1f));
+  ASSERT_TRUE(cool.forward({q.data(), k.data(), n, n, dim}, value).ok());
+  ASSERT_TRUE(cool.backward(dq.data(), dk.data(), g).ok());
+  EXPECT_EQ(cool.diagnose(), cl::nonfinite_site::none);
+  EXPECT_EQ(cool.last_forward().loss, value);
+  EXPECT_GT(cool.last_forward().max_logit, 0.0f);
+  EXPECT_LE(cool.last_forward().max_logit, 10.0f + 1e-2f); // |S| <= s for unit vectors
+}
