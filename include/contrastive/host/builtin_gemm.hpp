@@ -38,7 +38,7 @@ struct worker_scratch
   std::vector<float> tile;    // block_m x block_n logits / gradients
   std::vector<float> ga;      // G as a_panels [block_m / MR][block_n][MR]
   std::vector<float> gt;      // G^T as a_panels [block_n / MR][block_m][MR]
-  std::vector<float> acc;     // max(block_m, block_n) x dp accumulator
+  std::vector<float> acc;     // materialized: max(block_m, block_n) x dp block accumulator
   std::vector<float> panel;   // MR x dp: a partial last row panel of an in-place product
   std::vector<float> kt;      // fused: one key tile as b_panels over keys [dp / NR][block_n][NR] (dQ = G K_tile)
   std::vector<float> col_max; // nk_pad column running max (symmetric forward)

@@ -64,10 +64,9 @@ public:
   ///   statistics  4 n_q [+ 2 n_k symmetric]          row lse, loss, max, positive; column lse, loss
   ///   scratch     W (query block and key tile [builtin block_m d + (block_m + MR) dp, fused + block_n dp;
   ///               cblas 16-bit block_m d]
-  ///               + 3 block_m block_n
-  ///               + max(block_m, block_n) dp [+ 2 nk_pad symmetric])
+  ///               + 3 block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
   ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place
-  ///                                                  (builtin: d % NR == 0 and n_k % MR == 0; cblas: always)
+  ///                                                  (builtin: d % NR == 0; cblas: always)
   ///   materialized  K and Q packed for dQ, dK (builtin (nk_pad + nq_pad) dp; cblas n_q d for 16-bit)
   ///                 + n_q n_k elements of T (the logits)
   template <class Algorithm, class Problem>
@@ -85,8 +84,11 @@ public:
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
     const checked_size stats = checked_size(4) * checked_size(p.n_q) + checked_size(sym ? 2 : 0) * p.n_k;
-    checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(3 * block_m * block_n) +
-                              checked_size(std::max(block_m, block_n)) * dp;
+    checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(3 * block_m * block_n);
+    if (materialized)
+    {
+      per_worker = per_worker + checked_size(std::max(block_m, block_n)) * dp; // the dQ / dK block accumulator
+    }
     if (sym)
     {
       per_worker = per_worker + checked_size(2) * nk_pad;
@@ -126,7 +128,6 @@ public:
   void prepare(const Problem& p)
   {
     engine_state<T, Gemm>& s = st_;
-    ready_ = false;
     s.q = p.q;
     s.k = p.k;
     s.n_q = p.n_q;
@@ -168,18 +169,11 @@ public:
       ws.tile.resize(block_m * block_n);
       ws.ga.resize(block_m * block_n);
       ws.gt.resize(block_m * block_n);
-      ws.acc.resize(std::max(block_m, block_n) * s.dp);
+      ws.acc.resize(materialized ? std::max(block_m, block_n) * s.dp : 0);
       ws.col_max.resize(sym ? s.nk_pad : 0);
       ws.col_sum.resize(sym ? s.nk_pad : 0);
     }
     s.mm.prepare(s.pool, s.workers, sh, s.q, s.k, materialized);
-    ready_ = true;
-  }
-
-  /// True after a `prepare` that completed (a failed one leaves the engine unprepared).
-  bool prepared() const noexcept
-  {
-    return ready_;
   }
 
   /// Forward with logits S = scale * Q K^T. Saves the row (and, symmetric, column) log-sum-exps for `backward`.
@@ -239,7 +233,6 @@ public:
     s.mm.release();
     std::vector<T>().swap(s.logits);
     std::vector<worker_scratch>().swap(s.scratch);
-    ready_ = false;
   }
 
 private:
@@ -265,7 +258,6 @@ private:
   }
 
   engine_state<T, Gemm> st_;
-  bool ready_ = false;
 };
 } // namespace host
 } // namespace contrastive

@@ -42,6 +42,30 @@ struct backward_result
   bool dk_nonfinite = false;
 };
 
+/// Per-worker partials of a backward pass (d loss / d log s, non-finite dQ / dK), combined in worker order so the
+/// result does not depend on scheduling.
+struct backward_partials
+{
+  double dlogs[max_threads] = {};
+  unsigned char bad_q[max_threads] = {};
+  unsigned char bad_k[max_threads] = {};
+
+  /// The pass's result; `factor` turns the summed partials into d(loss_scale * loss)/d(log s).
+  backward_result combine(unsigned workers, double factor) const noexcept
+  {
+    backward_result r;
+    double total = 0.0;
+    for (unsigned w = 0; w < workers; ++w)
+    {
+      total += dlogs[w];
+      r.dq_nonfinite |= bad_q[w] != 0;
+      r.dk_nonfinite |= bad_k[w] != 0;
+    }
+    r.grad_logit_scale = static_cast<float>(factor * total);
+    return r;
+  }
+};
+
 /// Everything the algorithms read and write. The caller's q and k are read in place (packed per row block or once
 /// per call); keep them alive from `forward` to `backward`.
 template <class T, class Gemm>

@@ -90,8 +90,7 @@ backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* d
   }
 
   // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
-  double dlogs_parts[max_threads] = {};
-  unsigned char bad_q[max_threads] = {}, bad_k[max_threads] = {};
+  backward_partials parts;
   constexpr std::size_t chunk = 64;
   parallel_for(st.pool,
                (st.n_q + chunk - 1) / chunk,
@@ -102,8 +101,8 @@ backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* d
                  for (std::size_t i = t * chunk; i < end; ++i)
                  {
                    const float* acc = dq_acc + i * ld;
-                   dlogs_parts[w] += static_cast<double>(st.dot_query(acc, i));
-                   bad_q[w] |= st.store_row(acc, out_scale, dq + i * st.d) ? 1 : 0;
+                   parts.dlogs[w] += static_cast<double>(st.dot_query(acc, i));
+                   parts.bad_q[w] |= st.store_row(acc, out_scale, dq + i * st.d) ? 1 : 0;
                  }
                });
   parallel_for(st.pool,
@@ -114,19 +113,10 @@ backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* d
                  const std::size_t end = std::min(st.n_k, (t + 1) * chunk);
                  for (std::size_t j = t * chunk; j < end; ++j)
                  {
-                   bad_k[w] |= st.store_row(dk_acc + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
+                   parts.bad_k[w] |= st.store_row(dk_acc + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
                  }
                });
-  backward_result r;
-  double dlogs = 0.0;
-  for (unsigned w = 0; w < st.workers; ++w)
-  {
-    dlogs += dlogs_parts[w];
-    r.dq_nonfinite |= bad_q[w] != 0;
-    r.dk_nonfinite |= bad_k[w] != 0;
-  }
-  r.grad_logit_scale = static_cast<float>(static_cast<double>(out_scale) * dlogs);
-  return r;
+  return parts.combine(st.workers, static_cast<double>(out_scale));
 }
 } // namespace host
 } // namespace contrastive

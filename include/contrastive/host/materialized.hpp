@@ -49,8 +49,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
   using traits = element_traits<T>;
   const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
   const std::size_t row_tasks = st.nq_pad / block_m;
-  double dlogs_parts[max_threads] = {};
-  unsigned char bad_q[max_threads] = {}, bad_k[max_threads] = {};
+  backward_partials parts;
 
   // 1. dA in place of A, and d(loss_scale * loss)/d log s = s * sum dS * A.
   parallel_for(st.pool,
@@ -70,7 +69,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                    {
                      T* m = &st.logits[(i0 + ii) * st.n_k + j0];
                      const float* g = &ws.tile[ii * block_n];
-                     dlogs_parts[w] +=
+                     parts.dlogs[w] +=
                          lane_sum(cols,
                                   [&](std::size_t jj)
                                   {
@@ -105,7 +104,7 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                  {
                    bad |= st.store_row(acc + ii * st.dp, 1.0f, dq + (i0 + ii) * st.d);
                  }
-                 bad_q[w] |= bad ? 1 : 0;
+                 parts.bad_q[w] |= bad ? 1 : 0;
                });
 
   // 3. dK = dA^T Q, one key tile per task.
@@ -134,19 +133,10 @@ backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scal
                  {
                    bad |= st.store_row(acc + jj * st.dp, 1.0f, dk + (j0 + jj) * st.d);
                  }
-                 bad_k[w] |= bad ? 1 : 0;
+                 parts.bad_k[w] |= bad ? 1 : 0;
                });
 
-  backward_result r;
-  double total = 0.0;
-  for (unsigned w = 0; w < st.workers; ++w)
-  {
-    total += dlogs_parts[w];
-    r.dq_nonfinite |= bad_q[w] != 0;
-    r.dk_nonfinite |= bad_k[w] != 0;
-  }
-  r.grad_logit_scale = static_cast<float>(static_cast<double>(st.scale) * total);
-  return r;
+  return parts.combine(st.workers, static_cast<double>(st.scale));
 }
 } // namespace host
 } // namespace contrastive

@@ -130,12 +130,6 @@ public:
   thread_pool& operator=(thread_pool&&) noexcept = default;
   ~thread_pool() = default;
 
-  /// Threads started so far (excluding the caller).
-  std::size_t started() const noexcept
-  {
-    return impl_ ? impl_->threads.size() : 0;
-  }
-
   template <class F>
   void run(unsigned workers, F&& fn)
   {
