@@ -101,7 +101,11 @@ using all_configs = ::testing::Types<
       config<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized>,                        \
       config<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::materialized>,                         \
       config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::fused>,                                  \
-      config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::materialized>
+      config<T, cl::temperature::scheduled, cl::scaler::dynamic, cl::algorithm::materialized>,                         \
+      config<T, cl::temperature::fixed, cl::scaler::dynamic, cl::algorithm::chunked>,                                  \
+      config<T, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::chunked>,                         \
+      config<T, cl::temperature::clamped, cl::scaler::dynamic, cl::algorithm::chunked>,                                \
+      config<T, cl::temperature::scheduled, cl::scaler::static_scale, cl::algorithm::chunked>
     CONTRASTIVE_CONFIGS_FOR(float),
     CONTRASTIVE_CONFIGS_FOR(__half),
     CONTRASTIVE_CONFIGS_FOR(__nv_bfloat16)
@@ -312,6 +316,7 @@ TEST(FiniteDifferences, ReferenceAndLibraryGradients)
     };
     check(cl::algorithm::fused{});
     check(cl::algorithm::materialized{});
+    check(cl::algorithm::chunked{});
   }
 }
 

@@ -105,6 +105,7 @@ TEST(SizeOverflow, RefusedBeforeAnyMemoryIsTouched)
   expect_oversized_refused<float, cl::algorithm::materialized>();
   expect_oversized_refused<__half, cl::algorithm::fused>();
   expect_oversized_refused<__nv_bfloat16, cl::algorithm::materialized>();
+  expect_oversized_refused<float, cl::algorithm::chunked>();
 }
 
 TEST(SizeOverflow, MessageNamesTheArgument)
@@ -215,6 +216,7 @@ TEST(FailedCall, RefusedForwardLeavesThePreviousForwardIntact)
 {
   failed_forward_keeps_previous<cl::algorithm::fused>();
   failed_forward_keeps_previous<cl::algorithm::materialized>();
+  failed_forward_keeps_previous<cl::algorithm::chunked>();
 }
 
 // One pair: the loss is identically 0, so every gradient is exactly 0 (before the fix fused took the positive from
@@ -247,6 +249,7 @@ TEST(Accuracy, LonePairHasExactlyZeroGradient)
     lone_pair_has_zero_gradient<float, cl::algorithm::materialized>(obj);
     lone_pair_has_zero_gradient<__half, cl::algorithm::fused>(obj);
     lone_pair_has_zero_gradient<__nv_bfloat16, cl::algorithm::fused>(obj);
+    lone_pair_has_zero_gradient<__half, cl::algorithm::chunked>(obj);
   }
 }
 

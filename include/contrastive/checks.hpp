@@ -19,7 +19,8 @@ namespace contrastive
 {
 template <class A>
 inline constexpr bool is_algorithm_v =
-    std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized>;
+    std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized> ||
+    std::is_same_v<A, algorithm::chunked>;
 
 /// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
 /// checks). `need_grads` also requires dq/dk. `check_labels = false` skips reading the labels (device pointers).

@@ -54,7 +54,8 @@ class loss
   static_assert(
       scaler::is_scaler_policy_v<Scaler>,
       "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
-  static_assert(is_algorithm_v<Algorithm>, "Algorithm must be algorithm::fused or algorithm::materialized");
+  static_assert(is_algorithm_v<Algorithm>,
+                "Algorithm must be algorithm::fused, algorithm::materialized or algorithm::chunked");
   static_assert(is_gemm_v<Gemm>, "Gemm must be gemm::builtin or gemm::cblas");
 
 public:
@@ -102,6 +103,27 @@ public:
   {
     return engine_.threads();
   }
+  /// algorithm::chunked only: rows per chunk, or the chunk buffer's budget (see chunk_options); applies from the next
+  /// call. Other algorithms refuse it (invalid_argument "chunk"), so a setting never silently does nothing.
+  status set_chunk(const chunk_options& o)
+  {
+    if constexpr (!std::is_same_v<Algorithm, algorithm::chunked>)
+    {
+      (void)o;
+      return {errc::invalid_argument, "chunk", "chunk options apply to algorithm::chunked only"};
+    }
+    else
+    {
+      engine_.set_chunk(o);
+      return {};
+    }
+  }
+  /// algorithm::chunked: rows per chunk a problem would use (a multiple of the row block, at most all rows).
+  std::size_t chunk_rows_for(const problem_type& p) const noexcept
+  {
+    return engine_.chunk_rows_for(p);
+  }
+
   /// Bytes of host memory held between calls (operands, saved statistics, scratch, materialized logits).
   std::size_t bytes_held() const noexcept
   {

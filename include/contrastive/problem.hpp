@@ -43,7 +43,53 @@ struct fused
 {
   static constexpr const char* name = "fused";
 };
+
+/// Row chunks of B queries against all keys: S_c = s Q_c K^T is stored for one chunk at a time (float), its row
+/// statistics are complete within the chunk and the column statistics of the symmetric loss are merged from
+/// per-chunk partials; the backward forms G_c, then dQ_c = s G_c K and dK += s G_c^T Q_c. Each step is one large
+/// matrix product (cuBLAS on the device, the host GEMM policy on the host) plus element-wise passes built from the
+/// shared tile math. Work: 6 n_q n_k d flops when one chunk holds every row, else 8 (the backward recomputes S_c);
+/// memory O(B n_k + (n_q + n_k) d), B chosen by `chunk_options`. Numerics as `fused` (float logits, the positive's
+/// gradient formed exactly); on the device G_c is rounded to the element type for the tensor-core products.
+struct chunked
+{
+  static constexpr const char* name = "chunked";
+};
 } // namespace algorithm
+
+/// How many query rows one chunk of algorithm::chunked holds. `rows` > 0 asks for that many (rounded up to the
+/// implementation's row block, at most all rows); otherwise as many as fit in `budget_bytes` of chunk buffers, or in
+/// the implementation's default budget (host 16 MiB, device 1 GiB) when that is 0 too. At least one row block.
+struct chunk_options
+{
+  std::size_t rows = 0;
+  std::size_t budget_bytes = 0;
+};
+
+namespace detail
+{
+/// Rows per chunk for `o`: a multiple of `align` (> 0) in [align, round_up(n_q, align)], from a per-row cost of
+/// `bytes_per_row` (> 0) buffer bytes when `o.rows` is 0.
+inline std::size_t chunk_rows_for(const chunk_options& o,
+                                  std::size_t n_q,
+                                  std::size_t bytes_per_row,
+                                  std::size_t align,
+                                  std::size_t default_budget) noexcept
+{
+  const std::size_t all = (n_q + align - 1) / align * align;
+  std::size_t rows = o.rows;
+  if (rows == 0)
+  {
+    const std::size_t budget = o.budget_bytes != 0 ? o.budget_bytes : default_budget;
+    rows = budget / (bytes_per_row == 0 ? 1 : bytes_per_row) / align * align;
+  }
+  else
+  {
+    rows = rows >= all ? all : (rows + align - 1) / align * align;
+  }
+  return rows < align ? align : (rows > all ? all : rows);
+}
+} // namespace detail
 
 /// The host GEMM core, chosen at compile time (the last template argument of `contrastive::loss`; the device path
 /// uses cuBLAS-free kernels of its own and ignores it).

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace cl = contrastive;
@@ -160,6 +161,16 @@ void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
   }
   const unsigned threads = 1 + static_cast<unsigned>(in.below(3));
   L loss(temp, scal, threads);
+  if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
+  {
+    // 0: the default budget (usually one chunk); otherwise 1 to 3 row blocks per chunk, or a tiny byte budget.
+    const std::size_t pick = in.byte() % 5;
+    const cl::chunk_options o{pick < 4 ? pick * 64 : 0, pick < 4 ? 0 : std::size_t(1)};
+    if (!loss.set_chunk(o).ok())
+    {
+      std::abort();
+    }
+  }
   const T seven = cl::element_traits<T>::from_float(7.0f);
   const cl::problem<T> p{q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
 
@@ -252,8 +263,14 @@ void with_policies(byte_reader& in)
     dyn.backoff_factor = in.setting(0.5f);
   }
   const cl::scaler::static_scale fixed_scale(in.setting(1.0f));
-  switch (in.byte() % 6)
+  switch (in.byte() % 8)
   {
+  case 6:
+    with_policies<float, cl::algorithm::chunked>(in);
+    break;
+  case 7:
+    with_policies<__half, cl::algorithm::chunked>(in);
+    break;
   case 0:
     run<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>(in, cl::temperature::fixed(tau), fixed_scale);
     break;
@@ -286,8 +303,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 {
   byte_reader in(data, size);
   in.allow_edges(in.byte() % 4 == 0);
-  switch (in.byte() % 6)
+  switch (in.byte() % 8)
   {
+  case 6:
+    with_policies<float, cl::algorithm::chunked>(in);
+    break;
+  case 7:
+    with_policies<__half, cl::algorithm::chunked>(in);
+    break;
   case 0:
     with_policies<float, cl::algorithm::fused>(in);
     break;

@@ -7,10 +7,11 @@
 /// passes) on a persistent worker pool.
 ///
 /// Work per symmetric forward+backward: fused 8 n_q n_k d flops (the backward recomputes the logits), materialized
-/// 6 n_q n_k d. Memory: see `bytes_for`.
+/// 6 n_q n_k d, chunked 6 (one chunk) or 8. Memory: see `bytes_for`.
 
 #include <contrastive/detail/checked.hpp>
 #include <contrastive/host/builtin_gemm.hpp>
+#include <contrastive/host/chunked.hpp>
 #include <contrastive/host/engine_state.hpp>
 #include <contrastive/host/fused.hpp>
 #include <contrastive/host/gemm.hpp>
@@ -49,6 +50,23 @@ public:
     return st_.threads;
   }
 
+  /// Chunk size of algorithm::chunked (used from the next `prepare`).
+  void set_chunk(const chunk_options& o) noexcept
+  {
+    st_.chunk_request = o;
+  }
+  const chunk_options& chunk() const noexcept
+  {
+    return st_.chunk_request;
+  }
+  /// Rows per chunk algorithm::chunked uses for `p`.
+  template <class Problem>
+  std::size_t chunk_rows_for(const Problem& p) const noexcept
+  {
+    return detail::chunk_rows_for(
+        st_.chunk_request, p.n_q, chunk_row_bytes(round_up(p.n_k, block_n)), block_m, default_host_chunk_budget);
+  }
+
   /// Workers a problem uses: never more than its row count (a loss built with many threads holds scratch only for
   /// the workers that run).
   template <class Problem>
@@ -69,11 +87,14 @@ public:
   ///                                                  (builtin: d % NR == 0; cblas: always)
   ///   materialized  K and Q packed for dQ, dK (builtin (nk_pad + nq_pad) dp; cblas n_q d for 16-bit)
   ///                 + n_q n_k elements of T (the logits)
+  ///   chunked     as materialized without the n_q n_k logits and the per-worker column statistics, plus the chunk
+  ///               B nk_pad, the dK accumulator nk_pad dp [+ 2 n_k running column statistics]
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for(const Problem& p) const noexcept
   {
     using detail::checked_size;
-    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized>;
+    constexpr bool chunked = std::is_same_v<Algorithm, algorithm::chunked>;
+    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized> || chunked;
     gemm_shape sh;
     if (!shape_of(p, sh))
     {
@@ -89,12 +110,17 @@ public:
     {
       per_worker = per_worker + checked_size(std::max(block_m, block_n)) * dp; // the dQ / dK block accumulator
     }
-    if (sym)
+    if (sym && !chunked)
     {
       per_worker = per_worker + checked_size(2) * nk_pad;
     }
     checked_size floats = backend::held_floats(sh, materialized) + stats + checked_size(workers_for(p)) * per_worker;
-    if constexpr (!materialized)
+    if constexpr (chunked)
+    {
+      floats = floats + checked_size(chunk_rows_for(p)) * nk_pad + nk_pad * dp + checked_size(sym ? 2 : 0) * p.n_k;
+      return floats * f;
+    }
+    else if constexpr (!materialized)
     {
       if (!backend::in_place_ok(p.n_k, p.dim))
       {
@@ -139,7 +165,8 @@ public:
     s.obj = p.obj;
     s.labels = p.labels;
     s.workers = workers_for(p);
-    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized>;
+    constexpr bool chunked = std::is_same_v<Algorithm, algorithm::chunked>;
+    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized> || chunked;
     const bool sym = s.symmetric();
     s.row_lse.resize(s.n_q);
     s.row_loss.resize(s.n_q);
@@ -147,7 +174,18 @@ public:
     s.pos.resize(s.n_q);
     s.col_lse.resize(sym ? s.n_k : 0);
     s.col_loss.resize(sym ? s.n_k : 0);
-    if constexpr (materialized)
+    s.chunk_cached = false;
+    if constexpr (chunked)
+    {
+      std::vector<T>().swap(s.logits);
+      free(s.dq_acc);
+      s.dk_acc.resize(s.nk_pad * s.dp);
+      s.chunk_rows = chunk_rows_for(p);
+      s.chunk.resize(s.chunk_rows * s.nk_pad);
+      s.col_run_max.resize(sym ? s.n_k : 0);
+      s.col_run_sum.resize(sym ? s.n_k : 0);
+    }
+    else if constexpr (materialized)
     {
       s.logits.resize(s.n_q * s.n_k);
       free(s.dq_acc);
@@ -170,8 +208,14 @@ public:
       ws.ga.resize(block_m * block_n);
       ws.gt.resize(block_m * block_n);
       ws.acc.resize(materialized ? std::max(block_m, block_n) * s.dp : 0);
-      ws.col_max.resize(sym ? s.nk_pad : 0);
-      ws.col_sum.resize(sym ? s.nk_pad : 0);
+      ws.col_max.resize(sym && !chunked ? s.nk_pad : 0);
+      ws.col_sum.resize(sym && !chunked ? s.nk_pad : 0);
+    }
+    if constexpr (!chunked)
+    {
+      free(s.chunk);
+      free(s.col_run_max);
+      free(s.col_run_sum);
     }
     s.mm.prepare(s.pool, s.workers, sh, s.q, s.k, materialized);
   }
@@ -180,7 +224,14 @@ public:
   template <class Algorithm>
   forward_result forward(float scale)
   {
-    return st_.template forward<Algorithm>(scale);
+    if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
+    {
+      return chunked_forward(st_, scale);
+    }
+    else
+    {
+      return st_.template forward<Algorithm>(scale);
+    }
   }
 
   /// Backward of `loss_scale * loss` after `forward`. Writes dq (n_q x dim) and dk (n_k x dim) in T.
@@ -190,6 +241,10 @@ public:
     if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
     {
       return materialized_backward(st_, loss_scale, dq, dk);
+    }
+    else if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
+    {
+      return chunked_backward(st_, loss_scale, dq, dk);
     }
     else
     {
@@ -212,7 +267,8 @@ public:
   {
     const engine_state<T, Gemm>& s = st_;
     std::size_t b = (s.row_lse.capacity() + s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() +
-                     s.col_lse.capacity() + s.col_loss.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity()) *
+                     s.col_lse.capacity() + s.col_loss.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity() +
+                     s.chunk.capacity() + s.col_run_max.capacity() + s.col_run_sum.capacity()) *
                         sizeof(float) +
                     s.logits.capacity() * sizeof(T) + s.mm.bytes();
     for (const auto& ws : s.scratch)
@@ -226,7 +282,17 @@ public:
   void release() noexcept
   {
     engine_state<T, Gemm>& s = st_;
-    for (auto* v : {&s.row_lse, &s.row_loss, &s.row_max, &s.pos, &s.col_lse, &s.col_loss, &s.dq_acc, &s.dk_acc})
+    for (auto* v : {&s.row_lse,
+                    &s.row_loss,
+                    &s.row_max,
+                    &s.pos,
+                    &s.col_lse,
+                    &s.col_loss,
+                    &s.dq_acc,
+                    &s.dk_acc,
+                    &s.chunk,
+                    &s.col_run_max,
+                    &s.col_run_sum})
     {
       free(*v);
     }

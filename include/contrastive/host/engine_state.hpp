@@ -87,8 +87,15 @@ struct engine_state
   gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
   std::vector<float> row_lse, row_loss, row_max, pos, col_lse, col_loss;
   std::vector<T> logits;             // materialized: n_q x n_k
-  std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place
+  std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place; chunked: dk_acc
   std::vector<worker_scratch> scratch;
+
+  // chunked: the logits / gradients of one chunk of rows (chunk_rows x nk_pad), the running column statistics, and
+  // whether the chunk still holds the forward's logits (one chunk covers every row).
+  chunk_options chunk_request;
+  std::size_t chunk_rows = 0;
+  std::vector<float> chunk, col_run_max, col_run_sum;
+  bool chunk_cached = false;
 
   bool symmetric() const noexcept
   {
@@ -297,7 +304,6 @@ struct engine_state
   forward_result forward(float s)
   {
     scale = s;
-    const bool sym = symmetric();
     for (auto& ws : scratch)
     {
       std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);
@@ -311,11 +317,31 @@ struct engine_state
                  {
                    bad[w] |= forward_block_row<Algorithm>(t * block_m, w) ? 1 : 0;
                  });
-    forward_result r;
+    bool any_bad = false;
     for (unsigned w = 0; w < workers; ++w)
     {
-      r.logits_nonfinite |= bad[w] != 0;
+      any_bad |= bad[w] != 0;
     }
+    return finish_forward(any_bad,
+                          [&](std::size_t j)
+                          {
+                            online_lse c{};
+                            for (unsigned w = 0; w < workers; ++w)
+                            {
+                              c.merge(online_lse{scratch[w].col_max[j], scratch[w].col_sum[j]});
+                            }
+                            return c;
+                          });
+  }
+
+  /// The forward's result from the finished row statistics and, symmetric, each column's negatives (col_state(j));
+  /// fills the column log-sum-exps and losses.
+  template <class ColState>
+  forward_result finish_forward(bool logits_nonfinite, ColState&& col_state)
+  {
+    const bool sym = symmetric();
+    forward_result r;
+    r.logits_nonfinite = logits_nonfinite;
     double row_sum = 0.0;
     float max_logit = -detail::infinity_f;
     for (std::size_t i = 0; i < n_q; ++i)
@@ -331,12 +357,7 @@ struct engine_state
       double col_sum = 0.0;
       for (std::size_t j = 0; j < n_k; ++j)
       {
-        online_lse c{};
-        for (unsigned w = 0; w < workers; ++w)
-        {
-          c.merge(online_lse{scratch[w].col_max[j], scratch[w].col_sum[j]});
-        }
-        const contrastive::row_loss rl = finish_row(c, pos[j]);
+        const contrastive::row_loss rl = finish_row(col_state(j), pos[j]);
         col_lse[j] = rl.lse;
         col_loss[j] = rl.loss;
         col_sum += rl.loss;

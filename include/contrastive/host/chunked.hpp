@@ -1,0 +1,285 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The chunked algorithm on the host, the same sequence of steps the device runs with cuBLAS (device/chunked.cuh):
+/// for each chunk of B = chunk_rows queries,
+///   forward:  S_c = s Q_c K^T (one product into the chunk buffer); row statistics from whole rows; the column
+///             statistics of the symmetric loss merged from the chunk's partials (online_lse);
+///   backward: S_c again unless one chunk holds every row; G_c in place (logit_gradient, exact positive term);
+///             dQ_c = s G_c K; dK += s G_c^T Q_c.
+/// Products go through the engine's GEMM policy one (block, tile) at a time; every task owns its output rows (row
+/// blocks for S_c and dQ_c, key tiles for the column statistics and dK), so results are bit-reproducible for a given
+/// thread count.
+
+#include <contrastive/host/engine_state.hpp>
+
+#include <algorithm>
+#include <cstddef>
+
+namespace contrastive
+{
+namespace host
+{
+/// Bytes of chunk buffer one row of a chunk costs.
+inline std::size_t chunk_row_bytes(std::size_t nk_pad) noexcept
+{
+  return nk_pad * sizeof(float);
+}
+
+inline constexpr std::size_t default_host_chunk_budget = std::size_t(16) << 20;
+
+/// Computes S = s Q K^T for rows [c0, c0 + rows) into the chunk buffer (row stride nk_pad). Returns whether a logit
+/// is non-finite.
+template <class T, class Gemm>
+bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
+{
+  unsigned char bad[max_threads] = {};
+  parallel_for(st.pool,
+               (rows + block_m - 1) / block_m,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 worker_scratch& ws = st.scratch[w];
+                 const std::size_t i0 = c0 + t * block_m;
+                 const std::size_t r = std::min(block_m, st.n_q - i0);
+                 st.query_block(i0, ws, false);
+                 for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
+                 {
+                   const std::size_t cols = std::min(block_n, st.n_k - j0);
+                   bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, r, cols, ws) ? 1 : 0;
+                   for (std::size_t ii = 0; ii < r; ++ii)
+                   {
+                     std::copy_n(&ws.tile[ii * block_n], cols, &st.chunk[(i0 - c0 + ii) * st.nk_pad + j0]);
+                   }
+                 }
+               });
+  bool any = false;
+  for (unsigned w = 0; w < st.workers; ++w)
+  {
+    any |= bad[w] != 0;
+  }
+  return any;
+}
+
+/// Forward statistics of the chunk in the buffer: each row's negatives and positive (the positive's slot is set to
+/// -inf, as the fused tiles do), and, symmetric, the chunk's column partials merged into the running state.
+template <class T, class Gemm>
+void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
+{
+  parallel_for(st.pool,
+               (rows + block_m - 1) / block_m,
+               st.workers,
+               [&](std::size_t t, unsigned)
+               {
+                 const std::size_t end = std::min(rows, (t + 1) * block_m);
+                 for (std::size_t r = t * block_m; r < end; ++r)
+                 {
+                   const std::size_t i = c0 + r;
+                   float* x = &st.chunk[r * st.nk_pad];
+                   const std::size_t p = st.positive_of(i);
+                   st.pos[i] = x[p];
+                   x[p] = -detail::infinity_f;
+                   online_lse neg{};
+                   neg.rebase(lane_max(st.n_k,
+                                       -detail::infinity_f,
+                                       [&](std::size_t j)
+                                       {
+                                         return x[j];
+                                       }));
+                   const float shift = neg.shift();
+                   neg.sum = lane_sum(st.n_k,
+                                      [&](std::size_t j)
+                                      {
+                                        return detail::exp_approx(x[j] - shift);
+                                      });
+                   const contrastive::row_loss rl = finish_row(neg, st.pos[i]);
+                   st.row_lse[i] = rl.lse;
+                   st.row_loss[i] = rl.loss;
+                   st.row_max[i] = neg.max;
+                 }
+               });
+  if (!st.symmetric())
+  {
+    return;
+  }
+  parallel_for(st.pool,
+               st.nk_pad / block_n,
+               st.workers,
+               [&](std::size_t t, unsigned)
+               {
+                 const std::size_t j0 = t * block_n;
+                 if (j0 >= st.n_k)
+                 {
+                   return;
+                 }
+                 const std::size_t cols = std::min(block_n, st.n_k - j0);
+                 float part_max[block_n];
+                 float part_sum[block_n];
+                 std::fill(part_max, part_max + cols, -detail::infinity_f);
+                 std::fill(part_sum, part_sum + cols, 0.0f);
+                 for (std::size_t r = 0; r < rows; ++r)
+                 {
+                   const float* x = &st.chunk[r * st.nk_pad + j0];
+                   for (std::size_t jj = 0; jj < cols; ++jj)
+                   {
+                     part_max[jj] = detail::max_f(part_max[jj], x[jj]);
+                   }
+                 }
+                 float shift[block_n];
+                 for (std::size_t jj = 0; jj < cols; ++jj)
+                 {
+                   online_lse part{};
+                   part.rebase(part_max[jj]);
+                   shift[jj] = part.shift();
+                 }
+                 for (std::size_t r = 0; r < rows; ++r)
+                 {
+                   const float* x = &st.chunk[r * st.nk_pad + j0];
+                   for (std::size_t jj = 0; jj < cols; ++jj)
+                   {
+                     part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+                   }
+                 }
+                 for (std::size_t jj = 0; jj < cols; ++jj)
+                 {
+                   online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
+                   run.merge(online_lse{part_max[jj], part_sum[jj]});
+                   st.col_run_max[j0 + jj] = run.max;
+                   st.col_run_sum[j0 + jj] = run.sum;
+                 }
+               });
+}
+
+/// Forward of the chunked algorithm: the loss, max logit and non-finite flag; saves the statistics for the backward.
+template <class T, class Gemm>
+forward_result chunked_forward(engine_state<T, Gemm>& st, float s)
+{
+  st.scale = s;
+  std::fill(st.col_run_max.begin(), st.col_run_max.end(), -detail::infinity_f);
+  std::fill(st.col_run_sum.begin(), st.col_run_sum.end(), 0.0f);
+  bool bad = false;
+  for (std::size_t c0 = 0; c0 < st.n_q; c0 += st.chunk_rows)
+  {
+    const std::size_t rows = std::min(st.chunk_rows, st.n_q - c0);
+    bad |= chunk_logits(st, c0, rows);
+    chunk_statistics(st, c0, rows);
+  }
+  st.chunk_cached = st.chunk_rows >= st.n_q;
+  return st.finish_forward(bad,
+                           [&](std::size_t j)
+                           {
+                             return online_lse{st.col_run_max[j], st.col_run_sum[j]};
+                           });
+}
+
+/// Rows [i0, i0 + block_m) x columns [j0, j0 + block_n) of the chunk buffer (chunk row r = i - c0) into ws.tile, zero
+/// outside `rows` x `cols` up to block_m x `width`.
+template <class T, class Gemm>
+void load_chunk_tile(const engine_state<T, Gemm>& st,
+                     std::size_t r0,
+                     std::size_t j0,
+                     std::size_t rows,
+                     std::size_t cols,
+                     std::size_t width,
+                     worker_scratch& ws) noexcept
+{
+  for (std::size_t ii = 0; ii < block_m; ++ii)
+  {
+    float* out = &ws.tile[ii * block_n];
+    std::size_t jj = 0;
+    if (ii < rows)
+    {
+      jj = cols;
+      std::copy_n(&st.chunk[(r0 + ii) * st.nk_pad + j0], cols, out);
+    }
+    std::fill(out + jj, out + width, 0.0f);
+  }
+}
+
+/// Backward of `loss_scale * loss` for the chunked algorithm after `chunked_forward`.
+template <class T, class Gemm>
+backward_result chunked_backward(engine_state<T, Gemm>& st, float loss_scale, T* dq, T* dk)
+{
+  const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
+  const float out_scale = loss_scale * st.scale;
+  backward_partials parts;
+  float* dk_acc = st.dk_acc.data();
+  std::fill(st.dk_acc.begin(), st.dk_acc.end(), 0.0f);
+
+  for (std::size_t c0 = 0; c0 < st.n_q; c0 += st.chunk_rows)
+  {
+    const std::size_t rows = std::min(st.chunk_rows, st.n_q - c0);
+    if (!st.chunk_cached)
+    {
+      chunk_logits(st, c0, rows);
+    }
+    // G_c in place of S_c, and dQ_c = G_c K: one row block per task.
+    parallel_for(st.pool,
+                 (rows + block_m - 1) / block_m,
+                 st.workers,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   worker_scratch& ws = st.scratch[w];
+                   const std::size_t r0 = t * block_m;
+                   const std::size_t i0 = c0 + r0;
+                   const std::size_t r = std::min(block_m, rows - r0);
+                   float* acc = ws.acc.data();
+                   std::fill(acc, acc + block_m * st.dp, 0.0f);
+                   for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
+                   {
+                     const std::size_t cols = std::min(block_n, st.n_k - j0);
+                     load_chunk_tile(st, r0, j0, r, cols, cols, ws);
+                     st.gradient_tile(true, i0, j0, r, cols, gc, ws);
+                     for (std::size_t ii = 0; ii < r; ++ii)
+                     {
+                       std::copy_n(&ws.tile[ii * block_n], cols, &st.chunk[(r0 + ii) * st.nk_pad + j0]);
+                     }
+                     st.mm.dq_product(j0, r, cols, ws, acc, st.dp, st.dp);
+                   }
+                   bool bad = false;
+                   for (std::size_t ii = 0; ii < r; ++ii)
+                   {
+                     parts.dlogs[w] += static_cast<double>(st.dot_query(acc + ii * st.dp, i0 + ii));
+                     bad |= st.store_row(acc + ii * st.dp, out_scale, dq + (i0 + ii) * st.d);
+                   }
+                   parts.bad_q[w] |= bad ? 1 : 0;
+                 });
+    // dK += G_c^T Q_c: one key tile per task.
+    parallel_for(st.pool,
+                 st.nk_pad / block_n,
+                 st.workers,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   worker_scratch& ws = st.scratch[w];
+                   const std::size_t j0 = t * block_n;
+                   if (j0 >= st.n_k)
+                   {
+                     return;
+                   }
+                   const std::size_t cols = std::min(block_n, st.n_k - j0);
+                   const std::size_t m_pad = round_up(cols, kernel_mr);
+                   for (std::size_t r0 = 0; r0 < rows; r0 += block_m)
+                   {
+                     load_chunk_tile(st, r0, j0, std::min(block_m, rows - r0), cols, m_pad, ws);
+                     st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp);
+                   }
+                 });
+  }
+  st.chunk_cached = false; // the buffer now holds G
+
+  parallel_for(st.pool,
+               (st.n_k + 63) / 64,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 const std::size_t end = std::min(st.n_k, (t + 1) * 64);
+                 for (std::size_t j = t * 64; j < end; ++j)
+                 {
+                   parts.bad_k[w] |= st.store_row(dk_acc + j * st.dp, out_scale, dk + j * st.d) ? 1 : 0;
+                 }
+               });
+  return parts.combine(st.workers, static_cast<double>(out_scale));
+}
+} // namespace host
+} // namespace contrastive
