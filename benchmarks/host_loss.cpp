@@ -2,7 +2,7 @@
 //
 // Host suite: one benchmark per (objective, pass, element type, algorithm) over the size axes N x D.
 //
-//   host/<symmetric|info_nce>/<fwd|fwd_bwd>/<float|half|bfloat16>/<fused|materialized>/N:<n>/D:<d>/manual_time
+//   host/<symmetric|info_nce>/<fwd|fwd_bwd>/<float|half|bfloat16>/<fused|materialized|chunked>/N:<n>/D:<d>/manual_time
 //
 // The materialized algorithm is the naive baseline: it builds the N x N logits in the element type, as a framework's
 // autocast does. Counters (see docs/performance.md for the method):
@@ -75,6 +75,18 @@ work_model model(std::size_t n_q, std::size_t n_k, std::size_t d, pass p)
   const double es = sizeof(T);
   const double operands = static_cast<double>(n_q + n_k) * static_cast<double>(d) * es;
   constexpr bool fused = std::is_same_v<Algorithm, contrastive::algorithm::fused>;
+  if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::chunked>)
+  {
+    // Float chunk buffer: forward writes S_c and reads it for the row and column statistics; backward (one chunk
+    // cached or S_c recomputed) writes G_c and reads it for dQ_c and dK. Default budget: several chunks from
+    // N = 4096 on, so the backward recomputes (4 products).
+    const bool one_chunk = n_q * ((n_k + 255) / 256 * 256) * sizeof(float) <= (std::size_t(16) << 20);
+    if (p == pass::forward)
+    {
+      return {product, product, operands + 3.0 * nn * 4.0};
+    }
+    return {3.0 * product, (one_chunk ? 3.0 : 4.0) * product, 2.0 * operands + 7.0 * nn * 4.0};
+  }
   if (p == pass::forward)
   {
     // Materialized forward: writes the matrix, then reads it for the log-sum-exps.
@@ -96,6 +108,10 @@ std::size_t estimated_bytes(std::size_t n, std::size_t d, pass p, unsigned threa
   if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::materialized>)
   {
     b += n * n * sizeof(T);
+  }
+  else if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::chunked>)
+  {
+    b += (std::size_t(16) << 20) + (n + 256) * dp * sizeof(float); // default chunk budget, dK accumulator
   }
   else if (p == pass::forward_backward)
   {
@@ -311,6 +327,7 @@ void register_type(contrastive::objective obj, pass ps, std::size_t n, std::size
   // The baseline first, so that side-by-side pairs run back to back.
   register_one<T, contrastive::algorithm::materialized>(obj, ps, n, d);
   register_one<T, contrastive::algorithm::fused>(obj, ps, n, d);
+  register_one<T, contrastive::algorithm::chunked>(obj, ps, n, d);
 }
 } // namespace
 
@@ -338,6 +355,7 @@ void register_host_benchmarks()
             // The CBLAS backend beside the built-in core (float and half; OpenBLAS single-threaded, see main.cpp).
             register_one<float, contrastive::algorithm::materialized, contrastive::gemm::cblas>(obj, ps, n, d);
             register_one<float, contrastive::algorithm::fused, contrastive::gemm::cblas>(obj, ps, n, d);
+            register_one<float, contrastive::algorithm::chunked, contrastive::gemm::cblas>(obj, ps, n, d);
             register_one<__half, contrastive::algorithm::fused, contrastive::gemm::cblas>(obj, ps, n, d);
           }
 #endif

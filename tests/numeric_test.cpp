@@ -187,3 +187,37 @@ TEST(OnlineLse, OverflowedInputPoisonsTheResult)
   n.push(NAN);
   EXPECT_TRUE(std::isnan(contrastive::finish_row(n, 1.0f).loss));
 }
+
+// absorb (one exponential per value, the chunked algorithm's update) agrees with push/merge, skips -inf, keeps an
+// empty state empty, and is poisoned by +inf and NaN as push is.
+TEST(OnlineLse, AbsorbMatchesPush)
+{
+  std::mt19937 rng(12);
+  std::uniform_real_distribution<float> d(-40.0f, 40.0f);
+  contrastive::online_lse pushed, absorbed;
+  for (int i = 0; i < 5000; ++i)
+  {
+    const float x = i % 97 == 0 ? -INFINITY : d(rng);
+    if (x != -INFINITY)
+    {
+      pushed.push(x);
+    }
+    absorbed.absorb(x);
+  }
+  EXPECT_EQ(absorbed.max, pushed.max);
+  EXPECT_NEAR(absorbed.value(), pushed.value(), 2e-6 * std::fabs(pushed.value()));
+  contrastive::online_lse empty;
+  empty.absorb(-INFINITY);
+  EXPECT_EQ(empty.max, -INFINITY);
+  EXPECT_EQ(empty.sum, 0.0f);
+  contrastive::online_lse inf;
+  inf.absorb(1.0f);
+  inf.absorb(INFINITY);
+  inf.absorb(2.0f);
+  EXPECT_FALSE(std::isfinite(contrastive::finish_row(inf, 0.5f).loss));
+  contrastive::online_lse nan;
+  nan.absorb(1.0f);
+  nan.absorb(NAN);
+  nan.absorb(3.0f);
+  EXPECT_TRUE(std::isnan(contrastive::finish_row(nan, 1.0f).loss));
+}

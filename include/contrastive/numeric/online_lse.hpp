@@ -46,6 +46,26 @@ struct online_lse
     max = (max != max || o.max != o.max) ? max + o.max : m;
   }
 
+  /// Adds one value with one exponential in the common case (x not above the running max): the per-element update
+  /// of the chunked algorithm's row and column statistics. -inf adds nothing; NaN poisons the state as in `merge`.
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE void absorb(float x) noexcept
+  {
+    if (x > max)
+    {
+      sum = (max == -detail::infinity_f ? 0.0f : sum * detail::exp_approx(max - x)) + 1.0f;
+      max = x;
+    }
+    else if (x != x)
+    {
+      max = x;
+      sum = x;
+    }
+    else if (x != -detail::infinity_f)
+    {
+      sum += detail::exp_approx(x - max);
+    }
+  }
+
   /// Moves the state to `new_max` (>= max, finite or -inf for an empty block): sum *= exp(max - new_max). A block of
   /// values is absorbed as `rebase(max(max, block_max)); sum += sum_j exp(x_j - max)`; host and device tiles use this
   /// one update. An empty state (and an empty block) keeps sum = 0.

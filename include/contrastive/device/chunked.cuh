@@ -1,0 +1,688 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// algorithm::chunked on the device: the three large products by cuBLAS (16-bit or float inputs, float
+/// accumulation), everything element-wise in small kernels built from the shared tile math. Include this header (it
+/// includes device/loss.cuh) and link cuBLAS (CMake: `contrastive::cublas`); the fused and materialized device
+/// algorithms need neither.
+///
+///   using L = contrastive::device::loss<__nv_bfloat16, temperature::learnable, scaler::dynamic, algorithm::chunked>;
+///   cublasHandle_t h;  cublasCreate(&h);           // the caller's handle (one per thread, as cuBLAS asks)
+///   L::step(nullptr, bytes, problem, dq, dk, d_state, h, stream, {0, budget});   // size query
+///   L::step(d_temp, bytes, problem, dq, dk, d_state, h, stream, {0, budget});    // the step
+///
+/// Per chunk of B query rows (B from `chunk_options`; default: S_c and G_c fill at most 1 GiB):
+///   forward   S_c = Q_c K^T (cuBLAS, float out); one block per row: the row's negatives (online_lse::absorb) and
+///             positive, finish_row; symmetric: per-column partials of the chunk merged into a running state.
+///   backward  S_c again unless one chunk holds every row (info_nce always runs forward and backward in one pass:
+///             its rows are complete within a chunk); G_c element-wise (logit_gradient, exact positive term),
+///             stored as T (fp16: times 2^k so that P ~ 1/n stays in the normal range, k folded back through the
+///             products' alpha); dQ_c = G_c K (cuBLAS, float out) scaled and rounded per row with <dQ_i, q_i> for
+///             d loss / d log s; dK += G_c^T Q_c (cuBLAS, float accumulator); dK rounded once at the end.
+/// Workspace: B x ld (float S_c, G_c in place for float; + B x ld of T for 16-bit), n_k x dim floats (dK),
+/// B x dim floats (dQ_c), O(n_q + n_k) statistics. Work: 6 n_q n_k d flops (one chunk or info_nce), else 8.
+///
+/// The call sets the handle's stream to `stream` and its pointer mode to host for the duration of the call and
+/// restores both before returning. cuBLAS failures come back as cudaError_t (allocation: cudaErrorMemoryAllocation,
+/// unsupported: cudaErrorNotSupported, anything else cudaErrorUnknown). Float products follow the handle's math mode
+/// (CUBLAS_DEFAULT_MATH: exact float; CUBLAS_TF32_TENSOR_OP_MATH if you want TF32).
+
+#include <contrastive/device/loss.cuh>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/numeric/math.hpp>
+#include <contrastive/numeric/online_lse.hpp>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/device/device_reduce.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+namespace contrastive
+{
+namespace device
+{
+namespace chunked_detail
+{
+inline constexpr std::size_t default_budget = std::size_t(1) << 30;
+inline constexpr std::size_t row_align = 64;
+inline constexpr int threads = 256;
+
+template <class T>
+constexpr cudaDataType_t cuda_type() noexcept
+{
+  if constexpr (std::is_same_v<T, float>)
+  {
+    return CUDA_R_32F;
+  }
+  else if constexpr (std::is_same_v<T, __half>)
+  {
+    return CUDA_R_16F;
+  }
+  else
+  {
+    return CUDA_R_16BF;
+  }
+}
+
+inline cudaError_t from_cublas(cublasStatus_t s) noexcept
+{
+  switch (s)
+  {
+  case CUBLAS_STATUS_SUCCESS:
+    return cudaSuccess;
+  case CUBLAS_STATUS_ALLOC_FAILED:
+    return cudaErrorMemoryAllocation;
+  case CUBLAS_STATUS_INVALID_VALUE:
+    return cudaErrorInvalidValue;
+  case CUBLAS_STATUS_NOT_SUPPORTED:
+  case CUBLAS_STATUS_ARCH_MISMATCH:
+    return cudaErrorNotSupported;
+  default:
+    return cudaErrorUnknown;
+  }
+}
+
+/// NaN-propagating max for the reported max logit (fmaxf would drop a NaN).
+struct nan_max
+{
+  CONTRASTIVE_HOST_DEVICE float operator()(float a, float b) const noexcept
+  {
+    return a != a ? a : (b != b ? b : (a > b ? a : b));
+  }
+};
+
+struct lse_merge
+{
+  __device__ online_lse operator()(online_lse a, const online_lse& b) const noexcept
+  {
+    a.merge(b);
+    return a;
+  }
+};
+
+/// fp16 only: G_c is stored times 2^k. |G| <= 2 max(coef) (the positive's term), and the softmax entries P ~ 1/n
+/// carry a further max(coef); k lifts max(coef) to [0.5, 1) and then by 2^min(ceil(log2 n), 12), which keeps |G 2^k|
+/// below 2^15 and P ~ 1/n near 2^-4 .. 2^0. bf16 (float's exponent range) and float keep k = 0.
+template <class T>
+int gradient_shift(const grad_coefficients& gc, std::size_t n) noexcept
+{
+  if constexpr (!std::is_same_v<T, __half>)
+  {
+    (void)gc;
+    (void)n;
+    return 0;
+  }
+  else
+  {
+    const float c = std::max(gc.row_coef, gc.col_coef);
+    int k = 0;
+    while (k < 62 && c * static_cast<float>(std::uint64_t(1) << k) < 0.5f)
+    {
+      ++k;
+    }
+    int log_n = 0;
+    while (log_n < 12 && (std::size_t(1) << log_n) < n)
+    {
+      ++log_n;
+    }
+    return std::min(k + log_n, 100);
+  }
+}
+
+/// Plain arguments of the element-wise kernels.
+struct chunk_args
+{
+  const float* logits = nullptr; ///< S_c without the scale: q_i . k_j, row-major rows x ld
+  long long ld = 0;
+  int n_k = 0;
+  const std::int32_t* labels = nullptr; ///< info_nce labels (device), null: the diagonal
+  const kernels::step_scalars* scalars = nullptr;
+  float* row_lse = nullptr;
+  float* row_loss = nullptr;
+  float* row_max = nullptr; ///< reported max logit per row (positive included)
+  float* pos = nullptr;     ///< the positive logit of each row
+  float* col_max = nullptr; ///< symmetric: running column state of the negatives
+  float* col_sum = nullptr;
+  float* col_lse = nullptr;
+  float* col_loss = nullptr;
+  int* flags = nullptr; ///< [0] logits, [1] dQ, [2] dK non-finite
+};
+
+__device__ CONTRASTIVE_FORCEINLINE long long positive_of(const chunk_args& a, long long i) noexcept
+{
+  return a.labels != nullptr ? static_cast<long long>(a.labels[i]) : i;
+}
+
+/// One block per chunk row: the row's negatives, its positive, its loss and reported max.
+__global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long long c0)
+{
+  const long long r = blockIdx.x;
+  const long long i = c0 + r;
+  const float s = a.scalars->scale;
+  const float* x = a.logits + r * a.ld;
+  const long long p = positive_of(a, i);
+  online_lse neg{};
+  bool bad = false;
+  for (int j = threadIdx.x; j < a.n_k; j += threads)
+  {
+    const float v = s * x[j];
+    bad |= !contrastive::detail::finite(v);
+    if (j != p)
+    {
+      neg.absorb(v);
+    }
+  }
+  using reduce_t = cub::BlockReduce<online_lse, threads>;
+  __shared__ typename reduce_t::TempStorage tmp;
+  const online_lse all = reduce_t(tmp).Reduce(neg, lse_merge{});
+  if (__syncthreads_or(bad) && threadIdx.x == 0)
+  {
+    a.flags[0] = 1;
+  }
+  if (threadIdx.x == 0)
+  {
+    // An out-of-range label (not checked on the device) has no positive: -inf makes the row's loss +inf.
+    const float positive = p >= 0 && p < a.n_k ? s * x[p] : -contrastive::detail::infinity_f;
+    const row_loss rl = finish_row(all, positive);
+    a.row_lse[i] = rl.lse;
+    a.row_loss[i] = rl.loss;
+    a.row_max[i] = nan_max{}(all.max, positive);
+    a.pos[i] = positive;
+  }
+}
+
+/// Symmetric: 32 columns x 8 row slices per block; the chunk's negatives of each column merged into the running
+/// state (`first`: the state starts here). The positive of column j is row j.
+__global__ void __launch_bounds__(threads) column_partials(chunk_args a, long long c0, int rows, int first)
+{
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  const float s = a.scalars->scale;
+  online_lse st{};
+  if (j < a.n_k)
+  {
+    for (int r = threadIdx.y; r < rows; r += 8)
+    {
+      if (c0 + r != j)
+      {
+        st.absorb(s * a.logits[r * a.ld + j]);
+      }
+    }
+  }
+  __shared__ float smax[8][32];
+  __shared__ float ssum[8][32];
+  smax[threadIdx.y][threadIdx.x] = st.max;
+  ssum[threadIdx.y][threadIdx.x] = st.sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < a.n_k)
+  {
+    online_lse run = first ? online_lse{} : online_lse{a.col_max[j], a.col_sum[j]};
+    for (int y = 0; y < 8; ++y)
+    {
+      run.merge(online_lse{smax[y][threadIdx.x], ssum[y][threadIdx.x]});
+    }
+    a.col_max[j] = run.max;
+    a.col_sum[j] = run.sum;
+  }
+}
+
+/// Symmetric: each column's log-sum-exp and loss from its negatives and positive (row j's positive logit).
+__global__ void __launch_bounds__(threads) finish_columns(chunk_args a)
+{
+  for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
+  {
+    const row_loss rl = finish_row(online_lse{a.col_max[j], a.col_sum[j]}, a.pos[j]);
+    a.col_lse[j] = rl.lse;
+    a.col_loss[j] = rl.loss;
+  }
+}
+
+/// G_c = dL/dS for the chunk's rows, times 2^k, rounded to T into g (row stride ld; may be the logits themselves
+/// when T is float: each element is read before it is written, by the same thread).
+template <class T>
+__global__ void __launch_bounds__(threads)
+    chunk_gradient(chunk_args a, long long c0, int rows, grad_coefficients gc, int symmetric, float factor, T* g)
+{
+  const float s = a.scalars->scale;
+  for (int r = blockIdx.y; r < rows; r += gridDim.y)
+  {
+    const long long i = c0 + r;
+    const long long p = positive_of(a, i);
+    const float lr = a.row_lse[i];
+    const float pos_g =
+        exact_positive_gradient(a.row_loss[i], symmetric && p < a.n_k ? a.col_loss[p] : 0.0f, gc, symmetric != 0);
+    const float* x = a.logits + r * a.ld;
+    T* out = g + r * a.ld;
+    for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
+    {
+      const float v = s * x[j];
+      float gv = logit_gradient(v, lr, symmetric ? a.col_lse[j] : 0.0f, gc, symmetric != 0);
+      gv = j == p ? pos_g : gv;
+      out[j] = element_traits<T>::from_float(gv * factor);
+    }
+  }
+}
+
+/// Rows of a float product (row-major, `dim` per row) scaled by loss_scale * s, rounded to T; optionally the dot of
+/// each unscaled row with the matching row of `rows_in` (d loss / d log s). One block per row.
+template <class T>
+__global__ void __launch_bounds__(threads) store_rows(const float* acc,
+                                                      int dim,
+                                                      const T* rows_in,
+                                                      T* out,
+                                                      const kernels::step_scalars* scalars,
+                                                      float* row_dot,
+                                                      int* flag)
+{
+  const long long r = blockIdx.x;
+  const float f = scalars->loss_scale * scalars->scale;
+  const float* in = acc + r * dim;
+  T* o = out + r * dim;
+  float dot = 0.0f;
+  bool bad = false;
+  for (int c = threadIdx.x; c < dim; c += threads)
+  {
+    const float v = in[c];
+    const T t = element_traits<T>::from_float(f * v);
+    o[c] = t;
+    bad |= !contrastive::detail::finite(element_traits<T>::to_float(t));
+    if (row_dot != nullptr)
+    {
+      dot += v * element_traits<T>::to_float(rows_in[r * dim + c]);
+    }
+  }
+  if (row_dot != nullptr)
+  {
+    using reduce_t = cub::BlockReduce<float, threads>;
+    __shared__ typename reduce_t::TempStorage tmp;
+    const float total = reduce_t(tmp).Sum(dot);
+    if (threadIdx.x == 0)
+    {
+      row_dot[r] = total;
+    }
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0)
+  {
+    *flag = 1;
+  }
+}
+
+/// Sub-buffers of the chunked workspace (byte offsets, 256-byte aligned).
+struct layout
+{
+  std::size_t row_lse, row_loss, row_max, pos, row_dot, col_max, col_sum, col_lse, col_loss, logits, grad, dq, dk, sums,
+      flags, scalars, cub, total;
+  std::size_t chunk_rows, ld, cub_bytes;
+};
+
+/// Restores the handle's stream and pointer mode when the call ends.
+struct handle_guard
+{
+  cublasHandle_t h;
+  cudaStream_t old_stream = nullptr;
+  cublasPointerMode_t old_mode = CUBLAS_POINTER_MODE_HOST;
+  bool active = false;
+
+  cublasStatus_t enter(cudaStream_t stream) noexcept
+  {
+    cublasStatus_t st = cublasGetStream(h, &old_stream);
+    if (st == CUBLAS_STATUS_SUCCESS)
+    {
+      st = cublasGetPointerMode(h, &old_mode);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS)
+    {
+      active = true;
+      st = cublasSetStream(h, stream);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS)
+    {
+      st = cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST);
+    }
+    return st;
+  }
+  ~handle_guard()
+  {
+    if (active)
+    {
+      cublasSetPointerMode(h, old_mode);
+      cublasSetStream(h, old_stream);
+    }
+  }
+};
+} // namespace chunked_detail
+
+/// The device loss with algorithm::chunked (see the file comment). make_state, unscale_and_check and finish_step are
+/// those of the other algorithms; forward_backward and step take a cuBLAS handle and chunk options.
+template <class Element, class Temperature, class Scaler>
+struct loss<Element, Temperature, Scaler, algorithm::chunked>
+{
+  using common = loss<Element, Temperature, Scaler, algorithm::fused>;
+  using state_type = typename common::state_type;
+  static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
+
+  static status make_state(const Temperature& t, const Scaler& s, state_type& out)
+  {
+    return common::make_state(t, s, out);
+  }
+
+  /// Rows per chunk for a problem and options (a multiple of 64, at most n_q rounded up).
+  static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o) noexcept
+  {
+    const std::size_t ld = (p.n_k + 31) / 32 * 32;
+    const std::size_t per_row = ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
+    return contrastive::detail::chunk_rows_for(
+        o, p.n_q, per_row, chunked_detail::row_align, chunked_detail::default_budget);
+  }
+
+  /// The workspace layout (also the size query): refused with cudaErrorInvalidValue when a size overflows.
+  static cudaError_t make_layout(const problem<Element>& p, const chunk_options& o, chunked_detail::layout& w)
+  {
+    using contrastive::detail::checked_size;
+    w.chunk_rows = std::min(chunk_rows_for(p, o), p.n_q);
+    w.ld = (p.n_k + 31) / 32 * 32;
+    const checked_size f = sizeof(float);
+    const checked_size bound =
+        checked_size(64 * 256) + checked_size(5) * p.n_q * f + checked_size(4) * p.n_k * f +
+        checked_size(w.chunk_rows) * w.ld * (f + checked_size(sixteen_bit ? sizeof(Element) : 0)) +
+        (checked_size(w.chunk_rows) + p.n_k) * checked_size(p.dim) * f;
+    if (!bound.ok())
+    {
+      return cudaErrorInvalidValue;
+    }
+    const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
+    std::size_t sum_bytes = 0, max_bytes = 0;
+    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(
+        nullptr, sum_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr), n_max));
+    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Reduce(nullptr,
+                                                   max_bytes,
+                                                   static_cast<const float*>(nullptr),
+                                                   static_cast<float*>(nullptr),
+                                                   n_max,
+                                                   chunked_detail::nan_max{},
+                                                   -contrastive::detail::infinity_f));
+    w.cub_bytes = std::max(sum_bytes, max_bytes);
+    const bool sym = p.obj == objective::symmetric;
+    std::size_t off = 0;
+    auto take = [&](std::size_t bytes)
+    {
+      const std::size_t at = off;
+      off += detail::align256(bytes);
+      return at;
+    };
+    w.row_lse = take(p.n_q * sizeof(float));
+    w.row_loss = take(p.n_q * sizeof(float));
+    w.row_max = take(p.n_q * sizeof(float));
+    w.pos = take(p.n_q * sizeof(float));
+    w.row_dot = take(p.n_q * sizeof(float));
+    w.col_max = take(sym ? p.n_k * sizeof(float) : 0);
+    w.col_sum = take(sym ? p.n_k * sizeof(float) : 0);
+    w.col_lse = take(sym ? p.n_k * sizeof(float) : 0);
+    w.col_loss = take(sym ? p.n_k * sizeof(float) : 0);
+    w.logits = take(w.chunk_rows * w.ld * sizeof(float));
+    w.grad = take(sixteen_bit ? w.chunk_rows * w.ld * sizeof(Element) : 0);
+    w.dq = take(w.chunk_rows * p.dim * sizeof(float));
+    w.dk = take(p.n_k * p.dim * sizeof(float));
+    w.sums = take(sizeof(kernels::step_sums));
+    w.flags = take(3 * sizeof(int));
+    w.scalars = take(sizeof(kernels::step_scalars));
+    w.cub = take(w.cub_bytes);
+    w.total = off;
+    return cudaSuccess;
+  }
+
+  /// Steps 1-3 (forward, backward, record) at the state's tau and loss scale. A null d_temp writes the bytes needed.
+  [[nodiscard]] static cudaError_t forward_backward(void* d_temp,
+                                                    std::size_t& temp_bytes,
+                                                    const problem<Element>& p,
+                                                    Element* dq,
+                                                    Element* dk,
+                                                    state_type* d_state,
+                                                    cublasHandle_t handle,
+                                                    cudaStream_t stream = 0,
+                                                    const chunk_options& opts = {})
+  {
+    namespace cd = chunked_detail;
+    if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr || handle == nullptr ||
+        p.n_q > (1u << 30) || p.n_k > (1u << 30) || p.dim > (1u << 24))
+    {
+      return cudaErrorInvalidValue;
+    }
+    cd::layout w{};
+    CONTRASTIVE_CUDA_TRY(make_layout(p, opts, w));
+    if (d_temp == nullptr)
+    {
+      temp_bytes = w.total;
+      return cudaSuccess;
+    }
+    if (temp_bytes < w.total || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0)
+    {
+      return cudaErrorInvalidValue;
+    }
+    cd::handle_guard guard{handle};
+    CONTRASTIVE_CUDA_TRY(cd::from_cublas(guard.enter(stream)));
+
+    char* base = static_cast<char*>(d_temp);
+    auto f = [&](std::size_t off)
+    {
+      return reinterpret_cast<float*>(base + off);
+    };
+    auto* scalars = reinterpret_cast<kernels::step_scalars*>(base + w.scalars);
+    auto* sums = reinterpret_cast<kernels::step_sums*>(base + w.sums);
+    int* flags = reinterpret_cast<int*>(base + w.flags);
+    const bool sym = p.obj == objective::symmetric;
+    const int n_q = static_cast<int>(p.n_q), n_k = static_cast<int>(p.n_k), dim = static_cast<int>(p.dim);
+    const grad_coefficients gc = make_grad_coefficients(p.obj, p.n_q, p.n_k);
+    const int shift = cd::gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
+    const float up = std::ldexp(1.0f, shift), down = std::ldexp(1.0f, -shift);
+    const std::size_t B = w.chunk_rows;
+    const bool one_chunk = B >= p.n_q;
+    float* logits = f(w.logits);
+    void* grad = sixteen_bit ? static_cast<void*>(base + w.grad) : static_cast<void*>(logits);
+    const cudaDataType_t et = cd::cuda_type<Element>();
+    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
+
+    cd::chunk_args a;
+    a.logits = logits;
+    a.ld = static_cast<long long>(w.ld);
+    a.n_k = n_k;
+    a.labels = p.labels;
+    a.scalars = scalars;
+    a.row_lse = f(w.row_lse);
+    a.row_loss = f(w.row_loss);
+    a.row_max = f(w.row_max);
+    a.pos = f(w.pos);
+    a.col_max = f(w.col_max);
+    a.col_sum = f(w.col_sum);
+    a.col_lse = f(w.col_lse);
+    a.col_loss = f(w.col_loss);
+    a.flags = flags;
+
+    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream));
+    kernels::prologue<state_type><<<1, 1, 0, stream>>>(d_state, scalars);
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+
+    const float one = 1.0f, zero = 0.0f;
+    // S_c^T (column-major n_k x rows) = K (d x n_k)^T Q_c (d x rows).
+    auto logits_product = [&](std::size_t c0, int rows)
+    {
+      return cd::from_cublas(cublasGemmEx(handle,
+                                          CUBLAS_OP_T,
+                                          CUBLAS_OP_N,
+                                          n_k,
+                                          rows,
+                                          dim,
+                                          &one,
+                                          p.k,
+                                          et,
+                                          dim,
+                                          p.q + c0 * p.dim,
+                                          et,
+                                          dim,
+                                          &zero,
+                                          logits,
+                                          CUDA_R_32F,
+                                          static_cast<int>(w.ld),
+                                          CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT));
+    };
+    auto forward_chunk = [&](std::size_t c0, int rows) -> cudaError_t
+    {
+      CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+      cd::row_statistics<<<static_cast<unsigned>(rows), cd::threads, 0, stream>>>(a, static_cast<long long>(c0));
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      if (sym)
+      {
+        cd::column_partials<<<static_cast<unsigned>((n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
+            a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
+        CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      }
+      return cudaSuccess;
+    };
+    auto backward_chunk = [&](std::size_t c0, int rows) -> cudaError_t
+    {
+      const dim3 grid(static_cast<unsigned>(std::min(1024, (n_k + cd::threads - 1) / cd::threads)),
+                      static_cast<unsigned>(std::min(rows, 65535)));
+      cd::chunk_gradient<Element><<<grid, cd::threads, 0, stream>>>(
+          a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad));
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
+      CONTRASTIVE_CUDA_TRY(cd::from_cublas(cublasGemmEx(handle,
+                                                        CUBLAS_OP_N,
+                                                        CUBLAS_OP_N,
+                                                        dim,
+                                                        rows,
+                                                        n_k,
+                                                        &down,
+                                                        p.k,
+                                                        et,
+                                                        dim,
+                                                        grad,
+                                                        gt,
+                                                        static_cast<int>(w.ld),
+                                                        &zero,
+                                                        f(w.dq),
+                                                        CUDA_R_32F,
+                                                        dim,
+                                                        CUBLAS_COMPUTE_32F,
+                                                        CUBLAS_GEMM_DEFAULT)));
+      cd::store_rows<Element><<<static_cast<unsigned>(rows), cd::threads, 0, stream>>>(
+          f(w.dq), dim, p.q + c0 * p.dim, dq + c0 * p.dim, scalars, f(w.row_dot) + c0, flags + 1);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      // dK^T (d x n_k) += Q_c^T (d x rows) G_c (rows x n_k), times 2^-k; the first chunk starts the accumulator.
+      const float* beta = c0 == 0 ? &zero : &one;
+      return cd::from_cublas(cublasGemmEx(handle,
+                                          CUBLAS_OP_N,
+                                          CUBLAS_OP_T,
+                                          dim,
+                                          n_k,
+                                          rows,
+                                          &down,
+                                          p.q + c0 * p.dim,
+                                          et,
+                                          dim,
+                                          grad,
+                                          gt,
+                                          static_cast<int>(w.ld),
+                                          beta,
+                                          f(w.dk),
+                                          CUDA_R_32F,
+                                          dim,
+                                          CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT));
+    };
+
+    if (!sym)
+    {
+      // info_nce: a row's statistics are complete within its chunk, so each chunk runs forward and backward at once.
+      for (std::size_t c0 = 0; c0 < p.n_q; c0 += B)
+      {
+        const int rows = static_cast<int>(std::min(B, p.n_q - c0));
+        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
+        CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows));
+      }
+    }
+    else
+    {
+      for (std::size_t c0 = 0; c0 < p.n_q; c0 += B)
+      {
+        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, static_cast<int>(std::min(B, p.n_q - c0))));
+      }
+      cd::finish_columns<<<static_cast<unsigned>(std::min(1024, (n_k + cd::threads - 1) / cd::threads)),
+                           cd::threads,
+                           0,
+                           stream>>>(a);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      for (std::size_t c0 = 0; c0 < p.n_q; c0 += B)
+      {
+        const int rows = static_cast<int>(std::min(B, p.n_q - c0));
+        if (!one_chunk)
+        {
+          CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+        }
+        CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows));
+      }
+    }
+    cd::store_rows<Element><<<static_cast<unsigned>(n_k), cd::threads, 0, stream>>>(
+        f(w.dk), dim, static_cast<const Element*>(nullptr), dk, scalars, nullptr, flags + 2);
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+
+    // Reductions (CUB, one offset type with the size query) and the record.
+    void* cub_tmp = base + w.cub;
+    std::size_t cub_bytes = w.cub_bytes;
+    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, a.row_loss, &sums->row_loss, n_q, stream));
+    if (sym)
+    {
+      cub_bytes = w.cub_bytes;
+      CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, a.col_loss, &sums->col_loss, n_k, stream));
+    }
+    cub_bytes = w.cub_bytes;
+    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, f(w.row_dot), &sums->dlogs, n_q, stream));
+    cub_bytes = w.cub_bytes;
+    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Reduce(
+        cub_tmp, cub_bytes, a.row_max, &sums->max_logit, n_q, cd::nan_max{}, -contrastive::detail::infinity_f, stream));
+    kernels::finish_forward_backward<state_type>
+        <<<1, 1, 0, stream>>>(d_state, scalars, sums, flags, n_q, n_k, sym ? 1 : 0, /*materialized=*/0);
+    return cudaPeekAtLastError();
+  }
+
+  [[nodiscard]] static cudaError_t
+  unscale_and_check(float* grads, std::size_t n, state_type* d_state, cudaStream_t stream = 0)
+  {
+    return common::unscale_and_check(grads, n, d_state, stream);
+  }
+
+  [[nodiscard]] static cudaError_t finish_step(state_type* d_state, cudaStream_t stream = 0)
+  {
+    return common::finish_step(d_state, stream);
+  }
+
+  /// A whole step: forward_backward then finish_step.
+  [[nodiscard]] static cudaError_t step(void* d_temp,
+                                        std::size_t& temp_bytes,
+                                        const problem<Element>& p,
+                                        Element* dq,
+                                        Element* dk,
+                                        state_type* d_state,
+                                        cublasHandle_t handle,
+                                        cudaStream_t stream = 0,
+                                        const chunk_options& opts = {})
+  {
+    CONTRASTIVE_CUDA_TRY(forward_backward(d_temp, temp_bytes, p, dq, dk, d_state, handle, stream, opts));
+    if (d_temp == nullptr)
+    {
+      return cudaSuccess;
+    }
+    return finish_step(d_state, stream);
+  }
+};
+} // namespace device
+} // namespace contrastive

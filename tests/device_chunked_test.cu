@@ -1,0 +1,249 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+// algorithm::chunked on the device (cuBLAS): against float64 and the host chunked algorithm, several chunks, every
+// element type and objective, CUDA graph capture, and the argument checks (which run without a GPU).
+#include "device_util.cuh"
+#include "test_util.hpp"
+
+#include <contrastive/contrastive.hpp>
+#include <contrastive/device/chunked.cuh>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace cl = contrastive;
+namespace ct = contrastive_test;
+
+namespace
+{
+template <class T>
+using dloss = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::chunked>;
+
+struct handle
+{
+  cublasHandle_t h = nullptr;
+  handle()
+  {
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS)
+    {
+      h = nullptr;
+    }
+  }
+  ~handle()
+  {
+    if (h != nullptr)
+    {
+      cublasDestroy(h);
+    }
+  }
+};
+
+cl::scaler::dynamic scaler_at(float scale)
+{
+  cl::scaler::dynamic d = cl::scaler::dynamic::torch();
+  d.scale = scale;
+  d.growth_interval = 100;
+  return d;
+}
+
+struct case_t
+{
+  std::size_t n_q, n_k, dim;
+  cl::objective obj;
+  bool labels;
+  std::size_t chunk_rows; // 0: default budget (one chunk here)
+};
+
+const case_t cases[] = {
+    {300, 300, 64, cl::objective::symmetric, false, 64},
+    {300, 300, 64, cl::objective::symmetric, false, 0},
+    {200, 500, 40, cl::objective::info_nce, true, 128},
+    {129, 129, 17, cl::objective::info_nce, false, 64},
+    {1, 1, 8, cl::objective::symmetric, false, 0},
+};
+
+/// One step on the device and the same step on the host (float64 reference); compares loss, dQ, dK,
+/// d loss / d log s and the policy updates.
+template <class T>
+void check_case(const case_t& c, std::uint32_t seed)
+{
+  SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " n_q " + std::to_string(c.n_q) + " n_k " +
+               std::to_string(c.n_k) + " dim " + std::to_string(c.dim) + " chunk " + std::to_string(c.chunk_rows) +
+               " " + cl::to_string(c.obj));
+  using L = dloss<T>;
+  using tol = ct::tolerance<T, cl::algorithm::chunked>;
+  const auto q = ct::random_rows<T>(c.n_q, c.dim, seed);
+  const auto k = ct::random_rows<T>(c.n_k, c.dim, seed + 1);
+  const auto labels = ct::random_labels(c.n_q, c.n_k, seed + 2);
+  ct::device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+  ct::device_buffer<std::int32_t> d_labels(labels.size());
+  ct::device_buffer<typename L::state_type> d_state(1);
+  ASSERT_EQ(d_q.upload(q), cudaSuccess);
+  ASSERT_EQ(d_k.upload(k), cudaSuccess);
+  ASSERT_EQ(d_labels.upload(labels), cudaSuccess);
+  typename L::state_type st;
+  const float scale = std::is_same_v<T, float> ? 1.0f : 256.0f;
+  ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f)), scaler_at(scale), st).ok());
+  ASSERT_EQ(cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+  cl::problem<T> p{d_q.ptr, d_k.ptr, c.n_q, c.n_k, c.dim, c.labels ? d_labels.ptr : nullptr, c.obj};
+  handle h;
+  ASSERT_NE(h.h, nullptr);
+  const cl::chunk_options opts{c.chunk_rows, 0};
+  std::size_t bytes = 0;
+  ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+  ct::device_buffer<char> temp(bytes);
+  ASSERT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  typename L::state_type after;
+  ASSERT_EQ(cudaMemcpy(&after, d_state.ptr, sizeof after, cudaMemcpyDeviceToHost), cudaSuccess);
+  const cl::step_record& rec = after.record;
+  ASSERT_EQ(rec.first_nonfinite, cl::nonfinite_site::none);
+  EXPECT_FALSE(rec.skipped);
+
+  const ct::reference ref = ct::compute_reference(ct::to_double(q),
+                                                  ct::to_double(k),
+                                                  c.n_q,
+                                                  c.n_k,
+                                                  c.dim,
+                                                  c.labels ? labels.data() : nullptr,
+                                                  c.obj,
+                                                  1.0 / double(0.05f));
+  EXPECT_NEAR(rec.loss, ref.loss, tol::loss(ref.max_abs_logit));
+  // The device rounds G to T for the tensor-core products: one more rounding of u_T than the host's float G.
+  const double grad_tol = tol::grad(ref.max_abs_logit) + 2.0 * tol::u_t;
+  EXPECT_LE(ct::max_rel_error(d_dq.download(), ref.dq, 1.0 / scale), grad_tol);
+  EXPECT_LE(ct::max_rel_error(d_dk.download(), ref.dk, 1.0 / scale), grad_tol);
+  EXPECT_NEAR(rec.grad_logit_scale, ref.grad_logit_scale, grad_tol * (1.0 + ref.max_abs_logit) + 1e-6);
+
+  // The host chunked algorithm with the same policies reaches the same policy state (bit-exact when the recorded
+  // gradient is the same float; here within its tolerance, so compare the record instead).
+  cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::chunked> host(
+      cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f)), scaler_at(scale));
+  std::vector<T> hq(q.size()), hk(k.size());
+  cl::step_record hrec;
+  ASSERT_TRUE(host.step({q.data(), k.data(), c.n_q, c.n_k, c.dim, c.labels ? labels.data() : nullptr, c.obj},
+                        hq.data(),
+                        hk.data(),
+                        hrec)
+                  .ok());
+  EXPECT_EQ(after.step, 1);
+  EXPECT_EQ(after.scaler.loss_scale(), host.scaler().loss_scale());
+  EXPECT_NEAR(after.temperature.tau(), host.temperature().tau(), 1e-3 * host.temperature().tau());
+}
+} // namespace
+
+TEST(DeviceChunked, MatchesFloat64AndTheHostPath)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  std::uint32_t seed = 500;
+  for (const case_t& c : cases)
+  {
+    check_case<float>(c, seed += 3);
+    check_case<__half>(c, seed += 3);
+    check_case<__nv_bfloat16>(c, seed += 3);
+  }
+}
+
+// fp16 at a batch where P ~ 1/n is below fp16's normal range: the gradient scaled by 2^k keeps its digits.
+TEST(DeviceChunked, HalfGradientsKeepTheirDigitsAtLargeN)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  check_case<__half>({20000, 20000, 32, cl::objective::symmetric, false, 4096}, 900);
+}
+
+// A step captured in a CUDA graph on a non-default stream, replayed twice, equals two eager steps.
+TEST(DeviceChunked, GraphReplayEqualsEagerSteps)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  using T = __nv_bfloat16;
+  using L = dloss<T>;
+  const std::size_t n = 256, dim = 32;
+  const auto q = ct::random_rows<T>(n, dim, 77);
+  const auto k = ct::random_rows<T>(n, dim, 78);
+  ct::device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+  ASSERT_EQ(d_q.upload(q), cudaSuccess);
+  ASSERT_EQ(d_k.upload(k), cudaSuccess);
+  typename L::state_type st;
+  ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), st).ok());
+  cl::problem<T> p{d_q.ptr, d_k.ptr, n, n, dim, nullptr, cl::objective::symmetric};
+  handle h;
+  const cl::chunk_options opts{64, 0};
+  std::size_t bytes = 0;
+  ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, nullptr, h.h, 0, opts), cudaErrorInvalidValue);
+  ct::device_buffer<typename L::state_type> d_state(1);
+  ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+  ct::device_buffer<char> temp(bytes);
+
+  auto run = [&](bool graph)
+  {
+    cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (graph)
+    {
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+      EXPECT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s, opts), cudaSuccess);
+      EXPECT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+      EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      cudaGraphExecDestroy(ge);
+      cudaGraphDestroy(g);
+    }
+    else
+    {
+      for (int i = 0; i < 2; ++i)
+      {
+        EXPECT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s, opts), cudaSuccess);
+      }
+      EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    }
+    cudaStreamDestroy(s);
+    typename L::state_type out;
+    cudaMemcpy(&out, d_state.ptr, sizeof out, cudaMemcpyDeviceToHost);
+    return std::make_tuple(out, d_dq.download(), d_dk.download());
+  };
+  const auto [s1, dq1, dk1] = run(false);
+  const auto [s2, dq2, dk2] = run(true);
+  EXPECT_EQ(s1.step, 2);
+  EXPECT_EQ(s2.step, 2);
+  EXPECT_EQ(s1.record.loss, s2.record.loss);
+  EXPECT_EQ(s1.temperature.tau(), s2.temperature.tau());
+  EXPECT_EQ(s1.scaler.loss_scale(), s2.scaler.loss_scale());
+  EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * sizeof(T)));
+}
+
+// Argument checks happen before any CUDA call, so they run without a GPU too.
+TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
+{
+  using L = dloss<float>;
+  float dummy[4] = {};
+  typename L::state_type* state = reinterpret_cast<typename L::state_type*>(dummy); // never dereferenced
+  cl::problem<float> p{dummy, dummy + 1, 1, 1, 1, nullptr, cl::objective::symmetric};
+  std::size_t bytes = 0;
+  // No handle.
+  EXPECT_EQ(L::step(nullptr, bytes, p, dummy + 2, dummy + 3, state, nullptr), cudaErrorInvalidValue);
+  // Empty and oversized problems.
+  cl::problem<float> empty = p;
+  empty.n_q = 0;
+  EXPECT_EQ(L::step(nullptr, bytes, empty, dummy + 2, dummy + 3, state, nullptr), cudaErrorInvalidValue);
+  cl::problem<float> huge = p;
+  huge.n_q = huge.n_k = (std::size_t(1) << 30) + 1;
+  EXPECT_EQ(L::step(nullptr, bytes, huge, dummy + 2, dummy + 3, state, reinterpret_cast<cublasHandle_t>(dummy)),
+            cudaErrorInvalidValue);
+  // Chunk rows: multiples of 64, at most every row, and the default budget of 1 GiB for S_c and G_c.
+  cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {}), (std::size_t(1) << 30) / (65536 * 6) / 64 * 64);
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {100, 0}), 128u);
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, std::size_t(1) << 20}), 64u);
+  EXPECT_EQ(dloss<float>::chunk_rows_for(p, {}), 64u);
+}
