@@ -3,9 +3,12 @@
 //   ./build/benchmarks/contrastive_device_bench [--benchmark_filter=...]
 //
 // Counters: useful FLOP/s (6 N^2 D for symmetric forward+backward, whatever the algorithm recomputes), bytes/s of
-// the inputs and outputs, the workspace bytes, and the fraction of this GPU's measured bf16 matmul rate and copy
-// bandwidth (the roofline benchmarks in this file measure both with cuBLAS and cudaMemcpy).
+// the inputs and outputs, the workspace bytes, `mem_bytes` (every device byte the step holds: operands, gradients,
+// workspace; the library allocates nothing else; cuBLAS's own workspace is not counted), and the fraction of this
+// GPU's measured bf16 matmul rate and copy bandwidth (the roofline benchmarks in this file measure both with cuBLAS
+// and cudaMemcpy).
 
+#include <contrastive/device/chunked.cuh>
 #include <contrastive/device/loss.cuh>
 
 #include <benchmark/benchmark.h>
@@ -16,6 +19,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace cl = contrastive;
@@ -102,10 +106,32 @@ void bf16_gemm(cublasHandle_t h,
                CUBLAS_GEMM_DEFAULT);
 }
 
+/// The step call of each algorithm (chunked takes a cuBLAS handle and its default chunk options).
+template <class L, class Algorithm, class T>
+cudaError_t call_step(void* temp,
+                      std::size_t& bytes,
+                      const cl::problem<T>& p,
+                      T* dq,
+                      T* dk,
+                      typename L::state_type* d_state,
+                      cublasHandle_t h)
+{
+  if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
+  {
+    return L::step(temp, bytes, p, dq, dk, d_state, h);
+  }
+  else
+  {
+    (void)h;
+    return L::step(temp, bytes, p, dq, dk, d_state);
+  }
+}
+
 template <class T, class Algorithm>
 void step_benchmark(benchmark::State& state)
 {
   using L = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>;
+  cublasHandle_t h{};
   const std::size_t n = static_cast<std::size_t>(state.range(0));
   const std::size_t dim = static_cast<std::size_t>(state.range(1));
   T* q = random_device_rows<T>(n, dim, 1);
@@ -115,12 +141,13 @@ void step_benchmark(benchmark::State& state)
   void* temp = nullptr;
   std::size_t bytes = 0;
   cl::problem<T> p{q, k, n, n, dim, nullptr, cl::objective::symmetric};
-  const bool ok = q && k && cudaMalloc(&dq, n * dim * sizeof(T)) == cudaSuccess &&
-                  cudaMalloc(&dk, n * dim * sizeof(T)) == cudaSuccess &&
-                  cudaMalloc(&d_state, sizeof(host_state)) == cudaSuccess &&
-                  L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), host_state).ok() &&
-                  cudaMemcpy(d_state, &host_state, sizeof(host_state), cudaMemcpyHostToDevice) == cudaSuccess &&
-                  L::step(nullptr, bytes, p, dq, dk, d_state) == cudaSuccess && cudaMalloc(&temp, bytes) == cudaSuccess;
+  const bool ok =
+      q && k && cublasCreate(&h) == CUBLAS_STATUS_SUCCESS && cudaMalloc(&dq, n * dim * sizeof(T)) == cudaSuccess &&
+      cudaMalloc(&dk, n * dim * sizeof(T)) == cudaSuccess && cudaMalloc(&d_state, sizeof(host_state)) == cudaSuccess &&
+      L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), host_state).ok() &&
+      cudaMemcpy(d_state, &host_state, sizeof(host_state), cudaMemcpyHostToDevice) == cudaSuccess &&
+      call_step<L, Algorithm>(nullptr, bytes, p, dq, dk, d_state, h) == cudaSuccess &&
+      cudaMalloc(&temp, bytes) == cudaSuccess;
   if (!ok)
   {
     state.SkipWithError("allocation or setup failed (size too large for this GPU?)");
@@ -132,7 +159,7 @@ void step_benchmark(benchmark::State& state)
     for (auto _ : state)
     {
       cudaEventRecord(ev.start);
-      const cudaError_t err = L::step(temp, bytes, p, dq, dk, d_state);
+      const cudaError_t err = call_step<L, Algorithm>(temp, bytes, p, dq, dk, d_state, h);
       cudaEventRecord(ev.stop);
       if (err != cudaSuccess)
       {
@@ -148,6 +175,7 @@ void step_benchmark(benchmark::State& state)
     state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["bytes/s"] = benchmark::Counter(io, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["workspace_bytes"] = double(bytes);
+    state.counters["mem_bytes"] = double(bytes) + io;
     if (state.iterations() > 0 && total > 0.0)
     {
       const double mean = total / double(state.iterations());
@@ -160,6 +188,10 @@ void step_benchmark(benchmark::State& state)
         state.counters["frac_copy_peak"] = io / mean / g_copy_peak;
       }
     }
+  }
+  if (h != nullptr)
+  {
+    cublasDestroy(h);
   }
   cudaFree(q);
   cudaFree(k);
@@ -200,6 +232,9 @@ void cublas_baseline(benchmark::State& state)
     }
     state.counters["FLOP/s"] =
         benchmark::Counter(6.0 * double(n) * n * dim, benchmark::Counter::kIsIterationInvariantRate);
+    // The N x N bf16 logits plus Q, K and one gradient (a lower bound on a framework's footprint, which also keeps
+    // the float softmax and its gradient).
+    state.counters["mem_bytes"] = (double(n) * n + 3.0 * double(n) * dim) * sizeof(__nv_bfloat16);
   }
   cublasDestroy(h);
   cudaFree(q);
@@ -281,30 +316,22 @@ int main(int argc, char** argv)
       ->UseManualTime()
       ->Iterations(10)
       ->Unit(benchmark::kMillisecond);
+  // The table of scripts/gpu_check.sh: bf16 symmetric forward+backward, D = 512, each algorithm beside the cuBLAS
+  // three-GEMM baseline; then chunked at N = 2^20, where no N x N matrix fits on one GPU.
+  auto reg = [](const char* name, void (*fn)(benchmark::State&), long n)
+  {
+    benchmark::RegisterBenchmark(name, fn)->Args({n, 512})->UseManualTime()->Unit(benchmark::kMillisecond);
+  };
   for (long n : {4096L, 16384L, 65536L})
   {
-    benchmark::RegisterBenchmark("step/bf16/fused", step_benchmark<__nv_bfloat16, cl::algorithm::fused>)
-        ->Args({n, 512})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("step/half/fused", step_benchmark<__half, cl::algorithm::fused>)
-        ->Args({n, 512})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("step/float/fused", step_benchmark<float, cl::algorithm::fused>)
-        ->Args({n, 512})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("step/bf16/materialized", step_benchmark<__nv_bfloat16, cl::algorithm::materialized>)
-        ->Args({n, 512})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("baseline/cublas_bf16_3gemm", cublas_baseline)
-        ->Args({n, 512})
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
+    reg("step/bf16/chunked", step_benchmark<__nv_bfloat16, cl::algorithm::chunked>, n);
+    reg("step/bf16/fused", step_benchmark<__nv_bfloat16, cl::algorithm::fused>, n);
+    reg("step/bf16/materialized", step_benchmark<__nv_bfloat16, cl::algorithm::materialized>, n);
+    reg("baseline/cublas_bf16_3gemm", cublas_baseline, n);
+    reg("step/half/chunked", step_benchmark<__half, cl::algorithm::chunked>, n);
+    reg("step/float/chunked", step_benchmark<float, cl::algorithm::chunked>, n);
   }
-  benchmark::RegisterBenchmark("step/bf16/fused", step_benchmark<__nv_bfloat16, cl::algorithm::fused>)
+  benchmark::RegisterBenchmark("step/bf16/chunked", step_benchmark<__nv_bfloat16, cl::algorithm::chunked>)
       ->Args({1L << 20, 512})
       ->UseManualTime()
       ->Iterations(1)

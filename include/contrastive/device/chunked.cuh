@@ -12,7 +12,7 @@
 ///   L::step(nullptr, bytes, problem, dq, dk, d_state, h, stream, {0, budget});   // size query
 ///   L::step(d_temp, bytes, problem, dq, dk, d_state, h, stream, {0, budget});    // the step
 ///
-/// Per chunk of B query rows (B from `chunk_options`; default: S_c and G_c fill at most 1 GiB):
+/// Per chunk of B query rows (B from `chunk_options`; default: S_c and G_c fill at most 512 MiB):
 ///   forward   S_c = Q_c K^T (cuBLAS, float out); one block per row: the row's negatives (online_lse::absorb) and
 ///             positive, finish_row; symmetric: per-column partials of the chunk merged into a running state.
 ///   backward  S_c again unless one chunk holds every row (info_nce always runs forward and backward in one pass:
@@ -52,7 +52,7 @@ namespace device
 {
 namespace chunked_detail
 {
-inline constexpr std::size_t default_budget = std::size_t(1) << 30;
+inline constexpr std::size_t default_budget = std::size_t(512) << 20;
 inline constexpr std::size_t row_align = 64;
 inline constexpr int threads = 256;
 
