@@ -348,9 +348,19 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
   const int row0 = blockIdx.x * bm;
   const int r = tid / 4, sub = tid % 4;
   const int row = row0 + r;
-  // G is stored divided by the larger coefficient so that it sits near [-2, 1] in 16-bit storage.
+  // G is stored divided by the larger coefficient so that it sits near [-2, 1] in 16-bit storage; fp16 also scales
+  // it by 2^k ~ n so that entries near 1/n stay normal (kernel_traits::scale_gradient_tile), and the products are
+  // scaled back by 2^-k in the epilogue (`out_norm`). Powers of two: both scalings are exact.
+  constexpr bool scale_tile = traits::scale_gradient_tile && Src == source::compute;
   const float norm = Src == source::compute ? fmaxf(p.coef_a, p.coef_b) : 1.0f;
-  const float inv_norm = 1.0f / norm;
+  float inv_norm = 1.0f / norm;
+  float out_norm = norm;
+  if constexpr (scale_tile)
+  {
+    const int k = gradient_tile_shift(max(p.n_a, p.n_b), traits::max_gradient_shift);
+    inv_norm *= __int_as_float((127 + k) << 23); // 2^k
+    out_norm *= __int_as_float((127 - k) << 23); // 2^-k
+  }
   // A missing row term (the info_nce column pass) is an infinite log-sum-exp: its exp is 0, never 0 * inf.
   const float lse_row =
       (Src == source::compute && row < p.n_a && p.lse_a != nullptr) ? p.lse_a[row] : contrastive::detail::infinity_f;
@@ -483,7 +493,7 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
     }
   }
   // Epilogue: scale, round once to T, test finiteness; <dA, A> for d loss / d log s.
-  const float out_scale = p.out_is_final ? 1.0f : p.scalars->loss_scale * s * norm;
+  const float out_scale = p.out_is_final ? 1.0f : p.scalars->loss_scale * s * out_norm;
   T* out = static_cast<T*>(p.out);
   float dlogs = 0.0f;
   bool bad = false;
@@ -499,7 +509,7 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
     bad |= !element_traits<T>::is_finite(o);
     if (p.dlogs_partial != nullptr)
     {
-      dlogs += norm * v * element_traits<T>::to_float(A[grow * p.dim + c]);
+      dlogs += out_norm * v * element_traits<T>::to_float(A[grow * p.dim + c]);
     }
   }
   if (p.dlogs_partial != nullptr)
