@@ -83,6 +83,16 @@ struct pass_args
   int flag_index = 0;
 };
 
+/// max(a, b) that propagates a NaN operand (fmaxf returns the other one): forms the reported loss and max logit,
+/// on the device and in the CUB reduction of the per-row maxima.
+struct nan_max
+{
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float operator()(float a, float b) const noexcept
+  {
+    return a != a ? a : (b != b ? b : fmaxf(a, b));
+  }
+};
+
 template <class T>
 struct shared_tiles
 {
@@ -259,6 +269,9 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
   const int row0 = blockIdx.x * traits::block_m;
   const int r = threadIdx.x / 4, sub = threadIdx.x % 4;
   const int row = row0 + r;
+  // A NaN logit must reach the reported loss and max logit: every max that feeds them propagates NaN (nan_max; for
+  // NaN-free rows it is fmaxf, so the online log-sum-exp is unchanged).
+  const nan_max max_of{};
   online_lse neg{};
   float pos = -contrastive::detail::infinity_f;
   bool bad = false;
@@ -289,13 +302,13 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
           else
           {
             x[t] = v;
-            m = fmaxf(m, v);
+            m = max_of(m, v);
           }
         }
       }
-      if (m > -contrastive::detail::infinity_f)
+      if (!(m == -contrastive::detail::infinity_f)) // some negative in this slice (a NaN one included)
       {
-        neg.rebase(fmaxf(neg.max, m)); // the tile update host and device share (online_lse::rebase)
+        neg.rebase(max_of(neg.max, m)); // the tile update host and device share (online_lse::rebase)
         const float shift = neg.shift();
         float sum = 0.0f;
 #pragma unroll
@@ -317,14 +330,14 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
   {
     const online_lse other{__shfl_xor_sync(0xffffffffu, neg.max, off), __shfl_xor_sync(0xffffffffu, neg.sum, off)};
     neg.merge(other);
-    pos = fmaxf(pos, __shfl_xor_sync(0xffffffffu, pos, off));
+    pos = max_of(pos, __shfl_xor_sync(0xffffffffu, pos, off)); // the other lanes hold -inf: keep a NaN positive
   }
   if (sub == 0 && row < p.n_a)
   {
     const row_loss rl = finish_row(neg, pos);
     p.lse[row] = rl.lse;
     p.loss[row] = rl.loss;
-    p.max_logit[row] = fmaxf(neg.max, pos);
+    p.max_logit[row] = max_of(neg.max, pos);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0)
   {

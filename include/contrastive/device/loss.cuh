@@ -71,6 +71,22 @@ struct workspace_layout
 
 inline constexpr int elementwise_blocks = 1024;
 
+/// The two CUB reductions of a step, one signature for the size query and the calls (the same offset type, int, and
+/// the same operator: CUB sizes its temporary storage per offset type and operator). The max propagates NaN, so a NaN
+/// row maximum reaches the record's max logit.
+inline cudaError_t
+reduce_sum(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cudaStream_t stream = 0)
+{
+  return cub::DeviceReduce::Sum(tmp, bytes, in, out, n, stream);
+}
+
+inline cudaError_t
+reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cudaStream_t stream = 0)
+{
+  return cub::DeviceReduce::Reduce(
+      tmp, bytes, in, out, n, kernels::nan_max{}, -contrastive::detail::infinity_f, stream);
+}
+
 #define CONTRASTIVE_CUDA_TRY(expr)                                                                                     \
   do                                                                                                                   \
   {                                                                                                                    \
@@ -89,7 +105,11 @@ struct loss
   static_assert(is_element_type_v<Element>, "Element must be float, __half or __nv_bfloat16");
   static_assert(temperature::is_temperature_policy_v<Temperature>, "Temperature must be a temperature policy");
   static_assert(scaler::is_scaler_policy_v<Scaler>, "Scaler must be a scaler policy");
-  static_assert(is_algorithm_v<Algorithm>, "Algorithm must be algorithm::fused or algorithm::materialized");
+  static_assert(is_algorithm_v<Algorithm>,
+                "Algorithm must be algorithm::fused, algorithm::materialized or algorithm::chunked");
+  static_assert(!std::is_same_v<Algorithm, algorithm::chunked>,
+                "algorithm::chunked on the device needs #include <contrastive/device/chunked.cuh> and cuBLAS "
+                "(CMake: link contrastive::cublas)");
   using state_type = state<Temperature, Scaler>;
   using traits = kernel_traits<Element>;
   static constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized>;
@@ -137,12 +157,12 @@ struct loss
     w.nk_pad = (p.n_k + bm - 1) / bm * bm;
     w.ld_acc = (p.dim + traits::d_chunk - 1) / traits::d_chunk * traits::d_chunk;
     w.n_partials = materialized ? static_cast<std::size_t>(detail::elementwise_blocks) : w.nq_pad / bm;
-    const std::size_t n_max = std::max(std::max(p.n_q, p.n_k), w.n_partials);
+    // The calls' own counts are ints (n <= 2^30 is checked before any layout is used for a launch); query with the
+    // largest of them through the same functions the calls use.
+    const int n_max = static_cast<int>(std::min<std::size_t>(std::max(std::max(p.n_q, p.n_k), w.n_partials), 1u << 30));
     std::size_t sum_bytes = 0, max_bytes = 0;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(
-        nullptr, sum_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr), n_max));
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Max(
-        nullptr, max_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr), n_max));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(nullptr, sum_bytes, nullptr, nullptr, n_max));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_max(nullptr, max_bytes, nullptr, nullptr, n_max));
     w.cub_bytes = std::max(sum_bytes, max_bytes);
     std::size_t off = 0;
     auto take = [&](std::size_t bytes)
@@ -312,21 +332,21 @@ struct loss
     // Reductions (CUB) and the record.
     void* cub_tmp = base + w.cub;
     std::size_t cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, f(w.row_loss), &sums->row_loss, n_q, stream));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, f(w.row_loss), &sums->row_loss, n_q, stream));
     if (sym)
     {
       cub_bytes = w.cub_bytes;
-      CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, f(w.col_loss), &sums->col_loss, n_k, stream));
+      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, f(w.col_loss), &sums->col_loss, n_k, stream));
     }
     cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp,
-                                                cub_bytes,
-                                                f(w.partials),
-                                                &sums->dlogs,
-                                                static_cast<int>(materialized ? w.n_partials : row_grid.x),
-                                                stream));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp,
+                                            cub_bytes,
+                                            f(w.partials),
+                                            &sums->dlogs,
+                                            static_cast<int>(materialized ? w.n_partials : row_grid.x),
+                                            stream));
     cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Max(cub_tmp, cub_bytes, f(w.row_max), &sums->max_logit, n_q, stream));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_max(cub_tmp, cub_bytes, f(w.row_max), &sums->max_logit, n_q, stream));
     kernels::finish_forward_backward<state_type>
         <<<1, 1, 0, stream>>>(d_state, scalars, sums, flags, n_q, n_k, sym ? 1 : 0, materialized ? 1 : 0);
     return cudaPeekAtLastError();
