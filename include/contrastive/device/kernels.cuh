@@ -356,7 +356,9 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
   __shared__ shared_tiles<T> sm;
   const T* A = static_cast<const T*>(p.a);
   const T* B = static_cast<const T*>(p.b);
-  const float s = p.scalars->scale;
+  // Only the fused tiles need s inside the loop; the epilogue reads it again, so that the materialized passes keep no
+  // register live across the loop for it (on sm_80 that register was spilled).
+  const float s = Src == source::compute ? p.scalars->scale : 1.0f;
   const int tid = threadIdx.x;
   const int row0 = blockIdx.x * bm;
   const int r = tid / 4, sub = tid % 4;
@@ -385,16 +387,17 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
     {
       compute_s_tile<T>(sm, A, B, row0, col0, p);
     }
-    float gv[bn / 4];
-#pragma unroll
-    for (int t = 0; t < bn / 4; ++t)
+    if constexpr (Src == source::compute)
     {
-      const int c = sub + 4 * t;
-      const int col = col0 + c;
-      float g = 0.0f;
-      if (row < p.n_a && col < p.n_b)
+      // G is formed from the S tile it then overwrites, so it waits in registers for a barrier.
+      float gv[bn / 4];
+#pragma unroll
+      for (int t = 0; t < bn / 4; ++t)
       {
-        if constexpr (Src == source::compute)
+        const int c = sub + 4 * t;
+        const int col = col0 + c;
+        float g = 0.0f;
+        if (row < p.n_a && col < p.n_b)
         {
           const float x = s * sm.v.st[r][c];
           const bool two_sided = p.lse_b != nullptr;
@@ -408,18 +411,31 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
           }
           g *= inv_norm;
         }
-        else
-        {
-          g = logit_at<T, Src>(sm, p, r, c, row, col, 1.0f); // the matrix holds dA = round_T(s round_T(ls G))
-        }
+        gv[t] = g;
       }
-      gv[t] = g;
-    }
-    __syncthreads(); // every thread has read its S values: the G tile may overwrite them
+      __syncthreads(); // every thread has read its S values: the G tile may overwrite them
 #pragma unroll
-    for (int t = 0; t < bn / 4; ++t)
+      for (int t = 0; t < bn / 4; ++t)
+      {
+        sm.v.g[r][sub + 4 * t] = stage_t(gv[t]);
+      }
+    }
+    else
     {
-      sm.v.g[r][sub + 4 * t] = stage_t(gv[t]);
+      // The matrix already holds dA = round_T(s round_T(ls G)) in T: copied as it is. No S tile is in shared memory
+      // (the previous tile's products ended with a barrier), so it goes straight to the G tile, through one base
+      // pointer and stride, 8 loads in flight (fewer live registers: no spill, <= 64 registers on sm_80 and sm_90).
+      const T* m = static_cast<const T*>(p.matrix);
+      const stage_t zero = stage_t(element_traits<T>::from_float(0.0f));
+      const long long stride = Src == source::matrix ? 4 : 4LL * p.matrix_ld;
+      const T* src = m + (Src == source::matrix ? static_cast<long long>(row) * p.matrix_ld + col0 + sub
+                                                : static_cast<long long>(col0 + sub) * p.matrix_ld + row);
+#pragma unroll 8
+      for (int t = 0; t < bn / 4; ++t)
+      {
+        const int c = sub + 4 * t;
+        sm.v.g[r][c] = (row < p.n_a && col0 + c < p.n_b) ? stage_t(src[t * stride]) : zero;
+      }
     }
     __syncthreads();
     for (int d0 = 0; d0 < p.ld_acc; d0 += dc)
@@ -506,7 +522,7 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
     }
   }
   // Epilogue: scale, round once to T, test finiteness; <dA, A> for d loss / d log s.
-  const float out_scale = p.out_is_final ? 1.0f : p.scalars->loss_scale * s * out_norm;
+  const float out_scale = p.out_is_final ? 1.0f : p.scalars->loss_scale * p.scalars->scale * out_norm;
   T* out = static_cast<T*>(p.out);
   float dlogs = 0.0f;
   bool bad = false;
