@@ -240,9 +240,13 @@ TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
   huge.n_q = huge.n_k = (std::size_t(1) << 30) + 1;
   EXPECT_EQ(L::step(nullptr, bytes, huge, dummy + 2, dummy + 3, state, reinterpret_cast<cublasHandle_t>(dummy)),
             cudaErrorInvalidValue);
-  // Chunk rows: multiples of 64, at most every row, and the default budget of 512 MiB for S_c and G_c.
+  // Chunk rows: multiples of 64, at most every row, the default budget of 384 MiB for S_c and G_c, and at least 256
+  // rows by default.
   cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
-  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {}), (std::size_t(512) << 20) / (65536 * 6) / 64 * 64);
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {}), (std::size_t(384) << 20) / (65536 * 6) / 64 * 64);
+  cl::problem<__nv_bfloat16> wide{
+      nullptr, nullptr, std::size_t(1) << 20, std::size_t(1) << 20, 512, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(wide, {}), 256u);
   EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {100, 0}), 128u);
   EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, std::size_t(1) << 20}), 64u);
   EXPECT_EQ(dloss<float>::chunk_rows_for(p, {}), 64u);

@@ -59,7 +59,8 @@ struct chunked
 
 /// How many query rows one chunk of algorithm::chunked holds. `rows` > 0 asks for that many (rounded up to the
 /// implementation's row block, at most all rows); otherwise as many as fit in `budget_bytes` of chunk buffers, or in
-/// the implementation's default budget (host 16 MiB, device 512 MiB) when that is 0 too. At least one row block.
+/// the implementation's default budget (host 16 MiB; device 384 MiB and at least 256 rows) when that is 0 too. At least
+/// one row block.
 struct chunk_options
 {
   std::size_t rows = 0;

@@ -12,7 +12,8 @@
 ///   L::step(nullptr, bytes, problem, dq, dk, d_state, h, stream, {0, budget});   // size query
 ///   L::step(d_temp, bytes, problem, dq, dk, d_state, h, stream, {0, budget});    // the step
 ///
-/// Per chunk of B query rows (B from `chunk_options`; default: S_c and G_c fill at most 512 MiB):
+/// Per chunk of B query rows (B from `chunk_options`; default: S_c and G_c fill at most 384 MiB, and at least 256
+/// rows):
 ///   forward   S_c = Q_c K^T (cuBLAS, float out); one block per row: the row's negatives (online_lse::absorb) and
 ///             positive, finish_row; symmetric: per-column partials of the chunk merged into a running state.
 ///   backward  S_c again unless one chunk holds every row (info_nce always runs forward and backward in one pass:
@@ -52,7 +53,10 @@ namespace device
 {
 namespace chunked_detail
 {
-inline constexpr std::size_t default_budget = std::size_t(512) << 20;
+inline constexpr std::size_t default_budget = std::size_t(384) << 20;
+/// Default chunks hold at least this many rows: below about dim / 2 rows per chunk, re-reading K for every chunk's
+/// products costs more memory traffic than the chunk itself (matters from N ~ 500k at dim = 512).
+inline constexpr std::size_t default_min_rows = 256;
 inline constexpr std::size_t row_align = 64;
 inline constexpr int threads = 256;
 
@@ -379,8 +383,15 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   {
     const std::size_t ld = (p.n_k + 31) / 32 * 32;
     const std::size_t per_row = ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
-    return contrastive::detail::chunk_rows_for(
+    const std::size_t rows = contrastive::detail::chunk_rows_for(
         o, p.n_q, per_row, chunked_detail::row_align, chunked_detail::default_budget);
+    if (o.rows != 0 || o.budget_bytes != 0)
+    {
+      return rows;
+    }
+    const std::size_t all =
+        (p.n_q + chunked_detail::row_align - 1) / chunked_detail::row_align * chunked_detail::row_align;
+    return std::max(rows, std::min(chunked_detail::default_min_rows, all));
   }
 
   /// The workspace layout (also the size query): refused with cudaErrorInvalidValue when a size overflows.
