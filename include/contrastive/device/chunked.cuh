@@ -36,7 +36,6 @@
 #include <contrastive/numeric/online_lse.hpp>
 
 #include <cub/block/block_reduce.cuh>
-#include <cub/device/device_reduce.cuh>
 
 #include <algorithm>
 #include <cmath>
@@ -94,15 +93,6 @@ inline cudaError_t from_cublas(cublasStatus_t s) noexcept
     return cudaErrorUnknown;
   }
 }
-
-/// NaN-propagating max for the reported max logit (fmaxf would drop a NaN).
-struct nan_max
-{
-  CONTRASTIVE_HOST_DEVICE float operator()(float a, float b) const noexcept
-  {
-    return a != a ? a : (b != b ? b : (a > b ? a : b));
-  }
-};
 
 struct lse_merge
 {
@@ -199,7 +189,7 @@ __global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long lon
     const row_loss rl = finish_row(all, positive);
     a.row_lse[i] = rl.lse;
     a.row_loss[i] = rl.loss;
-    a.row_max[i] = nan_max{}(all.max, positive);
+    a.row_max[i] = kernels::nan_max{}(all.max, positive);
     a.pos[i] = positive;
   }
 }
@@ -411,15 +401,8 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     }
     const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
     std::size_t sum_bytes = 0, max_bytes = 0;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(
-        nullptr, sum_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr), n_max));
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Reduce(nullptr,
-                                                   max_bytes,
-                                                   static_cast<const float*>(nullptr),
-                                                   static_cast<float*>(nullptr),
-                                                   n_max,
-                                                   chunked_detail::nan_max{},
-                                                   -contrastive::detail::infinity_f));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(nullptr, sum_bytes, nullptr, nullptr, n_max));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_max(nullptr, max_bytes, nullptr, nullptr, n_max));
     w.cub_bytes = std::max(sum_bytes, max_bytes);
     const bool sym = p.obj == objective::symmetric;
     std::size_t off = 0;
@@ -646,20 +629,19 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
         f(w.dk), dim, static_cast<const Element*>(nullptr), dk, scalars, nullptr, flags + 2);
     CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
 
-    // Reductions (CUB, one offset type with the size query) and the record.
+    // Reductions (the same CUB calls as the size query: detail::reduce_sum / reduce_max) and the record.
     void* cub_tmp = base + w.cub;
     std::size_t cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, a.row_loss, &sums->row_loss, n_q, stream));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, a.row_loss, &sums->row_loss, n_q, stream));
     if (sym)
     {
       cub_bytes = w.cub_bytes;
-      CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, a.col_loss, &sums->col_loss, n_k, stream));
+      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, a.col_loss, &sums->col_loss, n_k, stream));
     }
     cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Sum(cub_tmp, cub_bytes, f(w.row_dot), &sums->dlogs, n_q, stream));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, f(w.row_dot), &sums->dlogs, n_q, stream));
     cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(cub::DeviceReduce::Reduce(
-        cub_tmp, cub_bytes, a.row_max, &sums->max_logit, n_q, cd::nan_max{}, -contrastive::detail::infinity_f, stream));
+    CONTRASTIVE_CUDA_TRY(detail::reduce_max(cub_tmp, cub_bytes, a.row_max, &sums->max_logit, n_q, stream));
     kernels::finish_forward_backward<state_type>
         <<<1, 1, 0, stream>>>(d_state, scalars, sums, flags, n_q, n_k, sym ? 1 : 0, /*materialized=*/0);
     return cudaPeekAtLastError();
