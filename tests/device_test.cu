@@ -284,3 +284,335 @@ TEST(Device, OversizedAndAliasedProblemsAreRefused)
   EXPECT_EQ(fused::step(nullptr, bytes, p, dq.data(), dq.data(), state), cudaErrorInvalidValue);
   EXPECT_EQ(fused::step(nullptr, bytes, p, const_cast<__half*>(p.q), dk.data(), state), cudaErrorInvalidValue);
 }
+
+namespace
+{
+// Owners of a stream, a graph and its executable instance, so that a failed assertion leaks none of them.
+struct stream_guard
+{
+  cudaStream_t s = nullptr;
+  ~stream_guard()
+  {
+    if (s != nullptr)
+    {
+      cudaStreamDestroy(s);
+    }
+  }
+};
+
+struct graph_guard
+{
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~graph_guard()
+  {
+    if (exec != nullptr)
+    {
+      cudaGraphExecDestroy(exec);
+    }
+    if (g != nullptr)
+    {
+      cudaGraphDestroy(g);
+    }
+  }
+};
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b)
+{
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Equal values, any NaN matching any NaN (the GPU's products return the canonical NaN, the host's keep the input's).
+bool same_values(const std::vector<float>& a, const std::vector<float>& b)
+{
+  if (a.size() != b.size())
+  {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.size(); ++i)
+  {
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))))
+    {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Field by field (the struct has padding): the same kernels in the same order give the same bits.
+void expect_same_record(const cl::step_record& got, const cl::step_record& want)
+{
+  EXPECT_EQ(got.step, want.step);
+  EXPECT_EQ(got.loss, want.loss);
+  EXPECT_EQ(got.tau, want.tau);
+  EXPECT_EQ(got.loss_scale, want.loss_scale);
+  EXPECT_EQ(got.next_loss_scale, want.next_loss_scale);
+  EXPECT_EQ(got.grad_logit_scale, want.grad_logit_scale);
+  EXPECT_EQ(got.max_logit, want.max_logit);
+  EXPECT_EQ(got.skipped, want.skipped);
+  EXPECT_EQ(got.first_nonfinite, want.first_nonfinite);
+  EXPECT_EQ(got.pending, want.pending);
+}
+} // namespace
+
+// One whole step captured in a CUDA graph on a non-default stream, then replayed twice, gives bit for bit what two
+// eager steps give from the same initial state: dQ, dK, the policies and the step record after each replay. The
+// step reads tau and the loss scale on the device, so the replays follow the state as it moves.
+TYPED_TEST(DeviceTyped, GraphReplayMatchesEagerSteps)
+{
+  SKIP_WITHOUT_DEVICE();
+  using T = typename TypeParam::element;
+  using Temp = typename TypeParam::temperature;
+  using Scale = typename TypeParam::scaler;
+  using device_loss = cl::device::loss<T, Temp, Scale, typename TypeParam::algorithm>;
+  using state_type = typename device_loss::state_type;
+  const std::size_t n = 130, dim = 65; // not multiples of the tiles
+  const auto q = ct::random_rows<T>(n, dim, 7101);
+  const auto k = ct::random_rows<T>(n, dim, 7102);
+  device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+  CUDA_OK(d_q.upload(q));
+  CUDA_OK(d_k.upload(k));
+  const cl::problem<T> dp{d_q.ptr, d_k.ptr, n, n, dim, nullptr, cl::objective::symmetric};
+  state_type init{};
+  ASSERT_TRUE(device_loss::make_state(device_temperature<Temp>(), device_scaler<T, Scale>(), init).ok());
+  device_buffer<state_type> d_state(1);
+  std::size_t bytes = 0;
+  CUDA_OK(device_loss::step(nullptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr));
+  device_buffer<unsigned char> temp(bytes);
+  stream_guard stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+
+  // Eager: two steps on the stream.
+  std::vector<T> eager_dq[2], eager_dk[2];
+  state_type eager_state[2]{};
+  CUDA_OK(cudaMemcpy(d_state.ptr, &init, sizeof(init), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize()); // the stream does not wait for the legacy default stream's copies
+  for (int i = 0; i < 2; ++i)
+  {
+    CUDA_OK(device_loss::step(temp.ptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr, stream.s));
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    eager_dq[i] = d_dq.download();
+    eager_dk[i] = d_dk.download();
+    CUDA_OK(cudaMemcpy(&eager_state[i], d_state.ptr, sizeof(state_type), cudaMemcpyDeviceToHost));
+    ASSERT_EQ(eager_state[i].record.first_nonfinite, cl::nonfinite_site::none);
+  }
+
+  // Graph: the same initial state, the outputs poisoned, one step captured and replayed twice.
+  CUDA_OK(cudaMemcpy(d_state.ptr, &init, sizeof(init), cudaMemcpyHostToDevice));
+  CUDA_OK(d_dq.poison(0xff));
+  CUDA_OK(d_dk.poison(0xff));
+  CUDA_OK(cudaDeviceSynchronize());
+  graph_guard graph;
+  CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+  const cudaError_t captured = device_loss::step(temp.ptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr, stream.s);
+  const cudaError_t ended = cudaStreamEndCapture(stream.s, &graph.g); // always end the capture, even after a failure
+  ASSERT_EQ(captured, cudaSuccess) << cudaGetErrorString(captured);
+  ASSERT_EQ(ended, cudaSuccess) << cudaGetErrorString(ended);
+  CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.g, 0));
+  for (int i = 0; i < 2; ++i)
+  {
+    SCOPED_TRACE("replay " + std::to_string(i));
+    CUDA_OK(cudaGraphLaunch(graph.exec, stream.s));
+    CUDA_OK(cudaStreamSynchronize(stream.s));
+    EXPECT_TRUE(same_bits(d_dq.download(), eager_dq[i]));
+    EXPECT_TRUE(same_bits(d_dk.download(), eager_dk[i]));
+    state_type st{};
+    CUDA_OK(cudaMemcpy(&st, d_state.ptr, sizeof(st), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(st.step, eager_state[i].step);
+    EXPECT_EQ(st.temperature.tau(), eager_state[i].temperature.tau());
+    EXPECT_EQ(st.scaler.loss_scale(), eager_state[i].scaler.loss_scale());
+    expect_same_record(st.record, eager_state[i].record);
+  }
+  // Two replays are two steps: the second one ran at the first one's updated state.
+  EXPECT_EQ(eager_state[1].step, 2);
+}
+
+template <class T>
+class DeviceUnscale : public ::testing::Test
+{
+};
+
+class element_names
+{
+public:
+  template <class T>
+  static std::string GetName(int)
+  {
+    return cl::element_traits<T>::name;
+  }
+};
+
+using device_elements = ::testing::Types<float, __half, __nv_bfloat16>;
+TYPED_TEST_SUITE(DeviceUnscale, device_elements, element_names);
+
+// The device's unscale_and_check: random finite gradients come back multiplied by 1/loss_scale exactly as the host
+// path multiplies them (and within float rounding of the float64 quotient), the step stays finite; an injected inf
+// and NaN flag the step (site `parameters`), finish_step then skips it: theta unchanged, the dynamic scaler backs off.
+// Without a pending step the kernel changes nothing.
+TYPED_TEST(DeviceUnscale, UnscalesAndFlagsNonFiniteGradients)
+{
+  SKIP_WITHOUT_DEVICE();
+  using T = TypeParam;
+  using Temp = cl::temperature::learnable;
+  using Scale = cl::scaler::dynamic;
+  using device_loss = cl::device::loss<T, Temp, Scale, cl::algorithm::fused>;
+  using state_type = typename device_loss::state_type;
+  using tol = ct::tolerance<T, cl::algorithm::fused>;
+  const std::size_t n = 70, dim = 37;
+  const auto q = ct::random_rows<T>(n, dim, 7201);
+  const auto k = ct::random_rows<T>(n, dim, 7202);
+  device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+  CUDA_OK(d_q.upload(q));
+  CUDA_OK(d_k.upload(k));
+  const cl::problem<T> dp{d_q.ptr, d_k.ptr, n, n, dim, nullptr, cl::objective::symmetric};
+  state_type init{};
+  ASSERT_TRUE(device_loss::make_state(device_temperature<Temp>(), device_scaler<T, Scale>(), init).ok());
+  device_buffer<state_type> d_state(1);
+  CUDA_OK(cudaMemcpy(d_state.ptr, &init, sizeof(init), cudaMemcpyHostToDevice));
+  std::size_t bytes = 0;
+  CUDA_OK(device_loss::forward_backward(nullptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr));
+  device_buffer<unsigned char> temp(bytes);
+  const cl::loss<T, Temp, Scale, cl::algorithm::fused> host(device_temperature<Temp>(), device_scaler<T, Scale>());
+  auto read_state = [&]
+  {
+    state_type st{};
+    EXPECT_EQ(cudaMemcpy(&st, d_state.ptr, sizeof(st), cudaMemcpyDeviceToHost), cudaSuccess);
+    return st;
+  };
+
+  // More gradients than the kernel's 1024 x 256 threads (the grid-stride loop runs twice), not a multiple of 256.
+  const std::size_t count = 300007;
+  std::vector<float> grads(count);
+  std::mt19937 rng(7203);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& g : grads)
+  {
+    g = normal(rng) * start_scale<T>();
+  }
+  device_buffer<float> d_grads(count);
+
+  // 1. Finite gradients.
+  CUDA_OK(device_loss::forward_backward(temp.ptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr));
+  CUDA_OK(d_grads.upload(grads));
+  CUDA_OK(device_loss::unscale_and_check(d_grads.ptr, count, d_state.ptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  state_type st = read_state();
+  ASSERT_TRUE(st.record.pending);
+  EXPECT_EQ(st.record.first_nonfinite, cl::nonfinite_site::none);
+  const auto unscaled = d_grads.download();
+  std::vector<float> want = grads;
+  cl::step_record host_rec = st.record;
+  ASSERT_TRUE(host.unscale_and_check(want.data(), count, host_rec).ok());
+  EXPECT_EQ(host_rec.first_nonfinite, cl::nonfinite_site::none);
+  EXPECT_TRUE(same_bits(unscaled, want)) << "the device and host paths multiply by the same factor";
+  double worst = 0.0;
+  for (std::size_t i = 0; i < count; ++i)
+  {
+    const double exact = double(grads[i]) / double(st.record.loss_scale);
+    worst = std::max(worst, std::fabs(unscaled[i] - exact) / std::max(std::fabs(exact), 1e-30));
+  }
+  EXPECT_LE(worst, 2 * tol::u_f) << "one rounding of the factor, one of the product";
+  CUDA_OK(device_loss::finish_step(d_state.ptr));
+  st = read_state();
+  EXPECT_FALSE(st.record.skipped);
+  EXPECT_EQ(st.step, 1);
+  const float theta_after_finite = st.temperature.theta;
+  const float scale_after_finite = st.scaler.loss_scale();
+
+  // 2. An inf and a NaN (the last element: the grid-stride tail) flag the step; finish_step skips it.
+  std::vector<float> bad = grads;
+  bad[17] = INFINITY;
+  bad[count - 1] = NAN;
+  CUDA_OK(device_loss::forward_backward(temp.ptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr));
+  CUDA_OK(d_grads.upload(bad));
+  CUDA_OK(device_loss::unscale_and_check(d_grads.ptr, count, d_state.ptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  st = read_state();
+  ASSERT_TRUE(st.record.pending);
+  EXPECT_EQ(st.record.first_nonfinite, cl::nonfinite_site::parameters);
+  host_rec = st.record;
+  host_rec.first_nonfinite = cl::nonfinite_site::none;
+  want = bad;
+  ASSERT_TRUE(host.unscale_and_check(want.data(), count, host_rec).ok());
+  EXPECT_EQ(host_rec.first_nonfinite, cl::nonfinite_site::parameters);
+  EXPECT_TRUE(same_values(d_grads.download(), want));
+  CUDA_OK(device_loss::finish_step(d_state.ptr));
+  st = read_state();
+  EXPECT_TRUE(st.record.skipped);
+  EXPECT_FALSE(st.record.pending);
+  EXPECT_EQ(st.record.first_nonfinite, cl::nonfinite_site::parameters);
+  EXPECT_EQ(st.temperature.theta, theta_after_finite);
+  EXPECT_EQ(st.scaler.loss_scale(), 0.5f * scale_after_finite);
+  EXPECT_EQ(st.record.next_loss_scale, 0.5f * scale_after_finite);
+  EXPECT_EQ(st.step, 2);
+
+  // 3. No step in progress: nothing is unscaled and nothing is flagged.
+  CUDA_OK(d_grads.upload(grads));
+  CUDA_OK(device_loss::unscale_and_check(d_grads.ptr, count, d_state.ptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(d_grads.download(), grads));
+  EXPECT_EQ(read_state().record.first_nonfinite, cl::nonfinite_site::parameters);
+}
+
+// A NaN logit reaches the reported values: the record's loss and max logit are NaN (fmaxf would drop it; with the
+// info_nce objective the row of a NaN query then reported a finite loss), the step is diagnosed `logits` and skipped.
+template <class T, class Algo>
+void check_nan_logits_are_reported()
+{
+  using device_loss = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algo>;
+  SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " " + Algo::name);
+  const std::size_t n_q = 40, n_k = 90, dim = 16;
+  auto q = ct::random_rows<T>(n_q, dim, 7301);
+  const auto k = ct::random_rows<T>(n_k, dim, 7302);
+  for (std::size_t c = 0; c < dim; ++c)
+  {
+    q[5 * dim + c] = cl::element_traits<T>::from_float(NAN); // every logit of query 5, its positive included
+  }
+  device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+  ASSERT_EQ(d_q.upload(q), cudaSuccess);
+  ASSERT_EQ(d_k.upload(k), cudaSuccess);
+  const cl::problem<T> dp{d_q.ptr, d_k.ptr, n_q, n_k, dim, nullptr, cl::objective::info_nce};
+  typename device_loss::state_type init{};
+  ASSERT_TRUE(device_loss::make_state(
+                  device_temperature<cl::temperature::learnable>(), device_scaler<T, cl::scaler::dynamic>(), init)
+                  .ok());
+  device_buffer<typename device_loss::state_type> d_state(1);
+  ASSERT_EQ(cudaMemcpy(d_state.ptr, &init, sizeof(init), cudaMemcpyHostToDevice), cudaSuccess);
+  std::size_t bytes = 0;
+  ASSERT_EQ(device_loss::step(nullptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr), cudaSuccess);
+  device_buffer<unsigned char> temp(bytes);
+  ASSERT_EQ(device_loss::step(temp.ptr, bytes, dp, d_dq.ptr, d_dk.ptr, d_state.ptr), cudaSuccess);
+  typename device_loss::state_type st{};
+  ASSERT_EQ(cudaMemcpy(&st, d_state.ptr, sizeof(st), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(std::isnan(st.record.loss)) << st.record.loss;
+  EXPECT_TRUE(std::isnan(st.record.max_logit)) << st.record.max_logit;
+  EXPECT_EQ(st.record.first_nonfinite, cl::nonfinite_site::logits);
+  EXPECT_TRUE(st.record.skipped);
+  EXPECT_EQ(st.temperature.theta, init.temperature.theta);
+}
+
+TEST(Device, NanLogitsReachTheReportedLossAndMaxLogit)
+{
+  SKIP_WITHOUT_DEVICE();
+  check_nan_logits_are_reported<float, cl::algorithm::fused>();
+  check_nan_logits_are_reported<__half, cl::algorithm::fused>();
+  check_nan_logits_are_reported<__nv_bfloat16, cl::algorithm::materialized>();
+}
+
+// The fp16 gradient tile's scale 2^k ~ n: k = ceil(log2 n), clamped so that |G| <= 2 stays far below 65504.
+TEST(Device, Fp16GradientTileShift)
+{
+  using cl::device::gradient_tile_shift;
+  constexpr int max_shift = cl::device::kernel_traits<__half>::max_gradient_shift;
+  EXPECT_EQ(gradient_tile_shift(1, max_shift), 0);
+  EXPECT_EQ(gradient_tile_shift(2, max_shift), 1);
+  EXPECT_EQ(gradient_tile_shift(3, max_shift), 2);
+  EXPECT_EQ(gradient_tile_shift(4096, max_shift), 12);
+  EXPECT_EQ(gradient_tile_shift(4097, max_shift), 13);
+  EXPECT_EQ(gradient_tile_shift(std::int64_t(1) << 30, max_shift), max_shift);
+  EXPECT_LT(2.0 * std::ldexp(1.0, max_shift), 65504.0 / 3);
+  EXPECT_TRUE(cl::device::kernel_traits<__half>::scale_gradient_tile);
+  EXPECT_FALSE(cl::device::kernel_traits<__nv_bfloat16>::scale_gradient_tile);
+  EXPECT_FALSE(cl::device::kernel_traits<float>::scale_gradient_tile);
+}
