@@ -1,6 +1,7 @@
 // Device path tests: the same cases as the host tests, compared with the host path and the float64 reference.
 // Without a CUDA device every test skips with one message; CI still compiles this file for sm_80 and sm_90.
 
+#include "device_util.cuh"
 #include "test_util.hpp"
 
 #include <contrastive/device/loss.cuh>
@@ -19,60 +20,10 @@ using ct::shapes;
 
 namespace
 {
-std::string device_unavailable()
-{
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess)
-  {
-    return std::string("no CUDA device (") + cudaGetErrorString(err) + "): device tests skipped";
-  }
-  return count == 0 ? "no CUDA device: device tests skipped" : "";
-}
+using ct::device_buffer;
 
-#define SKIP_WITHOUT_DEVICE()                                                                                          \
-  do                                                                                                                   \
-  {                                                                                                                    \
-    const std::string why = device_unavailable();                                                                      \
-    if (!why.empty())                                                                                                  \
-      GTEST_SKIP() << why;                                                                                             \
-  } while (0)
-
+#define SKIP_WITHOUT_DEVICE() CONTRASTIVE_SKIP_WITHOUT_DEVICE()
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-template <class T>
-struct device_buffer
-{
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit device_buffer(std::size_t count) : n(count)
-  {
-    if (cudaMalloc(&ptr, (count == 0 ? 1 : count) * sizeof(T)) != cudaSuccess)
-    {
-      ptr = nullptr;
-    }
-  }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  ~device_buffer()
-  {
-    cudaFree(ptr);
-  }
-  cudaError_t upload(const std::vector<T>& v)
-  {
-    return cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  cudaError_t poison(unsigned char byte)
-  {
-    return cudaMemset(ptr, byte, n * sizeof(T));
-  }
-  std::vector<T> download() const
-  {
-    std::vector<T> v(n);
-    cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return v;
-  }
-};
 
 template <class T>
 float start_scale()
