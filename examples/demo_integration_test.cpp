@@ -9,10 +9,13 @@
 // the learnable run, make this seed survive. If this test fails after such a change, re-check the claims in
 // docs/demo.md with `collapse_demo --seed N` for a few seeds before editing the expectations.
 
-#include "collapse_demo.hpp"
+#include "collapse/config.hpp"
+#include "collapse/options.hpp"
+#include "collapse/train.hpp"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -192,4 +195,35 @@ TEST(CollapseDemo, ParsesRunsAndRejectsBadOnes)
   cd::settings s;
   s.batch = 1;
   EXPECT_FALSE(cd::validate(s).empty());
+}
+
+TEST(CollapseDemo, OptionTableParsesAndDocumentsEveryOption)
+{
+  cd::cli_options o;
+  std::string why;
+  const char* argv[] = {"collapse_demo", "--steps=5", "--runs", "half:guard:fused", "--quiet", "--beta2", "0.98"};
+  ASSERT_TRUE(cd::parse_args(7, argv, o, why)) << why;
+  EXPECT_EQ(o.s.steps, 5);
+  ASSERT_EQ(o.runs.size(), 1u);
+  EXPECT_EQ(o.runs[0].policy, cd::policy_kind::guard);
+  EXPECT_TRUE(o.quiet);
+  EXPECT_EQ(o.s.beta2, 0.98);
+
+  const char* bad[] = {"collapse_demo", "--no-such-option"};
+  EXPECT_FALSE(cd::parse_args(2, bad, o, why));
+  EXPECT_NE(why.find("--no-such-option"), std::string::npos);
+  const char* flag_with_value[] = {"collapse_demo", "--quiet=1"};
+  EXPECT_FALSE(cd::parse_args(2, flag_with_value, o, why));
+  const char* missing[] = {"collapse_demo", "--steps"};
+  EXPECT_FALSE(cd::parse_args(2, missing, o, why));
+
+  const std::string help = cd::help_text();
+  for (const cd::option& opt : cd::option_table())
+  {
+    if (!opt.name.empty())
+    {
+      EXPECT_NE(help.find("  " + (opt.name == "--help" ? std::string("-h, --help") : opt.name)), std::string::npos)
+          << opt.name;
+    }
+  }
 }
