@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 namespace cl = contrastive;
 namespace ct = contrastive_test;
@@ -189,9 +190,10 @@ TEST(Temperature, ClampHoldsBothBounds)
   EXPECT_STRNE(bad.validate(), "");
 }
 
-TEST(Temperature, ScheduledUnfreezesAtItsStep)
+TEST(Temperature, FreezeThenLearnUnfreezesAtItsStep)
 {
-  auto s = cl::temperature::scheduled::freeze_then_learn(0.05f, 3, cl::optimizer::sgd(0.1f));
+  cl::temperature::freeze_then_learn s(0.05f, 3, cl::optimizer::sgd(0.1f));
+  static_assert(cl::temperature::freeze_then_learn::is_learnable);
   for (int i = 0; i < 3; ++i)
   {
     EXPECT_FALSE(s.wants_gradient());
@@ -199,20 +201,42 @@ TEST(Temperature, ScheduledUnfreezesAtItsStep)
     EXPECT_FLOAT_EQ(s.tau(), 0.05f);
   }
   EXPECT_EQ(s.steps, 3);
+  EXPECT_EQ(s.opt_state.t, 0) << "no optimiser step while frozen";
   EXPECT_TRUE(s.wants_gradient());
   const float theta = s.theta;
   s.advance(-5.0f);
   EXPECT_FLOAT_EQ(s.theta, theta + 0.5f);
   // Optional clamp after unfreezing.
-  auto c = cl::temperature::scheduled::freeze_then_learn(0.05f, 0, cl::optimizer::sgd(10.0f), 0.02f, 1.0f);
+  cl::temperature::freeze_then_learn c(0.05f, 0, cl::optimizer::sgd(10.0f), 0.02f, 1.0f);
   c.advance(-100.0f);
   EXPECT_NEAR(c.tau(), 0.02f, 1e-7f);
+  cl::temperature::freeze_then_learn bad(0.05f, -1);
+  EXPECT_STRNE(bad.validate(), "");
 }
 
-TEST(Temperature, DeterministicLinearAndCosineSchedules)
+// `scheduled` is the former name of freeze_then_learn: same state, same steps.
+TEST(Temperature, ScheduledIsFreezeThenLearn)
 {
-  auto lin = cl::temperature::scheduled::deterministic(cl::temperature::schedule_kind::linear, 0.1f, 0.02f, 10);
-  auto cosine = cl::temperature::scheduled::deterministic(cl::temperature::schedule_kind::cosine, 0.1f, 0.02f, 10);
+  auto old = cl::temperature::scheduled::freeze_then_learn(0.05f, 2, cl::optimizer::adam(0.1f), 0.01f, 1.0f);
+  cl::temperature::freeze_then_learn now(0.05f, 2, cl::optimizer::adam(0.1f), 0.01f, 1.0f);
+  static_assert(std::is_base_of_v<cl::temperature::freeze_then_learn, cl::temperature::scheduled>);
+  for (int i = 0; i < 6; ++i)
+  {
+    old.advance(-1.0f);
+    now.advance(-1.0f);
+    EXPECT_EQ(old.theta, now.theta) << i;
+  }
+  EXPECT_EQ(cl::temperature::scheduled{}.unfreeze_step, cl::temperature::freeze_then_learn{}.unfreeze_step);
+}
+
+TEST(Temperature, ScheduleIsDeterministicWithNoOptimiser)
+{
+  static_assert(!cl::temperature::schedule::is_learnable);
+  static_assert(!cl::temperature::has_optimizer_v<cl::temperature::schedule>);
+  static_assert(cl::temperature::has_optimizer_v<cl::temperature::learnable>);
+  static_assert(cl::temperature::is_temperature_policy_v<cl::temperature::schedule>);
+  cl::temperature::schedule lin(cl::temperature::schedule_kind::linear, 0.1f, 0.02f, 10);
+  cl::temperature::schedule cosine(cl::temperature::schedule_kind::cosine, 0.1f, 0.02f, 10);
   EXPECT_FLOAT_EQ(lin.tau(), 0.1f);
   EXPECT_FLOAT_EQ(cosine.tau(), 0.1f);
   for (int i = 0; i < 5; ++i)
@@ -232,6 +256,52 @@ TEST(Temperature, DeterministicLinearAndCosineSchedules)
   }
   EXPECT_NEAR(lin.tau(), 0.02f, 1e-7f);
   EXPECT_FALSE(lin.wants_gradient());
+  EXPECT_STREQ(lin.validate(), "");
+  cl::temperature::schedule bad = lin;
+  bad.kind = static_cast<cl::temperature::schedule_kind>(0);
+  EXPECT_STRNE(bad.validate(), "");
+}
+
+TEST(Temperature, RangeGuardCeilingOnlyComesDown)
+{
+  cl::temperature::range_guard g(0.07f, cl::optimizer::sgd(10.0f));
+  EXPECT_EQ(g.ceiling, __builtin_huge_valf());
+  EXPECT_FLOAT_EQ(g.min_theta, 0.0f); // tau_max = 1
+  cl::step_record ok;
+  ok.loss_scale = ok.next_loss_scale = 1.0f;
+  g.observe(ok, 65504.0f);
+  EXPECT_FLOAT_EQ(g.ceiling, std::log(65504.0f / 16.0f));
+  g.advance(-100.0f); // pushes theta far up: stops at the ceiling
+  EXPECT_EQ(g.theta, g.ceiling);
+  cl::step_record overflow = ok;
+  overflow.skipped = true;
+  overflow.first_nonfinite = cl::nonfinite_site::logits;
+  const float before = g.ceiling;
+  g.observe(overflow, 65504.0f);
+  EXPECT_FLOAT_EQ(g.ceiling, before - 0.5f);
+  EXPECT_EQ(g.theta, g.ceiling);
+  EXPECT_EQ(g.events, 1);
+  g.observe(ok, 65504.0f); // the range bound is higher now: the ceiling stays down
+  EXPECT_FLOAT_EQ(g.ceiling, before - 0.5f);
+  g.advance(1e4f); // and theta never goes below log(1/tau_max)
+  EXPECT_EQ(g.theta, g.min_theta);
+  cl::temperature::range_guard bad = g;
+  bad.ceiling = -1.0f;
+  EXPECT_STRNE(bad.validate(), "");
+}
+
+TEST(Temperature, LossSetsTheTemperatureOptimiser)
+{
+  cl::loss<float, cl::temperature::clamped, cl::scaler::static_scale> l(
+      cl::temperature::clamped(0.07f, 0.01f, 1.0f, cl::optimizer::adam(1e-3f)));
+  EXPECT_TRUE(l.set_temperature_optimizer(cl::optimizer::adam(0.5f, 0.9f, 0.98f)).ok());
+  EXPECT_EQ(l.temperature().opt.lr, 0.5f);
+  EXPECT_EQ(l.temperature().opt.beta2, 0.98f);
+  const cl::status bad = l.set_temperature_optimizer(cl::optimizer::adam(-1.0f));
+  EXPECT_EQ(bad.code(), cl::errc::invalid_temperature);
+  EXPECT_EQ(l.temperature().opt.lr, 0.5f) << "a refused setting changes nothing";
+  cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale> f(cl::temperature::fixed(0.07f));
+  EXPECT_EQ(f.set_temperature_optimizer(cl::optimizer::adam(0.5f)).code(), cl::errc::invalid_argument);
 }
 
 // Save, run, restore, run again: bit-identical records, policies and step counters.

@@ -39,10 +39,10 @@ cl::temperature::clamped make_policy(const settings& s, cl::temperature::clamped
 {
   return cl::temperature::clamped(s.tau_init, s.tau_min, s.tau_max, tau_adam(s));
 }
-cl::temperature::scheduled make_policy(const settings& s, cl::temperature::scheduled*)
+cl::temperature::freeze_then_learn make_policy(const settings& s, cl::temperature::freeze_then_learn*)
 {
   // The seed author's remedy: fixed at 0.05, then learnable with no bound.
-  return cl::temperature::scheduled::freeze_then_learn(s.fixed_tau, s.unfreeze_step, tau_adam(s));
+  return cl::temperature::freeze_then_learn(s.fixed_tau, s.unfreeze_step, tau_adam(s));
 }
 cl::temperature::range_guard make_policy(const settings& s, cl::temperature::range_guard*)
 {
@@ -145,13 +145,13 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
     // Linear warm-up of both learning rates (open_clip warms up every parameter, logit_scale included).
     const float warm =
         s.warmup > 0 && step < s.warmup ? static_cast<float>(step + 1) / static_cast<float>(s.warmup) : 1.0f;
-    if constexpr (Temperature::is_learnable)
+    if constexpr (cl::temperature::has_optimizer_v<Temperature>)
     {
       if (step <= s.warmup)
       {
-        typename loss_type::checkpoint c = L.save();
-        c.temperature.opt.lr = s.tau_lr * warm;
-        if (const cl::status st = L.restore(c); !st.ok())
+        cl::optimizer o = L.temperature().opt;
+        o.lr = s.tau_lr * warm;
+        if (const cl::status st = L.set_temperature_optimizer(o); !st.ok())
         {
           res.error = "step " + std::to_string(step) + ": " + st.message();
           break;
@@ -241,7 +241,7 @@ run_result train_policy(const settings& s, const run_config& cfg, const progress
   case policy_kind::clamped:
     return train_typed<T, tp::clamped, Algorithm>(s, cfg, progress);
   case policy_kind::scheduled:
-    return train_typed<T, tp::scheduled, Algorithm>(s, cfg, progress);
+    return train_typed<T, tp::freeze_then_learn, Algorithm>(s, cfg, progress);
   case policy_kind::guard:
     return train_typed<T, tp::range_guard, Algorithm>(s, cfg, progress);
   }

@@ -118,6 +118,28 @@ public:
       return {};
     }
   }
+  /// The temperature optimiser's settings (learning rate, betas, ...), e.g. for a learning-rate schedule; its state
+  /// (moments, step count) and theta are kept. Refused, changing nothing, when the settings are out of their domain
+  /// (invalid_temperature "optimizer") or the policy has no optimiser (invalid_argument "optimizer": fixed, schedule).
+  status set_temperature_optimizer(const optimizer& o)
+  {
+    if constexpr (!temperature::has_optimizer_v<Temperature>)
+    {
+      (void)o;
+      return {errc::invalid_argument, "optimizer", "this temperature policy has no optimizer"};
+    }
+    else
+    {
+      if (!o.valid())
+      {
+        return {errc::invalid_temperature,
+                "optimizer",
+                "optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)"};
+      }
+      temperature_.opt = o;
+      return {};
+    }
+  }
   /// algorithm::chunked: rows per chunk a problem would use (a multiple of the row block, at most all rows).
   std::size_t chunk_rows_for(const problem_type& p) const noexcept
   {
@@ -157,8 +179,9 @@ public:
     {
       return {errc::invalid_argument, "checkpoint.step", "negative step count"};
     }
-    temperature_ = c.temperature;
-    scaler_ = c.scaler;
+    // Bytes, padding included, so that save() after restore() reproduces the checkpoint exactly.
+    std::memcpy(static_cast<void*>(&temperature_), &c.temperature, sizeof temperature_);
+    std::memcpy(static_cast<void*>(&scaler_), &c.scaler, sizeof scaler_);
     step_ = c.step;
     return {};
   }

@@ -282,14 +282,12 @@ void with_policies(byte_reader& in)
         in, cl::temperature::clamped(tau, in.setting(0.01f), in.setting(1.0f), opt), dyn);
     break;
   case 3:
-    run<T, cl::temperature::scheduled, cl::scaler::dynamic, Algorithm>(
-        in, cl::temperature::scheduled::freeze_then_learn(tau, static_cast<std::int64_t>(in.below(3)), opt), dyn);
+    run<T, cl::temperature::freeze_then_learn, cl::scaler::dynamic, Algorithm>(
+        in, cl::temperature::freeze_then_learn(tau, static_cast<std::int64_t>(in.below(3)), opt), dyn);
     break;
   case 4:
-    run<T, cl::temperature::scheduled, cl::scaler::static_scale, Algorithm>(
-        in,
-        cl::temperature::scheduled::deterministic(cl::temperature::schedule_kind::cosine, tau, in.setting(0.01f), 3),
-        fixed_scale);
+    run<T, cl::temperature::schedule, cl::scaler::static_scale, Algorithm>(
+        in, cl::temperature::schedule(cl::temperature::schedule_kind::cosine, tau, in.setting(0.01f), 3), fixed_scale);
     break;
   default:
     run<T, cl::temperature::range_guard, cl::scaler::dynamic, Algorithm>(

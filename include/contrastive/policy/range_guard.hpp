@@ -40,15 +40,18 @@ namespace contrastive
 namespace temperature
 {
 /// Learnable temperature bounded by the element type's range and the scaler's back-offs (see the file comment).
-/// State: that of `clamped` (theta, optimiser, steps, min_theta, max_theta = the current ceiling) plus `events`.
-struct range_guard : clamped
+/// State: that of `learnable` (theta, optimiser, steps) plus `min_theta` (the fixed floor from tau_max), `ceiling`
+/// (the current, learnt upper bound on theta) and `events`.
+struct range_guard : learnable
 {
   static constexpr const char* name = "range_guard";
 
   float headroom = 16.0f;   ///< keep s <= max_finite / headroom (room for the backward's loss_scale * s * G)
   float retreat = 0.5f;     ///< theta retreat on an overflow event, in natural-log units (s shrinks by e^-0.5)
   float scale_floor = 1.0f; ///< a back-off that leaves the loss scale below this is an overflow event
-  std::int32_t events = 0;  ///< overflow events seen (each one retreated)
+  float min_theta = 0.0f;   ///< log(1/tau_max): theta never goes below it (tau <= tau_max)
+  float ceiling = __builtin_huge_valf(); ///< theta's upper bound now: the range bound, lowered by each retreat
+  std::int32_t events = 0;               ///< overflow events seen (each one retreated)
 
   range_guard() noexcept : range_guard(0.07f) {}
 
@@ -60,12 +63,9 @@ struct range_guard : clamped
                        float retreat_step = 0.5f,
                        float loss_scale_floor = 1.0f,
                        float tau_max = 1.0f) noexcept
-      : clamped(initial_tau, 0.0f, tau_max, o), headroom(headroom_factor), retreat(retreat_step),
-        scale_floor(loss_scale_floor)
+      : learnable(initial_tau, o), headroom(headroom_factor), retreat(retreat_step), scale_floor(loss_scale_floor),
+        min_theta(tau_max == __builtin_huge_valf() ? -__builtin_huge_valf() : logit_scale_of(tau_max))
   {
-    min_theta = tau_max == __builtin_huge_valf() ? -__builtin_huge_valf() : logit_scale_of(tau_max);
-    max_theta = __builtin_huge_valf();
-    theta = logit_scale_of(initial_tau);
   }
 
   /// theta bound from the element type's range: log(max_finite / headroom).
@@ -74,24 +74,27 @@ struct range_guard : clamped
     return static_cast<float>(::log(static_cast<double>(element_max_finite) / static_cast<double>(headroom)));
   }
 
+  /// theta kept in [min_theta, ceiling].
+  CONTRASTIVE_HOST_DEVICE float clamp(float t) const noexcept
+  {
+    return t < min_theta ? min_theta : (t > ceiling ? ceiling : t);
+  }
+  CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
+  {
+    learnable::advance(grad_theta);
+    theta = clamp(theta);
+  }
+
   CONTRASTIVE_HOST_DEVICE void observe(const step_record& rec, float element_max_finite) noexcept
   {
-    const float bound = range_bound(element_max_finite);
-    if (bound < max_theta)
-    {
-      max_theta = bound < min_theta ? min_theta : bound;
-    }
+    lower_ceiling(range_bound(element_max_finite));
     const bool range_site =
         rec.first_nonfinite == nonfinite_site::logits || rec.first_nonfinite == nonfinite_site::loss;
     const bool backed_off = rec.next_loss_scale < rec.loss_scale;
     const bool scale_distress = backed_off && rec.next_loss_scale < scale_floor;
     if (rec.skipped && (range_site || scale_distress))
     {
-      const float lowered = theta - retreat;
-      if (lowered < max_theta)
-      {
-        max_theta = lowered < min_theta ? min_theta : lowered;
-      }
+      lower_ceiling(theta - retreat);
       opt_state.m = 0.0;
       ++events;
     }
@@ -116,7 +119,21 @@ struct range_guard : clamped
     {
       return "events must be >= 0";
     }
-    return clamped::validate();
+    if (!(min_theta <= ceiling))
+    {
+      return "tau_max must be finite and > 0, and the ceiling not below log(1/tau_max)";
+    }
+    return learnable::validate();
+  }
+
+private:
+  /// The ceiling only ever comes down, and never below min_theta.
+  CONTRASTIVE_HOST_DEVICE void lower_ceiling(float bound) noexcept
+  {
+    if (bound < ceiling)
+    {
+      ceiling = bound < min_theta ? min_theta : bound;
+    }
   }
 };
 } // namespace temperature

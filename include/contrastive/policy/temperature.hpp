@@ -194,66 +194,34 @@ struct clamped : learnable
   }
 };
 
-enum class schedule_kind : std::int32_t
+/// Learnable after a frozen start (the seed author's remedy): tau fixed at its initial value for `unfreeze_step`
+/// finite steps, then learnt like `clamped`, within [tau_min, tau_max] (unbounded by default). `steps` counts finite
+/// steps, so skipped steps do not bring the unfreezing closer. The optimiser's state starts at the unfreezing.
+struct freeze_then_learn : clamped
 {
-  freeze_then_learn = 0, ///< the seed's remedy: tau fixed at tau_start until `unfreeze_step`, learnable after
-  linear = 1,            ///< tau moves linearly from tau_start to tau_end over `duration` steps, then stays
-  cosine = 2,            ///< tau follows half a cosine from tau_start to tau_end over `duration` steps, then stays
-};
+  static constexpr const char* name = "freeze_then_learn";
 
-/// Step-driven temperature. `steps` counts finite steps, so skipped steps do not advance the schedule.
-/// freeze_then_learn: theta starts at log(1/tau_start) and is learnt (with optional clamping, off by default) once
-/// `steps >= unfreeze_step`. linear/cosine: deterministic, no gradient used.
-struct scheduled : clamped
-{
-  static constexpr const char* name = "scheduled";
+  std::int64_t unfreeze_step = 1000; ///< finite steps at the initial tau before it becomes learnable
 
-  schedule_kind kind = schedule_kind::freeze_then_learn;
-  float tau_start = 0.05f;
-  float tau_end = 0.05f;
-  std::int64_t unfreeze_step = 1000; ///< freeze_then_learn only
-  std::int64_t duration = 1000;      ///< linear/cosine only
+  CONTRASTIVE_HOST_DEVICE freeze_then_learn() noexcept : freeze_then_learn(0.05f, 1000) {}
 
-  CONTRASTIVE_HOST_DEVICE scheduled() noexcept : scheduled(freeze_then_learn(0.05f, 1000)) {}
-
-  /// The seed's remedy: tau fixed at `tau` for `unfreeze_step` finite steps, then learnable, clamped to
-  /// [tau_min, tau_max] (unbounded by default).
-  CONTRASTIVE_HOST_DEVICE static scheduled
-  freeze_then_learn(float tau,
-                    std::int64_t unfreeze_step,
-                    contrastive::optimizer o = contrastive::optimizer::adam(1e-3f),
-                    float tau_min = 0.0f,
-                    float tau_max = __builtin_huge_valf()) noexcept
+  /// `tau` for `unfreeze_step` finite steps, then learnt with `o`, clamped to [tau_min, tau_max] (the defaults, 0 and
+  /// infinity, clamp nothing). The initial tau is not clamped: it is what the frozen phase uses.
+  CONTRASTIVE_HOST_DEVICE freeze_then_learn(float tau,
+                                            std::int64_t unfreeze,
+                                            contrastive::optimizer o = contrastive::optimizer::adam(1e-3f),
+                                            float tau_min = 0.0f,
+                                            float tau_max = __builtin_huge_valf()) noexcept
+      : clamped(tau, tau_min, tau_max, o), unfreeze_step(unfreeze)
   {
-    scheduled s(0);
-    s.kind = schedule_kind::freeze_then_learn;
-    s.tau_start = s.tau_end = tau;
-    s.unfreeze_step = unfreeze_step;
-    s.opt = o;
-    s.min_theta = tau_max == __builtin_huge_valf() ? -__builtin_huge_valf() : logit_scale_of(tau_max);
-    s.max_theta = tau_min == 0.0f ? __builtin_huge_valf() : logit_scale_of(tau_min);
-    s.theta = logit_scale_of(tau);
-    return s;
-  }
-
-  /// Deterministic schedule of tau over `duration` finite steps.
-  CONTRASTIVE_HOST_DEVICE static scheduled
-  deterministic(schedule_kind kind, float tau_start, float tau_end, std::int64_t duration) noexcept
-  {
-    scheduled s(0);
-    s.kind = kind;
-    s.tau_start = tau_start;
-    s.tau_end = tau_end;
-    s.duration = duration;
-    s.min_theta = -__builtin_huge_valf();
-    s.max_theta = __builtin_huge_valf();
-    s.theta = logit_scale_of(tau_start);
-    return s;
+    min_theta = tau_max == __builtin_huge_valf() ? -__builtin_huge_valf() : logit_scale_of(tau_max);
+    max_theta = tau_min == 0.0f ? __builtin_huge_valf() : logit_scale_of(tau_min);
+    theta = logit_scale_of(tau);
   }
 
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
-    return kind == schedule_kind::freeze_then_learn && steps >= unfreeze_step;
+    return steps >= unfreeze_step;
   }
 
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
@@ -264,18 +232,96 @@ struct scheduled : clamped
       return;
     }
     ++steps;
-    if (kind != schedule_kind::freeze_then_learn)
-    {
-      theta = logit_scale_of(tau_at(steps));
-    }
   }
 
-  /// tau of a deterministic schedule after `step` finite steps.
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    if (unfreeze_step < 0)
+    {
+      return "unfreeze_step must be >= 0";
+    }
+    return clamped::validate();
+  }
+};
+
+/// The former name of `freeze_then_learn`, kept for source compatibility: `scheduled::freeze_then_learn(...)` builds
+/// one. For a temperature that follows a schedule with no gradient, see `schedule`.
+struct scheduled : temperature::freeze_then_learn
+{
+  static constexpr const char* name = "scheduled";
+
+  scheduled() = default;
+  CONTRASTIVE_HOST_DEVICE explicit scheduled(const temperature::freeze_then_learn& f) noexcept
+      : temperature::freeze_then_learn(f)
+  {
+  }
+
+  CONTRASTIVE_HOST_DEVICE static scheduled
+  freeze_then_learn(float tau,
+                    std::int64_t unfreeze_step,
+                    contrastive::optimizer o = contrastive::optimizer::adam(1e-3f),
+                    float tau_min = 0.0f,
+                    float tau_max = __builtin_huge_valf()) noexcept
+  {
+    return scheduled(temperature::freeze_then_learn(tau, unfreeze_step, o, tau_min, tau_max));
+  }
+};
+
+enum class schedule_kind : std::int32_t
+{
+  linear = 1, ///< tau moves linearly from tau_start to tau_end over `duration` steps, then stays
+  cosine = 2, ///< tau follows half a cosine from tau_start to tau_end over `duration` steps, then stays
+};
+
+/// tau follows a schedule of the finite step count; no gradient is used and there is no optimiser state.
+/// State: theta (of the current tau) and `steps` (finite steps applied; skipped steps do not advance the schedule).
+struct schedule
+{
+  static constexpr bool is_learnable = false;
+  static constexpr const char* name = "schedule";
+
+  schedule_kind kind = schedule_kind::cosine;
+  float tau_start = 0.07f;
+  float tau_end = 0.07f;
+  std::int64_t duration = 1000;
+  float theta = 2.65926003693f; ///< log(1/tau) now: log(1/tau_start) at step 0
+  std::int64_t steps = 0;
+
+  constexpr schedule() = default;
+  /// tau from `tau_start` to `tau_end` over `duration` finite steps, then `tau_end`.
+  CONTRASTIVE_HOST_DEVICE schedule(schedule_kind k, float t_start, float t_end, std::int64_t steps_to_end) noexcept
+      : kind(k), tau_start(t_start), tau_end(t_end), duration(steps_to_end), theta(logit_scale_of(t_start))
+  {
+  }
+
+  CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
+  {
+    return theta;
+  }
+  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
+  {
+    return static_cast<float>(::exp(static_cast<double>(theta)));
+  }
+  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
+  {
+    return static_cast<float>(::exp(-static_cast<double>(theta)));
+  }
+  CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
+  {
+    return false;
+  }
+  CONTRASTIVE_HOST_DEVICE void advance(float) noexcept
+  {
+    ++steps;
+    theta = logit_scale_of(tau_at(steps));
+  }
+
+  /// tau after `step` finite steps.
   CONTRASTIVE_HOST_DEVICE float tau_at(std::int64_t step) const noexcept
   {
-    if (kind == schedule_kind::freeze_then_learn || duration <= 0)
+    if (duration <= 0)
     {
-      return kind == schedule_kind::freeze_then_learn ? tau_start : tau_end;
+      return tau_end;
     }
     const double x = step >= duration ? 1.0 : static_cast<double>(step) / static_cast<double>(duration);
     const double f = kind == schedule_kind::linear ? x : 0.5 * (1.0 - ::cos(3.14159265358979323846 * x));
@@ -288,19 +334,16 @@ struct scheduled : clamped
     {
       return "tau_start and tau_end must be finite and > 0, with |log(1/tau)| <= 80";
     }
-    if (kind != schedule_kind::freeze_then_learn && kind != schedule_kind::linear && kind != schedule_kind::cosine)
+    if (kind != schedule_kind::linear && kind != schedule_kind::cosine)
     {
       return "unknown schedule kind";
     }
-    if (unfreeze_step < 0 || duration < 0)
+    if (duration < 0 || steps < 0)
     {
-      return "unfreeze_step and duration must be >= 0";
+      return "duration and steps must be >= 0";
     }
-    return clamped::validate();
+    return valid_theta(theta) ? "" : "tau must be finite and > 0 (logit scale log(1/tau) outside [-80, 80])";
   }
-
-private:
-  CONTRASTIVE_HOST_DEVICE explicit scheduled(int) noexcept {}
 };
 
 /// Requirements of a temperature policy, checked once by the owning template.
@@ -321,6 +364,20 @@ struct is_temperature_policy<P,
 };
 template <class P>
 inline constexpr bool is_temperature_policy_v = is_temperature_policy<P>::value;
+
+/// Whether a policy trains theta with a `contrastive::optimizer` member `opt` (learnable and every policy built on it),
+/// whose settings `loss::set_temperature_optimizer` may change.
+template <class P, class = void>
+struct has_optimizer : std::false_type
+{
+};
+template <class P>
+struct has_optimizer<P, std::void_t<decltype(std::declval<P&>().opt = std::declval<const contrastive::optimizer&>())>>
+    : std::true_type
+{
+};
+template <class P>
+inline constexpr bool has_optimizer_v = has_optimizer<P>::value;
 
 /// Optional hook `void observe(const step_record&, float element_max_finite)`, called after every finished step.
 template <class P, class = void>
