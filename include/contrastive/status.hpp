@@ -25,6 +25,7 @@ enum class errc
   cuda_error,          ///< a CUDA runtime call failed
   size_overflow,       ///< a product of sizes (elements or bytes of a buffer) does not fit in size_t
   resource_exhausted,  ///< memory (the message gives the bytes asked for) or threads could not be had
+  communication_error, ///< a collective of the distributed loss failed (MPI's or NCCL's message attached)
 };
 
 /// Short name of an error code.
@@ -58,6 +59,8 @@ inline const char* to_string(errc e) noexcept
     return "size_overflow";
   case errc::resource_exhausted:
     return "resource_exhausted";
+  case errc::communication_error:
+    return "communication_error";
   }
   return "unknown";
 }

@@ -198,10 +198,10 @@ void load_chunk_tile(const engine_state<T, Gemm>& st,
 }
 
 /// Backward of `loss_scale * loss` for the chunked algorithm after `chunked_forward`.
-template <class T, class Gemm>
-backward_result chunked_backward(engine_state<T, Gemm>& st, float loss_scale, T* dq, T* dk)
+template <class T, class Gemm, class Out>
+backward_result chunked_backward(engine_state<T, Gemm>& st, float loss_scale, Out* dq, Out* dk)
 {
-  const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
+  const grad_coefficients gc = st.coefficients();
   const float out_scale = loss_scale * st.scale;
   backward_partials parts;
   float* dk_acc = st.dk_acc.data();

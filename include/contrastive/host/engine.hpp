@@ -234,10 +234,13 @@ public:
     }
   }
 
-  /// Backward of `loss_scale * loss` after `forward`. Writes dq (n_q x dim) and dk (n_k x dim) in T.
-  template <class Algorithm>
-  backward_result backward(float loss_scale, T* dq, T* dk)
+  /// Backward of `loss_scale * loss` after `forward`. Writes dq (n_q x dim) and dk (n_k x dim) in T, or in float
+  /// (Out = float: unrounded partial gradients, for callers that add several before rounding once, as the
+  /// distributed loss does).
+  template <class Algorithm, class Out>
+  backward_result backward(float loss_scale, Out* dq, Out* dk)
   {
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, float>, "gradients are written in T or in float");
     if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
     {
       return materialized_backward(st_, loss_scale, dq, dk);
@@ -255,6 +258,38 @@ public:
   const std::vector<float>& row_lse() const noexcept
   {
     return st_.row_lse;
+  }
+
+  /// Block mode, for the distributed loss: the engine's problem is a block of rows of a larger one (labels give each
+  /// row's positive as a global column index), `gc` holds the global gradient coefficients, and for the symmetric
+  /// objective the column statistics are finished outside: after `forward`, `block_column_max/sum` hold each column's
+  /// negatives over this block's rows and `positives()` each row's positive logit; `set_columns` then takes the
+  /// global column log-sum-exps and losses before `backward`. The forward's loss covers this block's rows only.
+  void set_block(bool on, const grad_coefficients& gc = {}) noexcept
+  {
+    st_.block = on;
+    st_.block_coef = gc;
+  }
+  const std::vector<float>& block_column_max() const noexcept
+  {
+    return st_.col_lse;
+  }
+  const std::vector<float>& block_column_sum() const noexcept
+  {
+    return st_.col_loss;
+  }
+  const std::vector<float>& positives() const noexcept
+  {
+    return st_.pos;
+  }
+  const std::vector<float>& row_losses() const noexcept
+  {
+    return st_.row_loss;
+  }
+  void set_columns(const float* lse, const float* loss) noexcept
+  {
+    std::copy(lse, lse + st_.col_lse.size(), st_.col_lse.begin());
+    std::copy(loss, loss + st_.col_loss.size(), st_.col_loss.begin());
   }
   const std::vector<float>& col_lse() const noexcept
   {

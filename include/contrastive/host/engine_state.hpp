@@ -90,6 +90,12 @@ struct engine_state
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place; chunked: dk_acc
   std::vector<worker_scratch> scratch;
 
+  // Block mode (the distributed loss): this engine holds a block of rows of a larger problem. The gradient
+  // coefficients are the global ones, and (symmetric) the column statistics come from outside (`set_columns`) after
+  // `forward` left each column's partial state over this block's rows in `column_partials`.
+  bool block = false;
+  grad_coefficients block_coef{};
+
   // chunked: the logits / gradients of one chunk of rows (chunk_rows x nk_pad), the running column statistics, and
   // whether the chunk still holds the forward's logits (one chunk covers every row).
   chunk_options chunk_request;
@@ -100,6 +106,11 @@ struct engine_state
   bool symmetric() const noexcept
   {
     return obj == objective::symmetric;
+  }
+  /// G = row_coef P + col_coef C - pos_coef [positive]: from the problem's sizes, or the block's global ones.
+  grad_coefficients coefficients() const noexcept
+  {
+    return block ? block_coef : make_grad_coefficients(obj, n_q, n_k);
   }
   std::size_t positive_of(std::size_t i) const noexcept
   {
@@ -348,11 +359,22 @@ struct engine_state
     {
       row_sum += row_loss[i];
       r.logits_nonfinite |= !(pos[i] - pos[i] == 0.0f);
-      max_logit = std::max(max_logit, std::max(row_max[i], pos[i]));
+      max_logit = detail::max_nan(max_logit, detail::max_nan(row_max[i], pos[i]));
     }
     r.max_logit = max_logit;
     double total = row_sum / static_cast<double>(n_q);
-    if (sym)
+    if (sym && block)
+    {
+      // The block's partial column states (negatives over this block's rows), parked in col_lse (max) and col_loss
+      // (sum) until the caller combines every block's and calls set_columns. The loss covers the rows only.
+      for (std::size_t j = 0; j < n_k; ++j)
+      {
+        const online_lse c = col_state(j);
+        col_lse[j] = c.max;
+        col_loss[j] = c.sum;
+      }
+    }
+    else if (sym)
     {
       double col_sum = 0.0;
       for (std::size_t j = 0; j < n_k; ++j)
@@ -368,14 +390,17 @@ struct engine_state
     return r;
   }
 
-  /// Scales a float row by `factor`, rounds to T and writes d elements; returns whether any result is non-finite.
-  bool store_row(const float* acc, float factor, T* out) const noexcept
+  /// Scales a float row by `factor`, rounds to Out (T, or float for partial gradients a caller sums further) and
+  /// writes d elements; returns whether any result is non-finite.
+  template <class Out>
+  bool store_row(const float* acc, float factor, Out* out) const noexcept
   {
+    using out_traits = element_traits<Out>;
     float poison = 0.0f;
     for (std::size_t c = 0; c < d; ++c)
     {
-      const T v = traits::from_float(factor * acc[c]);
-      poison += traits::to_float(v) * 0.0f;
+      const Out v = out_traits::from_float(factor * acc[c]);
+      poison += out_traits::to_float(v) * 0.0f;
       out[c] = v;
     }
     return poison != 0.0f;

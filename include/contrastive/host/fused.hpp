@@ -24,10 +24,10 @@ namespace contrastive
 namespace host
 {
 /// Backward of `loss_scale * loss` for the fused algorithm after `forward<fused>`.
-template <class T, class Gemm>
-backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, T* dq, T* dk)
+template <class T, class Gemm, class Out>
+backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, Out* dq, Out* dk)
 {
-  const grad_coefficients gc = make_grad_coefficients(st.obj, st.n_q, st.n_k);
+  const grad_coefficients gc = st.coefficients();
   const float out_scale = loss_scale * st.scale;
   const std::size_t row_blocks = st.nq_pad / block_m;
   const std::size_t key_tiles = st.nk_pad / block_n;

@@ -59,5 +59,11 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float max_f(float a, float b) no
 {
   return a > b ? a : b;
 }
+
+/// max(a, b) that returns a NaN operand (std::max and fmaxf do not): for reported values such as the max logit.
+CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float max_nan(float a, float b) noexcept
+{
+  return a != a ? a : (b != b ? b : (a > b ? a : b));
+}
 } // namespace detail
 } // namespace contrastive

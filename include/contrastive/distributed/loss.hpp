@@ -1,0 +1,654 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `contrastive::distributed::loss`: the loss of the *global* batch when every rank holds n_local rows of Q and K
+/// (data parallelism), with the same policies as `contrastive::loss` stepping identically on every rank.
+///
+/// One step on rank r (every rank calls it; every path, errors included, runs the same collectives):
+///   1. agreement: the ranks' shapes are all-gathered; every check runs (shapes, pointers, labels against the global
+///      key count, finiteness, policies, sizes) and a failure on any rank is returned on every rank, naming the rank
+///      ("rank 2: k[5][0] is not finite"), before any feature moves. Allocation failures are agreed on the same way.
+///   2. K is all-gathered in the element type (N_k x D; Q is not needed anywhere else).
+///   3. The rank's block of rows, S_r = s Q_r K^T (n_local x N_k), goes through the single-process engine in block
+///      mode: row statistics are complete locally; for the symmetric loss each column's negatives over the block's
+///      rows are combined across ranks (an all-reduce max of N_k floats, then a sum of 2 N_k floats: the rescaled
+///      sums and the positives), so every rank holds the global column log-sum-exps.
+///   4. Backward of the block with the global coefficients: dQ_r is complete locally; the block's contribution to dK
+///      for all N_k keys (float) is reduce-scattered back to the owners and rounded once to the element type.
+///   5. Loss, max logit, d loss / d log s and the non-finite flags are all-gathered per rank and combined in rank
+///      order (identical bits everywhere); the record, and then `finish_step` (which also agrees on a `parameters`
+///      site found by `unscale_and_check` on any rank), step the policies in lockstep, as DDP + GradScaler do.
+/// Communication per step: N_k D elements gathered, N_k D floats reduced, 3 N_k floats of column statistics (the
+/// symmetric loss), and O(ranks) scalars; never N x N data. Memory per rank: the gathered K (N_k D elements), the
+/// engine for an n_local x N_k problem (fused: packed K, O(N D); materialized: n_local x N_k logits, 1/ranks of one
+/// process; chunked: its chunk) and the float dK partial (N_k D).
+///
+/// Unequal n_local per rank works. The symmetric objective needs n_q == n_k on each rank (pairs) and positives on the
+/// global diagonal; info_nce labels are global key indices (null: the global diagonal). Comm: comm::local (one
+/// process, no library) or comm::mpi (<contrastive/distributed/mpi.hpp>).
+
+#include <contrastive/checks.hpp>
+#include <contrastive/detail/checked.hpp>
+#include <contrastive/detail/step_logic.hpp>
+#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/host/engine.hpp>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/numeric/math.hpp>
+#include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/policy/scaler.hpp>
+#include <contrastive/policy/temperature.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <string>
+#include <system_error>
+#include <type_traits>
+#include <vector>
+
+namespace contrastive
+{
+namespace distributed
+{
+template <class Element,
+          class Temperature = temperature::learnable,
+          class Scaler = scaler::static_scale,
+          class Algorithm = algorithm::fused,
+          class Comm = comm::local,
+          class Gemm = gemm::builtin>
+class loss
+{
+  static_assert(is_element_type_v<Element>, "Element must be float, __half or __nv_bfloat16");
+  static_assert(temperature::is_temperature_policy_v<Temperature>, "Temperature must be a temperature policy");
+  static_assert(scaler::is_scaler_policy_v<Scaler>, "Scaler must be a scaler policy");
+  static_assert(is_algorithm_v<Algorithm>,
+                "Algorithm must be algorithm::fused, algorithm::materialized or algorithm::chunked");
+  static_assert(is_communicator_v<Comm>,
+                "Comm must be a communicator (distributed::comm::local, or comm::mpi from "
+                "<contrastive/distributed/mpi.hpp>)");
+
+public:
+  using element_type = Element;
+  using problem_type = problem<Element>;
+
+  struct checkpoint
+  {
+    Temperature temperature;
+    Scaler scaler;
+    std::int64_t step;
+  };
+
+  /// Construct on every rank with the same policies (a communicator constructor may itself be a collective).
+  explicit loss(Comm comm = Comm{}, Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
+      : comm_(std::move(comm)), temperature_(t), scaler_(s), engine_(threads)
+  {
+  }
+
+  const Comm& communicator() const noexcept
+  {
+    return comm_;
+  }
+  const Temperature& temperature() const noexcept
+  {
+    return temperature_;
+  }
+  const Scaler& scaler() const noexcept
+  {
+    return scaler_;
+  }
+  std::int64_t steps() const noexcept
+  {
+    return step_;
+  }
+  float tau() const noexcept
+  {
+    return temperature_.tau();
+  }
+  float loss_scale() const noexcept
+  {
+    return scaler_.loss_scale();
+  }
+  /// algorithm::chunked: rows per chunk of this rank's block (see chunk_options).
+  void set_chunk(const chunk_options& o) noexcept
+  {
+    engine_.set_chunk(o);
+  }
+  /// The global batch of the last agreed step: total queries and keys, and this rank's first query and key index.
+  std::size_t global_queries() const noexcept
+  {
+    return n_q_total_;
+  }
+  std::size_t global_keys() const noexcept
+  {
+    return n_k_total_;
+  }
+  std::size_t query_offset() const noexcept
+  {
+    return q_off_;
+  }
+  std::size_t key_offset() const noexcept
+  {
+    return k_off_;
+  }
+  /// Host bytes held by this rank between steps: the engine, the gathered K, the float partials and statistics.
+  std::size_t bytes_held() const noexcept
+  {
+    return engine_.bytes_held() + k_all_.capacity() * sizeof(Element) + labels_.capacity() * sizeof(std::int32_t) +
+           (dq_f_.capacity() + dk_all_f_.capacity() + dk_f_.capacity() + col_a_.capacity() + col_b_.capacity() +
+            col_c_.capacity()) *
+               sizeof(float);
+  }
+
+  checkpoint save() const noexcept
+  {
+    checkpoint c;
+    std::memset(static_cast<void*>(&c), 0, sizeof c);
+    std::memcpy(static_cast<void*>(&c.temperature), &temperature_, sizeof temperature_);
+    std::memcpy(static_cast<void*>(&c.scaler), &scaler_, sizeof scaler_);
+    c.step = step_;
+    return c;
+  }
+
+  /// Restores this rank's state (local; restore the same checkpoint on every rank).
+  status restore(const checkpoint& c)
+  {
+    if (const char* why = c.temperature.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_temperature, "checkpoint.temperature", why};
+    }
+    if (const char* why = c.scaler.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_scaler, "checkpoint.scaler", why};
+    }
+    if (c.step < 0)
+    {
+      return {errc::invalid_argument, "checkpoint.step", "negative step count"};
+    }
+    // Bytes, padding included, so that save() after restore() reproduces the checkpoint exactly.
+    std::memcpy(static_cast<void*>(&temperature_), &c.temperature, sizeof temperature_);
+    std::memcpy(static_cast<void*>(&scaler_), &c.scaler, sizeof scaler_);
+    step_ = c.step;
+    return {};
+  }
+
+  /// Steps 1-3 of a training step over the global batch (collective). `p` is this rank's rows; dq and dk receive the
+  /// gradients of loss_scale * (global loss) for them. On error (on any rank) every rank returns an error and no
+  /// policy changes; a refused call writes nothing.
+  status forward_backward(const problem_type& p, Element* dq, Element* dk, step_record& rec)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(agree_on_problem(p, dq, dk));
+    const bool sym = p.obj == objective::symmetric;
+    const std::size_t d = p.dim;
+
+    // Buffers and the gathered keys (allocation failures are agreed on before any collective that needs them).
+    status alloc = guarded(
+        [&]
+        {
+          k_all_.resize(n_k_total_ * d);
+          labels_.resize(p.n_q);
+          dq_f_.resize(p.n_q * d);
+          dk_all_f_.resize(n_k_total_ * d);
+          dk_f_.resize(p.n_k * d);
+          col_a_.resize(sym ? n_k_total_ : 0);
+          col_b_.resize(sym ? 2 * n_k_total_ : 0);
+          col_c_.resize(sym ? n_k_total_ : 0);
+        });
+    CONTRASTIVE_RETURN_IF_ERROR(agree(alloc));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, k_rows_.data(), d * sizeof(Element), k_all_.data()));
+    for (std::size_t i = 0; i < p.n_q; ++i)
+    {
+      labels_[i] = static_cast<std::int32_t>(p.labels != nullptr ? p.labels[i] : q_off_ + i);
+    }
+    const problem_type block{p.q, k_all_.data(), p.n_q, n_k_total_, d, labels_.data(), p.obj};
+    const grad_coefficients gc = sym ? grad_coefficients{static_cast<float>(0.5 / double(n_q_total_)),
+                                                         static_cast<float>(0.5 / double(n_k_total_)),
+                                                         static_cast<float>(0.5 / double(n_q_total_)) +
+                                                             static_cast<float>(0.5 / double(n_k_total_))}
+                                     : grad_coefficients{static_cast<float>(1.0 / double(n_q_total_)),
+                                                         0.0f,
+                                                         static_cast<float>(1.0 / double(n_q_total_))};
+    engine_.set_block(true, gc);
+    CONTRASTIVE_RETURN_IF_ERROR(agree(guarded(
+        [&]
+        {
+          engine_.template prepare<Algorithm>(block);
+        })));
+
+    // Forward of the block; the symmetric loss's columns from every rank's partials.
+    const float ls = scaler_.loss_scale();
+    host::forward_result fr;
+    bool compute_failed = !guarded(
+                               [&]
+                               {
+                                 fr = engine_.template forward<Algorithm>(temperature_.scale());
+                               })
+                               .ok();
+    double col_loss_sum = 0.0;
+    if (sym)
+    {
+      CONTRASTIVE_RETURN_IF_ERROR(combine_columns(p.n_q, col_loss_sum));
+    }
+    host::backward_result br;
+    compute_failed |= !guarded(
+                           [&]
+                           {
+                             br = engine_.template backward<Algorithm>(ls, dq_f_.data(), dk_all_f_.data());
+                           })
+                           .ok();
+
+    // dK back to its owners, rounded once; dQ is complete here.
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(dk_all_f_.data(), dk_counts_.data(), dk_f_.data()));
+    const bool dq_bad = round_into(dq_f_.data(), p.n_q * d, dq);
+    const bool dk_bad = round_into(dk_f_.data(), p.n_k * d, dk);
+
+    // Per-rank results, combined in rank order on every rank.
+    double row_loss_sum = 0.0;
+    for (std::size_t i = 0; i < p.n_q; ++i)
+    {
+      row_loss_sum += static_cast<double>(engine_.row_losses()[i]);
+    }
+    const rank_result mine{row_loss_sum,
+                           static_cast<double>(br.grad_logit_scale),
+                           static_cast<double>(fr.max_logit),
+                           fr.logits_nonfinite ? 1.0 : 0.0,
+                           dq_bad ? 1.0 : 0.0,
+                           dk_bad ? 1.0 : 0.0,
+                           compute_failed ? 1.0 : 0.0,
+                           0.0};
+    std::vector<rank_result> all(static_cast<std::size_t>(comm_.size()));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, all.data()));
+    double rows = 0.0, dlogs = 0.0;
+    float max_logit = -detail::infinity_f;
+    bool logits_bad = false, any_dq_bad = false, any_dk_bad = false;
+    for (std::size_t r = 0; r < all.size(); ++r)
+    {
+      if (all[r].failed != 0.0)
+      {
+        return {errc::resource_exhausted,
+                "memory",
+                "rank " + std::to_string(r) + ": the host engine failed to allocate or start its threads mid-step"};
+      }
+      rows += all[r].row_loss_sum;
+      dlogs += all[r].dlogs;
+      max_logit = detail::max_nan(max_logit, static_cast<float>(all[r].max_logit));
+      logits_bad |= all[r].logits_bad != 0.0;
+      any_dq_bad |= all[r].dq_bad != 0.0;
+      any_dk_bad |= all[r].dk_bad != 0.0;
+    }
+    const double total =
+        sym ? 0.5 * (rows / double(n_q_total_) + col_loss_sum / double(n_k_total_)) : rows / double(n_q_total_);
+    rec = detail::make_record(
+        step_,
+        temperature_.tau(),
+        ls,
+        temperature_.wants_gradient(),
+        {static_cast<float>(total), max_logit, static_cast<float>(dlogs), logits_bad, any_dq_bad, any_dk_bad});
+    return {};
+  }
+
+  /// Multiplies this rank's own gradients by 1/loss_scale and records `parameters` if one is not finite (local; the
+  /// next `finish_step` makes every rank skip if any rank recorded a non-finite value).
+  status unscale_and_check(float* grads, std::size_t n, step_record& rec) const
+  {
+    if (!rec.pending)
+    {
+      return {errc::invalid_argument, "rec", "no step in progress (call forward_backward first)"};
+    }
+    if (grads == nullptr && n != 0)
+    {
+      return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
+    }
+    const float inv = detail::unscale_factor(rec.loss_scale);
+    float poison = 0.0f;
+    for (std::size_t i = 0; i < n; ++i)
+    {
+      const float g = grads[i] * inv;
+      poison += g * 0.0f;
+      grads[i] = g;
+    }
+    if (poison != 0.0f && rec.first_nonfinite == nonfinite_site::none)
+    {
+      rec.first_nonfinite = nonfinite_site::parameters;
+    }
+    return {};
+  }
+
+  /// Step 4 (collective): the ranks agree on the step's first non-finite site (the earliest in step order over all
+  /// ranks), then every rank runs the same scaler and temperature update.
+  status finish_step(step_record& rec)
+  {
+    const std::int32_t mine[2] = {rec.pending ? 1 : 0, static_cast<std::int32_t>(rec.first_nonfinite)};
+    std::vector<std::int32_t> all(2 * static_cast<std::size_t>(comm_.size()));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(mine, sizeof mine, all.data()));
+    std::int32_t site = static_cast<std::int32_t>(nonfinite_site::none);
+    for (int r = 0; r < comm_.size(); ++r)
+    {
+      if (all[2 * r] == 0)
+      {
+        return {errc::invalid_argument,
+                "rec",
+                "rank " + std::to_string(r) + ": no step in progress, or finish_step already called for it"};
+      }
+      const std::int32_t s = all[2 * r + 1];
+      if (s != static_cast<std::int32_t>(nonfinite_site::none) &&
+          (site == static_cast<std::int32_t>(nonfinite_site::none) || s < site))
+      {
+        site = s;
+      }
+    }
+    rec.first_nonfinite = static_cast<nonfinite_site>(site);
+    detail::finish_step<Element>(temperature_, scaler_, rec);
+    ++step_;
+    return {};
+  }
+
+  /// A whole step whose only gradients are dq and dk (collective).
+  status step(const problem_type& p, Element* dq, Element* dk, step_record& rec)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, rec));
+    return finish_step(rec);
+  }
+
+private:
+  /// What each rank contributes to the step record (all-gathered, combined in rank order).
+  struct rank_result
+  {
+    double row_loss_sum, dlogs, max_logit, logits_bad, dq_bad, dk_bad, failed, pad;
+  };
+  /// Each rank's shape and the outcome of its own checks.
+  struct shape_msg
+  {
+    std::int64_t n_q, n_k, dim, obj, has_labels, code;
+  };
+  /// A failing rank's status, broadcast to every rank.
+  struct status_msg
+  {
+    std::int32_t code;
+    char argument[60];
+    char message[448];
+  };
+
+  /// Every rank learns whether any rank failed; the first failing rank's status is returned everywhere.
+  status agree(const status& local)
+  {
+    const std::int32_t mine = static_cast<std::int32_t>(local.code());
+    std::vector<std::int32_t> codes(static_cast<std::size_t>(comm_.size()));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, codes.data()));
+    for (int r = 0; r < comm_.size(); ++r)
+    {
+      if (codes[static_cast<std::size_t>(r)] != 0)
+      {
+        return failure_of(r, local);
+      }
+    }
+    return {};
+  }
+
+  status failure_of(int r, const status& local)
+  {
+    status_msg m;
+    std::memset(&m, 0, sizeof m);
+    if (comm_.rank() == r)
+    {
+      m.code = static_cast<std::int32_t>(local.code());
+      std::strncpy(m.argument, local.argument().c_str(), sizeof m.argument - 1);
+      std::strncpy(m.message, local.message().c_str(), sizeof m.message - 1);
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.broadcast(&m, sizeof m, r));
+    return {static_cast<errc>(m.code), m.argument, "rank " + std::to_string(r) + ": " + std::string(m.message)};
+  }
+
+  /// Step 1: the ranks' shapes, every check, and one agreement.
+  status agree_on_problem(const problem_type& p, Element* dq, Element* dk)
+  {
+    status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
+    if (local.ok())
+    {
+      if (const char* why = temperature_.validate(); why[0] != '\0')
+      {
+        local = {errc::invalid_temperature, "temperature", why};
+      }
+      else if (const char* why2 = scaler_.validate(); why2[0] != '\0')
+      {
+        local = {errc::invalid_scaler, "scaler", why2};
+      }
+      else if (engine_.threads() > host::max_threads)
+      {
+        local = {errc::invalid_argument, "threads", "at most " + std::to_string(host::max_threads) + " threads"};
+      }
+    }
+    const shape_msg mine{static_cast<std::int64_t>(p.n_q),
+                         static_cast<std::int64_t>(p.n_k),
+                         static_cast<std::int64_t>(p.dim),
+                         static_cast<std::int64_t>(p.obj),
+                         p.labels != nullptr ? 1 : 0,
+                         static_cast<std::int64_t>(local.code())};
+    const std::size_t ranks = static_cast<std::size_t>(comm_.size());
+    std::vector<shape_msg> all(ranks);
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, all.data()));
+
+    // Global facts, computed identically on every rank; a disagreement is the first differing rank's error.
+    detail::checked_size nq_total(0), nk_total(0);
+    std::size_t q_off = 0, k_off = 0;
+    k_rows_.assign(ranks, 0);
+    dk_counts_.assign(ranks, 0);
+    int bad_rank = -1;
+    status global;
+    for (std::size_t r = 0; r < ranks; ++r)
+    {
+      const shape_msg& s = all[r];
+      if (r == static_cast<std::size_t>(comm_.rank()))
+      {
+        q_off = nq_total.value;
+        k_off = nk_total.value;
+      }
+      nq_total = nq_total + detail::checked_size(static_cast<std::size_t>(s.n_q));
+      nk_total = nk_total + detail::checked_size(static_cast<std::size_t>(s.n_k));
+      if (bad_rank >= 0 || s.code != 0)
+      {
+        continue;
+      }
+      const int rr = static_cast<int>(r);
+      if (s.dim != all[0].dim)
+      {
+        bad_rank = rr;
+        global = {errc::shape_mismatch,
+                  "dim",
+                  "dim = " + std::to_string(s.dim) + " where rank 0 has " + std::to_string(all[0].dim)};
+      }
+      else if (s.obj != all[0].obj || s.has_labels != all[0].has_labels)
+      {
+        bad_rank = rr;
+        global = {errc::invalid_argument, "obj", "objective or labels differ from rank 0's"};
+      }
+      else if (s.n_q > INT_MAX || s.n_k > INT_MAX ||
+               (detail::checked_size(static_cast<std::size_t>(s.n_k)) * static_cast<std::size_t>(s.dim)).value >
+                   static_cast<std::size_t>(INT_MAX))
+      {
+        bad_rank = rr;
+        global = {errc::size_overflow,
+                  "n_k",
+                  "n_k x dim = " + std::to_string(s.n_k) + " x " + std::to_string(s.dim) +
+                      " exceeds the int counts of the collectives on one rank"};
+      }
+      else
+      {
+        k_rows_[r] = static_cast<int>(s.n_k);
+        dk_counts_[r] = static_cast<int>(s.n_k * s.dim);
+      }
+    }
+    if (bad_rank < 0 && local.ok() && all[0].code == 0)
+    {
+      if (!nq_total.ok() || !nk_total.ok() || nk_total.value > static_cast<std::size_t>(INT_MAX))
+      {
+        bad_rank = 0;
+        global = {errc::size_overflow, "n_k", "the global batch exceeds 2^31 - 1 keys (int32 labels)"};
+      }
+      else if (p.obj == objective::info_nce && p.labels == nullptr && nq_total.value > nk_total.value)
+      {
+        bad_rank = 0;
+        global = {errc::shape_mismatch,
+                  "n_k",
+                  "global diagonal labels need n_q <= n_k over all ranks (" + std::to_string(nq_total.value) + " > " +
+                      std::to_string(nk_total.value) + ")"};
+      }
+    }
+    if (bad_rank == comm_.rank() && local.ok())
+    {
+      local = global; // a disagreement is reported by the first rank that differs
+    }
+    const bool any_failed = bad_rank >= 0 || std::any_of(all.begin(),
+                                                         all.end(),
+                                                         [](const shape_msg& s)
+                                                         {
+                                                           return s.code != 0;
+                                                         });
+    if (!any_failed)
+    {
+      n_q_total_ = nq_total.value;
+      n_k_total_ = nk_total.value;
+      q_off_ = q_off;
+      k_off_ = k_off;
+      local = checks_with_totals(p);
+    }
+    // Every rank reaches agree(); the first failing rank's status is broadcast to all.
+    return agree(local);
+  }
+
+  /// Checks that need the global sizes: labels against the global key count, finiteness, the engine's size.
+  status checks_with_totals(const problem_type& p)
+  {
+    if (p.labels != nullptr)
+    {
+      for (std::size_t i = 0; i < p.n_q; ++i)
+      {
+        if (p.labels[i] < 0 || static_cast<std::size_t>(p.labels[i]) >= n_k_total_)
+        {
+          return {errc::label_out_of_range,
+                  "labels",
+                  "labels[" + std::to_string(i) + "] = " + std::to_string(p.labels[i]) +
+                      " is outside the global keys [0, " + std::to_string(n_k_total_) + ")"};
+        }
+      }
+    }
+    const std::ptrdiff_t bad = engine_.first_nonfinite(p);
+    if (bad != 0)
+    {
+      const bool in_q = bad > 0;
+      const std::size_t idx = static_cast<std::size_t>((in_q ? bad : -bad) - 1);
+      const char* name = in_q ? "q" : "k";
+      return {errc::non_finite_input,
+              name,
+              std::string(name) + "[" + std::to_string(idx / p.dim) + "][" + std::to_string(idx % p.dim) +
+                  "] is not finite"};
+    }
+    const problem_type block{p.q, p.k, p.n_q, n_k_total_, p.dim, p.labels, p.obj};
+    const detail::checked_size bytes = engine_.template bytes_for<Algorithm>(block) +
+                                       detail::checked_size(n_k_total_) * p.dim * (sizeof(Element) + sizeof(float));
+    if (!bytes.ok())
+    {
+      return {errc::size_overflow, "n_k", "this rank's buffers for the global batch do not fit in size_t bytes"};
+    }
+    return {};
+  }
+
+  /// The symmetric loss's columns: each rank's partial column states over its rows, combined (max, then the
+  /// rescaled sums and the positives); returns the sum of the global column losses (identical on every rank).
+  status combine_columns(std::size_t n_local, double& col_loss_sum)
+  {
+    const std::size_t n = n_k_total_;
+    const std::vector<float>& part_max = engine_.block_column_max();
+    const std::vector<float>& part_sum = engine_.block_column_sum();
+    std::copy(part_max.begin(), part_max.end(), col_a_.begin());
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(col_a_.data(), n, reduce_op::max));
+    float* sums = col_b_.data();
+    float* pos = col_b_.data() + n;
+    for (std::size_t j = 0; j < n; ++j)
+    {
+      online_lse s{part_max[j], part_sum[j]};
+      s.rebase(col_a_[j] == -detail::infinity_f ? s.max : col_a_[j]);
+      sums[j] = s.max == -detail::infinity_f ? 0.0f : s.sum;
+      pos[j] = 0.0f;
+    }
+    // Column j's positive is global query j: owned by the rank whose queries start at q_off_.
+    for (std::size_t i = 0; i < n_local; ++i)
+    {
+      pos[q_off_ + i] = engine_.positives()[i];
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(col_b_.data(), 2 * n, reduce_op::sum));
+    col_loss_sum = 0.0;
+    for (std::size_t j = 0; j < n; ++j)
+    {
+      const contrastive::row_loss rl = finish_row(online_lse{col_a_[j], sums[j]}, pos[j]);
+      col_a_[j] = rl.lse;
+      col_c_[j] = rl.loss;
+      col_loss_sum += static_cast<double>(rl.loss);
+    }
+    engine_.set_columns(col_a_.data(), col_c_.data());
+    return {};
+  }
+
+  /// Rounds float gradients to the element type; returns whether any result is non-finite.
+  static bool round_into(const float* in, std::size_t n, Element* out) noexcept
+  {
+    float poison = 0.0f;
+    for (std::size_t i = 0; i < n; ++i)
+    {
+      const Element v = element_traits<Element>::from_float(in[i]);
+      poison += element_traits<Element>::to_float(v) * 0.0f;
+      out[i] = v;
+    }
+    return poison != 0.0f;
+  }
+
+  /// Runs `f` (allocation or engine work) and turns an exception into a status: nothing escapes to the caller.
+  template <class F>
+  status guarded(F&& f)
+  {
+    try
+    {
+      f();
+      return {};
+    }
+    catch (const std::bad_alloc&)
+    {
+      engine_.release();
+      return {errc::resource_exhausted, "memory", "a buffer of the distributed loss could not be allocated"};
+    }
+    catch (const std::length_error&)
+    {
+      engine_.release();
+      return {errc::resource_exhausted, "memory", "a buffer of the distributed loss exceeds the largest allocation"};
+    }
+    catch (const std::system_error& e)
+    {
+      return {errc::resource_exhausted, "threads", std::string("the system refused a resource: ") + e.what()};
+    }
+    catch (...)
+    {
+      engine_.release();
+      return {errc::resource_exhausted, "memory", "an allocation failed"};
+    }
+  }
+
+  Comm comm_;
+  Temperature temperature_;
+  Scaler scaler_;
+  host::engine<Element, Gemm> engine_;
+  std::int64_t step_ = 0;
+  std::size_t n_q_total_ = 0, n_k_total_ = 0, q_off_ = 0, k_off_ = 0;
+  std::vector<int> k_rows_, dk_counts_;
+  std::vector<Element> k_all_;
+  std::vector<std::int32_t> labels_;
+  std::vector<float> dq_f_, dk_all_f_, dk_f_, col_a_, col_b_, col_c_;
+};
+} // namespace distributed
+} // namespace contrastive

@@ -1,0 +1,386 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+// distributed::loss against the one-process loss on the concatenated batch. Built twice: with comm::local (always;
+// one rank, no MPI) and, when MPI is found, with comm::mpi and run by ctest under mpiexec with 2 and 4 ranks
+// (-DCONTRASTIVE_TEST_MPI). Every rank builds the same global batch from the same seed and checks its own slice.
+#include "test_util.hpp"
+
+#include <contrastive/contrastive.hpp>
+#include <contrastive/distributed/loss.hpp>
+
+#if defined(CONTRASTIVE_TEST_MPI)
+#include <contrastive/distributed/mpi.hpp>
+#include <mpi.h>
+#endif
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace cl = contrastive;
+namespace ct = contrastive_test;
+
+namespace
+{
+#if defined(CONTRASTIVE_TEST_MPI)
+using comm_t = cl::distributed::comm::mpi;
+int world_rank()
+{
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size()
+{
+  int s = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+#else
+using comm_t = cl::distributed::comm::local;
+int world_rank()
+{
+  return 0;
+}
+int world_size()
+{
+  return 1;
+}
+#endif
+
+/// Rank r's share of n rows: unequal on purpose (the first n % ranks ranks get one more).
+struct split
+{
+  std::size_t offset, count;
+};
+split share(std::size_t n, int rank, int ranks)
+{
+  const std::size_t base = n / ranks, extra = n % ranks;
+  const std::size_t r = static_cast<std::size_t>(rank);
+  return {r * base + std::min(r, extra), base + (r < extra ? 1 : 0)};
+}
+
+template <class T>
+std::vector<T> rows_of(const std::vector<T>& all, split s, std::size_t dim)
+{
+  return std::vector<T>(all.begin() + s.offset * dim, all.begin() + (s.offset + s.count) * dim);
+}
+
+cl::scaler::dynamic scaler_at(float scale)
+{
+  cl::scaler::dynamic d = cl::scaler::dynamic::torch();
+  d.scale = scale;
+  d.growth_interval = 3;
+  return d;
+}
+
+/// Largest |got - want| over the largest |want|, both in the element type's values.
+template <class T>
+double rel_diff(const std::vector<T>& got, const std::vector<T>& want)
+{
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+  {
+    const double g = cl::element_traits<T>::to_float(got[i]), w = cl::element_traits<T>::to_float(want[i]);
+    num = std::max(num, std::fabs(g - w));
+    den = std::max(den, std::fabs(w));
+  }
+  return den == 0.0 ? num : num / den;
+}
+
+template <class T, class Algorithm>
+void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed)
+{
+  const int rank = world_rank(), ranks = world_size();
+  const std::size_t n_q = 4 * static_cast<std::size_t>(ranks) + 3;
+  const std::size_t n_k = obj == cl::objective::symmetric ? n_q : n_q + 5 * static_cast<std::size_t>(ranks) + 1;
+  const std::size_t dim = 24;
+  SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " " + Algorithm::name + " " + cl::to_string(obj) +
+               (labels ? " labels" : "") + " ranks " + std::to_string(ranks));
+  const auto q = ct::random_rows<T>(n_q, dim, seed);
+  const auto k = ct::random_rows<T>(n_k, dim, seed + 1);
+  const auto all_labels = ct::random_labels(n_q, n_k, seed + 2);
+  const split sq = share(n_q, rank, ranks), sk = share(n_k, rank, ranks);
+  const auto q_mine = rows_of(q, sq, dim), k_mine = rows_of(k, sk, dim);
+  const std::vector<std::int32_t> labels_mine(all_labels.begin() + sq.offset,
+                                              all_labels.begin() + sq.offset + sq.count);
+  const float scale = std::is_same_v<T, float> ? 1.0f : 256.0f;
+  const auto temp = cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f));
+
+  cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm> one(temp, scaler_at(scale), 1);
+  cl::distributed::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm, comm_t> dist(
+      comm_t{}, temp, scaler_at(scale), 1);
+  for (int step = 0; step < 2; ++step)
+  {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<T> dq1(n_q * dim), dk1(n_k * dim), dq(sq.count * dim), dk(sk.count * dim);
+    cl::step_record r1, r;
+    ASSERT_TRUE(one.step({q.data(), k.data(), n_q, n_k, dim, labels ? all_labels.data() : nullptr, obj},
+                         dq1.data(),
+                         dk1.data(),
+                         r1)
+                    .ok());
+    const cl::status st =
+        dist.step({q_mine.data(), k_mine.data(), sq.count, sk.count, dim, labels ? labels_mine.data() : nullptr, obj},
+                  dq.data(),
+                  dk.data(),
+                  r);
+    ASSERT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(dist.global_queries(), n_q);
+    EXPECT_EQ(dist.global_keys(), n_k);
+    // Float: the 1e-6; 16-bit: the same float results rounded once more or less (one unit of T).
+    const double tol = std::is_same_v<T, float> ? 1e-6 : 2.0 * ct::tolerance<T, Algorithm>::u_t;
+    EXPECT_NEAR(r.loss, r1.loss, 1e-6 * std::fabs(r1.loss));
+    EXPECT_LE(rel_diff(dq, rows_of(dq1, sq, dim)), tol);
+    EXPECT_LE(rel_diff(dk, rows_of(dk1, sk, dim)), tol);
+    EXPECT_NEAR(r.grad_logit_scale, r1.grad_logit_scale, 1e-5 * (1.0 + std::fabs(r1.grad_logit_scale)));
+    EXPECT_EQ(r.max_logit, r1.max_logit);
+    EXPECT_EQ(r.skipped, r1.skipped);
+    EXPECT_EQ(r.first_nonfinite, r1.first_nonfinite);
+    EXPECT_EQ(dist.tau(), one.tau());
+    EXPECT_EQ(dist.loss_scale(), one.loss_scale());
+  }
+}
+} // namespace
+
+TEST(Distributed, MatchesOneProcessOnTheConcatenatedBatch)
+{
+  std::uint32_t seed = 300;
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce})
+  {
+    for (bool labels : {false, true})
+    {
+      if (obj == cl::objective::symmetric && labels)
+      {
+        continue;
+      }
+      matches_one_process<float, cl::algorithm::fused>(obj, labels, seed += 7);
+      matches_one_process<float, cl::algorithm::materialized>(obj, labels, seed += 7);
+      matches_one_process<float, cl::algorithm::chunked>(obj, labels, seed += 7);
+      matches_one_process<__half, cl::algorithm::fused>(obj, labels, seed += 7);
+      matches_one_process<__half, cl::algorithm::materialized>(obj, labels, seed += 7);
+      matches_one_process<__nv_bfloat16, cl::algorithm::fused>(obj, labels, seed += 7);
+      matches_one_process<__nv_bfloat16, cl::algorithm::chunked>(obj, labels, seed += 7);
+    }
+  }
+}
+
+// A non-finite gradient found by one rank's unscale_and_check skips the step on every rank, and the policies stay in
+// lockstep (tau unchanged, the scaler backed off everywhere).
+TEST(Distributed, NonFiniteOnOneRankSkipsTheStepOnAll)
+{
+  const int rank = world_rank(), ranks = world_size();
+  const std::size_t n = 8 * static_cast<std::size_t>(ranks), dim = 16;
+  const auto q = ct::random_rows<float>(n, dim, 41), k = ct::random_rows<float>(n, dim, 42);
+  const split s = share(n, rank, ranks);
+  const auto qm = rows_of(q, s, dim), km = rows_of(k, s, dim);
+  cl::distributed::loss<float, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused, comm_t> dist(
+      comm_t{}, cl::temperature::learnable(0.07f), scaler_at(1024.0f));
+  std::vector<float> dq(s.count * dim), dk(s.count * dim);
+  cl::step_record rec;
+  ASSERT_TRUE(dist.forward_backward({qm.data(), km.data(), s.count, s.count, dim, nullptr, cl::objective::symmetric},
+                                    dq.data(),
+                                    dk.data(),
+                                    rec)
+                  .ok());
+  std::vector<float> own(5, 1.0f);
+  if (rank == ranks - 1)
+  {
+    own[2] = NAN;
+  }
+  ASSERT_TRUE(dist.unscale_and_check(own.data(), own.size(), rec).ok());
+  const float tau = dist.tau();
+  ASSERT_TRUE(dist.finish_step(rec).ok());
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::parameters);
+  EXPECT_EQ(dist.tau(), tau);
+  EXPECT_EQ(dist.loss_scale(), 512.0f);
+  EXPECT_EQ(dist.steps(), 1);
+}
+
+// Bad input on one rank is reported on every rank, naming the rank, and changes nothing anywhere (no deadlock: the
+// ctest timeout bounds this test).
+TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
+{
+  const int rank = world_rank(), ranks = world_size();
+  const int culprit = ranks - 1;
+  const std::size_t n = 6 * static_cast<std::size_t>(ranks), dim = 12;
+  const auto q = ct::random_rows<float>(n, dim, 51), k = ct::random_rows<float>(n, dim, 52);
+  const split s = share(n, rank, ranks);
+  auto qm = rows_of(q, s, dim), km = rows_of(k, s, dim);
+  cl::distributed::loss<float, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused, comm_t> dist(
+      comm_t{}, cl::temperature::learnable(0.07f), scaler_at(64.0f));
+  const auto before = dist.save();
+  std::vector<float> dq(s.count * dim, 7.0f), dk(s.count * dim, 7.0f);
+  auto expect_refused = [&](const cl::problem<float>& p, cl::errc code, const char* argument)
+  {
+    cl::step_record rec;
+    const cl::status st = dist.step(p, dq.data(), dk.data(), rec);
+    EXPECT_EQ(st.code(), code) << st.message();
+    EXPECT_EQ(st.argument(), argument);
+    EXPECT_NE(st.message().find("rank " + std::to_string(culprit) + ":"), std::string::npos) << st.message();
+    const auto after = dist.save();
+    EXPECT_EQ(std::memcmp(&before, &after, sizeof before), 0);
+    for (float v : dq)
+    {
+      ASSERT_EQ(v, 7.0f);
+    }
+    for (float v : dk)
+    {
+      ASSERT_EQ(v, 7.0f);
+    }
+  };
+  const cl::problem<float> good{qm.data(), km.data(), s.count, s.count, dim, nullptr, cl::objective::symmetric};
+
+  // A non-finite key on the culprit.
+  if (rank == culprit)
+  {
+    km[3] = INFINITY;
+  }
+  expect_refused(good, cl::errc::non_finite_input, "k");
+  km = rows_of(k, s, dim);
+
+  // A different feature width on the culprit (with one rank there is nothing to differ from).
+  cl::problem<float> p = good;
+  if (ranks > 1)
+  {
+    if (rank == culprit)
+    {
+      p.dim = dim - 1;
+    }
+    expect_refused(p, cl::errc::shape_mismatch, "dim");
+  }
+
+  // A label outside the global key range on the culprit (info_nce).
+  std::vector<std::int32_t> labels(s.count, 0);
+  if (rank == culprit)
+  {
+    labels[0] = static_cast<std::int32_t>(n);
+  }
+  p = good;
+  p.obj = cl::objective::info_nce;
+  p.labels = labels.data();
+  expect_refused(p, cl::errc::label_out_of_range, "labels");
+
+  // A null output on the culprit.
+  cl::step_record rec;
+  const cl::status st = dist.step(good, rank == culprit ? nullptr : dq.data(), dk.data(), rec);
+  EXPECT_EQ(st.code(), cl::errc::null_pointer);
+  EXPECT_NE(st.message().find("rank " + std::to_string(culprit) + ":"), std::string::npos);
+
+  // And the loss still works afterwards.
+  EXPECT_TRUE(dist.step(good, dq.data(), dk.data(), rec).ok());
+}
+
+// save/restore round-trips on every rank: a restored loss continues bit for bit.
+TEST(Distributed, SaveRestoreRoundTrips)
+{
+  const int rank = world_rank(), ranks = world_size();
+  const std::size_t n = 5 * static_cast<std::size_t>(ranks) + 1, dim = 20;
+  const auto q = ct::random_rows<__nv_bfloat16>(n, dim, 61), k = ct::random_rows<__nv_bfloat16>(n, dim, 62);
+  const split s = share(n, rank, ranks);
+  const auto qm = rows_of(q, s, dim), km = rows_of(k, s, dim);
+  using L = cl::distributed::
+      loss<__nv_bfloat16, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::chunked, comm_t>;
+  L a(comm_t{}, cl::temperature::learnable(0.05f), scaler_at(128.0f));
+  const cl::problem<__nv_bfloat16> p{qm.data(), km.data(), s.count, s.count, dim, nullptr, cl::objective::symmetric};
+  std::vector<__nv_bfloat16> dq(s.count * dim), dk(s.count * dim), dq2(s.count * dim), dk2(s.count * dim);
+  cl::step_record r, r2;
+  for (int i = 0; i < 3; ++i)
+  {
+    ASSERT_TRUE(a.step(p, dq.data(), dk.data(), r).ok());
+  }
+  L b(comm_t{}, cl::temperature::learnable(0.5f), scaler_at(2.0f));
+  ASSERT_TRUE(b.restore(a.save()).ok());
+  const auto sa = a.save(), sb = b.save();
+  EXPECT_EQ(std::memcmp(&sa, &sb, sizeof sa), 0);
+  ASSERT_TRUE(a.step(p, dq.data(), dk.data(), r).ok());
+  ASSERT_TRUE(b.step(p, dq2.data(), dk2.data(), r2).ok());
+  EXPECT_EQ(r.loss, r2.loss);
+  EXPECT_EQ(r.grad_logit_scale, r2.grad_logit_scale);
+  EXPECT_EQ(std::memcmp(dq.data(), dq2.data(), dq.size() * sizeof dq[0]), 0);
+  EXPECT_EQ(std::memcmp(dk.data(), dk2.data(), dk.size() * sizeof dk[0]), 0);
+  EXPECT_EQ(a.tau(), b.tau());
+}
+
+// Per rank, materialized holds its n_local x N block of logits and fused no N x N data at all.
+TEST(Distributed, MemoryPerRank)
+{
+  const int rank = world_rank(), ranks = world_size();
+  const std::size_t n = 1024, dim = 16;
+  const auto q = ct::random_rows<float>(n, dim, 71), k = ct::random_rows<float>(n, dim, 72);
+  const split s = share(n, rank, ranks);
+  const auto qm = rows_of(q, s, dim), km = rows_of(k, s, dim);
+  const cl::problem<float> p{qm.data(), km.data(), s.count, s.count, dim, nullptr, cl::objective::symmetric};
+  std::vector<float> dq(s.count * dim), dk(s.count * dim);
+  cl::step_record r;
+  cl::distributed::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::materialized, comm_t> m(
+      comm_t{}, cl::temperature::fixed(0.1f), {}, 1);
+  cl::distributed::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused, comm_t> f(
+      comm_t{}, cl::temperature::fixed(0.1f), {}, 1);
+  ASSERT_TRUE(m.step(p, dq.data(), dk.data(), r).ok());
+  ASSERT_TRUE(f.step(p, dq.data(), dk.data(), r).ok());
+  const std::size_t block = s.count * n * sizeof(float);
+  EXPECT_GE(m.bytes_held(), block);
+  EXPECT_LT(m.bytes_held(), block + 64 * n * dim * sizeof(float) + (std::size_t(4) << 20));
+  EXPECT_LT(f.bytes_held(), 64 * n * dim * sizeof(float) + (std::size_t(4) << 20));
+  if (rank == 0)
+  {
+    std::printf("per rank (%d ranks, N = %zu, D = %zu, float): materialized %zu bytes, fused %zu bytes\n",
+                ranks,
+                n,
+                dim,
+                m.bytes_held(),
+                f.bytes_held());
+  }
+}
+
+#if defined(CONTRASTIVE_TEST_MPI)
+namespace
+{
+/// On ranks other than 0 only failures are printed, prefixed with the rank.
+class failure_printer : public ::testing::EmptyTestEventListener
+{
+  void OnTestPartResult(const ::testing::TestPartResult& r) override
+  {
+    if (r.failed())
+    {
+      std::fprintf(stderr,
+                   "rank %d: %s:%d: failure\n%s\n",
+                   world_rank(),
+                   r.file_name() ? r.file_name() : "?",
+                   r.line_number(),
+                   r.summary());
+    }
+  }
+};
+} // namespace
+#endif
+
+int main(int argc, char** argv)
+{
+#if defined(CONTRASTIVE_TEST_MPI)
+  MPI_Init(&argc, &argv);
+#endif
+  ::testing::InitGoogleTest(&argc, argv);
+#if defined(CONTRASTIVE_TEST_MPI)
+  if (world_rank() != 0)
+  {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new failure_printer);
+  }
+#endif
+  int rc = RUN_ALL_TESTS();
+#if defined(CONTRASTIVE_TEST_MPI)
+  int any = 0;
+  MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  rc = any;
+  MPI_Finalize();
+#endif
+  return rc;
+}
