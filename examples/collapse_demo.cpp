@@ -69,6 +69,10 @@ int main(int argc, char** argv)
               static_cast<unsigned long long>(s.seed),
               cd::to_string(s.scaler),
               s.eval_pairs);
+  if (s.beta2 != cd::settings{}.beta2)
+  {
+    std::printf("encoders' Adam beta2 %g\n\n", s.beta2);
+  }
   std::fflush(stdout);
 
   std::vector<cd::run_result> results;

@@ -227,3 +227,22 @@ TEST(CollapseDemo, OptionTableParsesAndDocumentsEveryOption)
     }
   }
 }
+
+TEST(CollapseDemo, OpenClipPresetSetsOpenClipsOptimiser)
+{
+  cd::cli_options o;
+  std::string why;
+  const char* argv[] = {"collapse_demo", "--preset", "open_clip", "--steps", "7"};
+  ASSERT_TRUE(cd::parse_args(5, argv, o, why)) << why;
+  EXPECT_EQ(o.s.lr, 5e-4f);
+  EXPECT_EQ(o.s.tau_lr, 5e-4f);
+  EXPECT_EQ(o.s.beta2, 0.98);
+  EXPECT_EQ(o.s.tau_beta2, 0.98f);
+  EXPECT_EQ(o.s.steps, 7) << "a later option overrides the preset";
+  EXPECT_TRUE(cd::validate(o.s).empty());
+  cd::settings s;
+  EXPECT_FALSE(cd::apply_preset("no_such_preset", s));
+  ASSERT_TRUE(cd::apply_preset("default", s));
+  EXPECT_EQ(s.tau_lr, 1.0f);
+  EXPECT_EQ(s.tau_beta2, 0.9f);
+}

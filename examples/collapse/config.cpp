@@ -87,6 +87,11 @@ bool parse_policy(const std::string& s, policy_kind& out)
     out = policy_kind::guard;
     return true;
   }
+  if (s == "freeze_then_learn")
+  {
+    out = policy_kind::scheduled;
+    return true;
+  }
   return false;
 }
 
@@ -174,6 +179,27 @@ std::vector<run_config> default_runs()
       {e::f16, p::learnable, a::fused},
       {e::f16, p::guard, a::materialized},
   };
+}
+
+bool apply_preset(const std::string& name, settings& s)
+{
+  if (name == "default")
+  {
+    s = settings{};
+    return true;
+  }
+  if (name == "open_clip")
+  {
+    s = settings{};
+    s.steps = 20000;
+    s.lr = 5e-4f;
+    s.beta2 = 0.98;
+    s.tau_lr = 5e-4f;
+    s.tau_beta2 = 0.98f;
+    s.eval_every = 500;
+    return true;
+  }
+  return false;
 }
 
 std::string validate(const settings& s)

@@ -23,7 +23,7 @@ enum class policy_kind
   fixed,
   learnable,
   clamped,
-  scheduled,
+  scheduled, ///< temperature::freeze_then_learn (the demo keeps the name its table has always printed)
   guard,
 };
 enum class algorithm_kind
@@ -97,6 +97,12 @@ struct settings
   std::int64_t collapse_window = 50; ///< a run that ends with this many consecutive skipped steps has collapsed
   unsigned threads = 1;              ///< threads of the loss engine; 1 keeps runs bit-reproducible (0: all cores)
 };
+
+/// Named settings. "default": the fast reproduction (the values above; its tau optimiser, Adam lr 1.0 and beta2 0.9,
+/// is accelerated so that the drift of tau over a long CLIP run fits in 1200 steps). "open_clip": open_clip's
+/// optimiser settings (Adam lr 5e-4, beta1 0.9, beta2 0.98 for the encoders and for log(1/tau) alike) over 20000
+/// steps, the rest as the default. Returns false for an unknown name (and leaves `s` alone).
+bool apply_preset(const std::string& name, settings& s);
 
 /// Checks the settings; returns an empty string or what is wrong.
 std::string validate(const settings& s);
