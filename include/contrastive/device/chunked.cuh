@@ -352,6 +352,255 @@ struct handle_guard
     }
   }
 };
+
+/// One chunked step's work on a problem whose workspace is laid out by `layout`, phase by phase, so that the
+/// single-process loss and the distributed one (distributed/nccl.cuh) share it. `p.labels` (device) give each row's
+/// positive column (null: the diagonal); `gc` the gradient coefficients (the problem's own, or the global batch's).
+/// The caller has entered the handle (handle_guard) and orders the phases:
+///   begin -> [symmetric: forward_all -> column statistics (finish_columns_local, or combined across ranks)]
+///         -> backward_all -> store_dk -> reduce_local -> a finish kernel.
+template <class Element>
+struct runner
+{
+  static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
+
+  problem<Element> p;
+  layout w;
+  char* base;
+  cublasHandle_t handle;
+  cudaStream_t stream;
+  grad_coefficients gc;
+  bool sym;
+  float up, down; // 2^k and 2^-k around the element-type G (fp16 only; else 1)
+  chunk_args a;
+
+  runner(const problem<Element>& prob,
+         const layout& lay,
+         void* d_temp,
+         cublasHandle_t h,
+         cudaStream_t s,
+         const grad_coefficients& coef)
+      : p(prob), w(lay), base(static_cast<char*>(d_temp)), handle(h), stream(s), gc(coef),
+        sym(prob.obj == objective::symmetric)
+  {
+    const int shift = gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
+    up = std::ldexp(1.0f, shift);
+    down = std::ldexp(1.0f, -shift);
+    a.logits = f(w.logits);
+    a.ld = static_cast<long long>(w.ld);
+    a.n_k = static_cast<int>(p.n_k);
+    a.labels = p.labels;
+    a.scalars = scalars();
+    a.row_lse = f(w.row_lse);
+    a.row_loss = f(w.row_loss);
+    a.row_max = f(w.row_max);
+    a.pos = f(w.pos);
+    a.col_max = f(w.col_max);
+    a.col_sum = f(w.col_sum);
+    a.col_lse = f(w.col_lse);
+    a.col_loss = f(w.col_loss);
+    a.flags = flags();
+  }
+
+  float* f(std::size_t off) const noexcept
+  {
+    return reinterpret_cast<float*>(base + off);
+  }
+  kernels::step_scalars* scalars() const noexcept
+  {
+    return reinterpret_cast<kernels::step_scalars*>(base + w.scalars);
+  }
+  kernels::step_sums* sums() const noexcept
+  {
+    return reinterpret_cast<kernels::step_sums*>(base + w.sums);
+  }
+  int* flags() const noexcept
+  {
+    return reinterpret_cast<int*>(base + w.flags);
+  }
+  float* dk_accumulator() const noexcept
+  {
+    return f(w.dk);
+  }
+  int dim() const noexcept
+  {
+    return static_cast<int>(p.dim);
+  }
+  void* grad() const noexcept
+  {
+    return sixteen_bit ? static_cast<void*>(base + w.grad) : static_cast<void*>(f(w.logits));
+  }
+
+  /// Clears the flags and reads tau and the loss scale from the state (prologue kernel).
+  template <class State>
+  cudaError_t begin(State* d_state)
+  {
+    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags(), 0, 3 * sizeof(int), stream));
+    kernels::prologue<State><<<1, 1, 0, stream>>>(d_state, scalars());
+    return cudaPeekAtLastError();
+  }
+
+  /// S_c^T (column-major n_k x rows) = K (d x n_k)^T Q_c (d x rows).
+  cudaError_t logits_product(std::size_t c0, int rows)
+  {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t et = cuda_type<Element>();
+    return from_cublas(cublasGemmEx(handle,
+                                    CUBLAS_OP_T,
+                                    CUBLAS_OP_N,
+                                    a.n_k,
+                                    rows,
+                                    dim(),
+                                    &one,
+                                    p.k,
+                                    et,
+                                    dim(),
+                                    p.q + c0 * p.dim,
+                                    et,
+                                    dim(),
+                                    &zero,
+                                    f(w.logits),
+                                    CUDA_R_32F,
+                                    static_cast<int>(w.ld),
+                                    CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  }
+
+  cudaError_t forward_chunk(std::size_t c0, int rows)
+  {
+    CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+    row_statistics<<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    if (sym)
+    {
+      column_partials<<<static_cast<unsigned>((a.n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
+          a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    }
+    return cudaSuccess;
+  }
+
+  /// G_c, dQ_c (scaled, rounded into dq's rows, <dQ_i, q_i> kept), dK += G_c^T Q_c (float accumulator).
+  cudaError_t backward_chunk(std::size_t c0, int rows, Element* dq)
+  {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t et = cuda_type<Element>();
+    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
+    const dim3 grid(static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)),
+                    static_cast<unsigned>(std::min(rows, 65535)));
+    chunk_gradient<Element><<<grid, threads, 0, stream>>>(
+        a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad()));
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
+    CONTRASTIVE_CUDA_TRY(from_cublas(cublasGemmEx(handle,
+                                                  CUBLAS_OP_N,
+                                                  CUBLAS_OP_N,
+                                                  dim(),
+                                                  rows,
+                                                  a.n_k,
+                                                  &down,
+                                                  p.k,
+                                                  et,
+                                                  dim(),
+                                                  grad(),
+                                                  gt,
+                                                  static_cast<int>(w.ld),
+                                                  &zero,
+                                                  f(w.dq),
+                                                  CUDA_R_32F,
+                                                  dim(),
+                                                  CUBLAS_COMPUTE_32F,
+                                                  CUBLAS_GEMM_DEFAULT)));
+    store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+        f(w.dq), dim(), p.q + c0 * p.dim, dq + c0 * p.dim, scalars(), f(w.row_dot) + c0, flags() + 1);
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    // dK^T (d x n_k) += Q_c^T (d x rows) G_c (rows x n_k), times 2^-k; the first chunk starts the accumulator.
+    const float* beta = c0 == 0 ? &zero : &one;
+    return from_cublas(cublasGemmEx(handle,
+                                    CUBLAS_OP_N,
+                                    CUBLAS_OP_T,
+                                    dim(),
+                                    a.n_k,
+                                    rows,
+                                    &down,
+                                    p.q + c0 * p.dim,
+                                    et,
+                                    dim(),
+                                    grad(),
+                                    gt,
+                                    static_cast<int>(w.ld),
+                                    beta,
+                                    f(w.dk),
+                                    CUDA_R_32F,
+                                    dim(),
+                                    CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  }
+
+  /// Symmetric, pass 1: every chunk's row statistics and column partials (col_max / col_sum: each column's
+  /// negatives over this problem's rows).
+  cudaError_t forward_all()
+  {
+    for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
+    {
+      CONTRASTIVE_CUDA_TRY(forward_chunk(c0, static_cast<int>(std::min(w.chunk_rows, p.n_q - c0))));
+    }
+    return cudaSuccess;
+  }
+
+  /// One process: each column's log-sum-exp and loss from its negatives and its positive (row j's).
+  cudaError_t finish_columns_local()
+  {
+    finish_columns<<<static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)), threads, 0, stream>>>(a);
+    return cudaPeekAtLastError();
+  }
+
+  /// Symmetric, pass 2 (S_c recomputed unless one chunk holds every row); info_nce: forward and backward per chunk.
+  cudaError_t backward_all(Element* dq)
+  {
+    const bool one_chunk = w.chunk_rows >= p.n_q;
+    for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
+    {
+      const int rows = static_cast<int>(std::min(w.chunk_rows, p.n_q - c0));
+      if (!sym)
+      {
+        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
+      }
+      else if (!one_chunk)
+      {
+        CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+      }
+      CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows, dq));
+    }
+    return cudaSuccess;
+  }
+
+  /// dK rows (`rows` x dim float, unscaled) times loss_scale * s, rounded into dk; flags a non-finite value.
+  cudaError_t store_dk(const float* acc, Element* dk, std::size_t rows)
+  {
+    store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+        acc, dim(), static_cast<const Element*>(nullptr), dk, scalars(), nullptr, flags() + 2);
+    return cudaPeekAtLastError();
+  }
+
+  /// This problem's sums (row losses, column losses when symmetric, <dQ, Q>) and max logit, into sums().
+  cudaError_t reduce_local()
+  {
+    void* tmp = base + w.cub;
+    std::size_t bytes = w.cub_bytes;
+    const int n_q = static_cast<int>(p.n_q);
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.row_loss, &sums()->row_loss, n_q, stream));
+    if (sym)
+    {
+      bytes = w.cub_bytes;
+      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.col_loss, &sums()->col_loss, a.n_k, stream));
+    }
+    bytes = w.cub_bytes;
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, f(w.row_dot), &sums()->dlogs, n_q, stream));
+    bytes = w.cub_bytes;
+    return detail::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
+  }
+};
 } // namespace chunked_detail
 
 /// The device loss with algorithm::chunked (see the file comment). make_state, unscale_and_check and finish_step are
@@ -463,187 +712,24 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     }
     cd::handle_guard guard{handle};
     CONTRASTIVE_CUDA_TRY(cd::from_cublas(guard.enter(stream)));
-
-    char* base = static_cast<char*>(d_temp);
-    auto f = [&](std::size_t off)
+    cd::runner<Element> run(p, w, d_temp, handle, stream, make_grad_coefficients(p.obj, p.n_q, p.n_k));
+    CONTRASTIVE_CUDA_TRY(run.begin(d_state));
+    if (run.sym)
     {
-      return reinterpret_cast<float*>(base + off);
-    };
-    auto* scalars = reinterpret_cast<kernels::step_scalars*>(base + w.scalars);
-    auto* sums = reinterpret_cast<kernels::step_sums*>(base + w.sums);
-    int* flags = reinterpret_cast<int*>(base + w.flags);
-    const bool sym = p.obj == objective::symmetric;
-    const int n_q = static_cast<int>(p.n_q), n_k = static_cast<int>(p.n_k), dim = static_cast<int>(p.dim);
-    const grad_coefficients gc = make_grad_coefficients(p.obj, p.n_q, p.n_k);
-    const int shift = cd::gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
-    const float up = std::ldexp(1.0f, shift), down = std::ldexp(1.0f, -shift);
-    const std::size_t B = w.chunk_rows;
-    const bool one_chunk = B >= p.n_q;
-    float* logits = f(w.logits);
-    void* grad = sixteen_bit ? static_cast<void*>(base + w.grad) : static_cast<void*>(logits);
-    const cudaDataType_t et = cd::cuda_type<Element>();
-    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
-
-    cd::chunk_args a;
-    a.logits = logits;
-    a.ld = static_cast<long long>(w.ld);
-    a.n_k = n_k;
-    a.labels = p.labels;
-    a.scalars = scalars;
-    a.row_lse = f(w.row_lse);
-    a.row_loss = f(w.row_loss);
-    a.row_max = f(w.row_max);
-    a.pos = f(w.pos);
-    a.col_max = f(w.col_max);
-    a.col_sum = f(w.col_sum);
-    a.col_lse = f(w.col_lse);
-    a.col_loss = f(w.col_loss);
-    a.flags = flags;
-
-    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream));
-    kernels::prologue<state_type><<<1, 1, 0, stream>>>(d_state, scalars);
-    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-
-    const float one = 1.0f, zero = 0.0f;
-    // S_c^T (column-major n_k x rows) = K (d x n_k)^T Q_c (d x rows).
-    auto logits_product = [&](std::size_t c0, int rows)
-    {
-      return cd::from_cublas(cublasGemmEx(handle,
-                                          CUBLAS_OP_T,
-                                          CUBLAS_OP_N,
-                                          n_k,
-                                          rows,
-                                          dim,
-                                          &one,
-                                          p.k,
-                                          et,
-                                          dim,
-                                          p.q + c0 * p.dim,
-                                          et,
-                                          dim,
-                                          &zero,
-                                          logits,
-                                          CUDA_R_32F,
-                                          static_cast<int>(w.ld),
-                                          CUBLAS_COMPUTE_32F,
-                                          CUBLAS_GEMM_DEFAULT));
-    };
-    auto forward_chunk = [&](std::size_t c0, int rows) -> cudaError_t
-    {
-      CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
-      cd::row_statistics<<<static_cast<unsigned>(rows), cd::threads, 0, stream>>>(a, static_cast<long long>(c0));
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      if (sym)
-      {
-        cd::column_partials<<<static_cast<unsigned>((n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
-            a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
-        CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      }
-      return cudaSuccess;
-    };
-    auto backward_chunk = [&](std::size_t c0, int rows) -> cudaError_t
-    {
-      const dim3 grid(static_cast<unsigned>(std::min(1024, (n_k + cd::threads - 1) / cd::threads)),
-                      static_cast<unsigned>(std::min(rows, 65535)));
-      cd::chunk_gradient<Element><<<grid, cd::threads, 0, stream>>>(
-          a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad));
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
-      CONTRASTIVE_CUDA_TRY(cd::from_cublas(cublasGemmEx(handle,
-                                                        CUBLAS_OP_N,
-                                                        CUBLAS_OP_N,
-                                                        dim,
-                                                        rows,
-                                                        n_k,
-                                                        &down,
-                                                        p.k,
-                                                        et,
-                                                        dim,
-                                                        grad,
-                                                        gt,
-                                                        static_cast<int>(w.ld),
-                                                        &zero,
-                                                        f(w.dq),
-                                                        CUDA_R_32F,
-                                                        dim,
-                                                        CUBLAS_COMPUTE_32F,
-                                                        CUBLAS_GEMM_DEFAULT)));
-      cd::store_rows<Element><<<static_cast<unsigned>(rows), cd::threads, 0, stream>>>(
-          f(w.dq), dim, p.q + c0 * p.dim, dq + c0 * p.dim, scalars, f(w.row_dot) + c0, flags + 1);
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      // dK^T (d x n_k) += Q_c^T (d x rows) G_c (rows x n_k), times 2^-k; the first chunk starts the accumulator.
-      const float* beta = c0 == 0 ? &zero : &one;
-      return cd::from_cublas(cublasGemmEx(handle,
-                                          CUBLAS_OP_N,
-                                          CUBLAS_OP_T,
-                                          dim,
-                                          n_k,
-                                          rows,
-                                          &down,
-                                          p.q + c0 * p.dim,
-                                          et,
-                                          dim,
-                                          grad,
-                                          gt,
-                                          static_cast<int>(w.ld),
-                                          beta,
-                                          f(w.dk),
-                                          CUDA_R_32F,
-                                          dim,
-                                          CUBLAS_COMPUTE_32F,
-                                          CUBLAS_GEMM_DEFAULT));
-    };
-
-    if (!sym)
-    {
-      // info_nce: a row's statistics are complete within its chunk, so each chunk runs forward and backward at once.
-      for (std::size_t c0 = 0; c0 < p.n_q; c0 += B)
-      {
-        const int rows = static_cast<int>(std::min(B, p.n_q - c0));
-        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
-        CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows));
-      }
+      CONTRASTIVE_CUDA_TRY(run.forward_all());
+      CONTRASTIVE_CUDA_TRY(run.finish_columns_local());
     }
-    else
-    {
-      for (std::size_t c0 = 0; c0 < p.n_q; c0 += B)
-      {
-        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, static_cast<int>(std::min(B, p.n_q - c0))));
-      }
-      cd::finish_columns<<<static_cast<unsigned>(std::min(1024, (n_k + cd::threads - 1) / cd::threads)),
-                           cd::threads,
-                           0,
-                           stream>>>(a);
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      for (std::size_t c0 = 0; c0 < p.n_q; c0 += B)
-      {
-        const int rows = static_cast<int>(std::min(B, p.n_q - c0));
-        if (!one_chunk)
-        {
-          CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
-        }
-        CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows));
-      }
-    }
-    cd::store_rows<Element><<<static_cast<unsigned>(n_k), cd::threads, 0, stream>>>(
-        f(w.dk), dim, static_cast<const Element*>(nullptr), dk, scalars, nullptr, flags + 2);
-    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-
-    // Reductions (the same CUB calls as the size query: detail::reduce_sum / reduce_max) and the record.
-    void* cub_tmp = base + w.cub;
-    std::size_t cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, a.row_loss, &sums->row_loss, n_q, stream));
-    if (sym)
-    {
-      cub_bytes = w.cub_bytes;
-      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, a.col_loss, &sums->col_loss, n_k, stream));
-    }
-    cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(cub_tmp, cub_bytes, f(w.row_dot), &sums->dlogs, n_q, stream));
-    cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_max(cub_tmp, cub_bytes, a.row_max, &sums->max_logit, n_q, stream));
-    kernels::finish_forward_backward<state_type>
-        <<<1, 1, 0, stream>>>(d_state, scalars, sums, flags, n_q, n_k, sym ? 1 : 0, /*materialized=*/0);
+    CONTRASTIVE_CUDA_TRY(run.backward_all(dq));
+    CONTRASTIVE_CUDA_TRY(run.store_dk(run.dk_accumulator(), dk, p.n_k));
+    CONTRASTIVE_CUDA_TRY(run.reduce_local());
+    kernels::finish_forward_backward<state_type><<<1, 1, 0, stream>>>(d_state,
+                                                                      run.scalars(),
+                                                                      run.sums(),
+                                                                      run.flags(),
+                                                                      static_cast<int>(p.n_q),
+                                                                      static_cast<int>(p.n_k),
+                                                                      run.sym ? 1 : 0,
+                                                                      /*materialized=*/0);
     return cudaPeekAtLastError();
   }
 
