@@ -31,6 +31,7 @@
 #include <contrastive/checks.hpp>
 #include <contrastive/detail/checked.hpp>
 #include <contrastive/detail/step_logic.hpp>
+#include <contrastive/distributed/agreement.hpp>
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
@@ -201,7 +202,7 @@ public:
           col_b_.resize(sym ? 2 * n_k_total_ : 0);
           col_c_.resize(sym ? n_k_total_ : 0);
         });
-    CONTRASTIVE_RETURN_IF_ERROR(agree(alloc));
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_, alloc));
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, k_rows_.data(), d * sizeof(Element), k_all_.data()));
     for (std::size_t i = 0; i < p.n_q; ++i)
     {
@@ -216,11 +217,12 @@ public:
                                                          0.0f,
                                                          static_cast<float>(1.0 / double(n_q_total_))};
     engine_.set_block(true, gc);
-    CONTRASTIVE_RETURN_IF_ERROR(agree(guarded(
-        [&]
-        {
-          engine_.template prepare<Algorithm>(block);
-        })));
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_,
+                                              guarded(
+                                                  [&]
+                                                  {
+                                                    engine_.template prepare<Algorithm>(block);
+                                                  })));
 
     // Forward of the block; the symmetric loss's columns from every rank's partials.
     const float ls = scaler_.loss_scale();
@@ -266,7 +268,7 @@ public:
     std::vector<rank_result> all(static_cast<std::size_t>(comm_.size()));
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, all.data()));
     double rows = 0.0, dlogs = 0.0;
-    float max_logit = -detail::infinity_f;
+    float max_logit = -contrastive::detail::infinity_f;
     bool logits_bad = false, any_dq_bad = false, any_dk_bad = false;
     for (std::size_t r = 0; r < all.size(); ++r)
     {
@@ -278,14 +280,14 @@ public:
       }
       rows += all[r].row_loss_sum;
       dlogs += all[r].dlogs;
-      max_logit = detail::max_nan(max_logit, static_cast<float>(all[r].max_logit));
+      max_logit = contrastive::detail::max_nan(max_logit, static_cast<float>(all[r].max_logit));
       logits_bad |= all[r].logits_bad != 0.0;
       any_dq_bad |= all[r].dq_bad != 0.0;
       any_dk_bad |= all[r].dk_bad != 0.0;
     }
     const double total =
         sym ? 0.5 * (rows / double(n_q_total_) + col_loss_sum / double(n_k_total_)) : rows / double(n_q_total_);
-    rec = detail::make_record(
+    rec = contrastive::detail::make_record(
         step_,
         temperature_.tau(),
         ls,
@@ -306,7 +308,7 @@ public:
     {
       return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
     }
-    const float inv = detail::unscale_factor(rec.loss_scale);
+    const float inv = contrastive::detail::unscale_factor(rec.loss_scale);
     float poison = 0.0f;
     for (std::size_t i = 0; i < n; ++i)
     {
@@ -345,7 +347,7 @@ public:
       }
     }
     rec.first_nonfinite = static_cast<nonfinite_site>(site);
-    detail::finish_step<Element>(temperature_, scaler_, rec);
+    contrastive::detail::finish_step<Element>(temperature_, scaler_, rec);
     ++step_;
     return {};
   }
@@ -363,50 +365,7 @@ private:
   {
     double row_loss_sum, dlogs, max_logit, logits_bad, dq_bad, dk_bad, failed, pad;
   };
-  /// Each rank's shape and the outcome of its own checks.
-  struct shape_msg
-  {
-    std::int64_t n_q, n_k, dim, obj, has_labels, code;
-  };
-  /// A failing rank's status, broadcast to every rank.
-  struct status_msg
-  {
-    std::int32_t code;
-    char argument[60];
-    char message[448];
-  };
-
-  /// Every rank learns whether any rank failed; the first failing rank's status is returned everywhere.
-  status agree(const status& local)
-  {
-    const std::int32_t mine = static_cast<std::int32_t>(local.code());
-    std::vector<std::int32_t> codes(static_cast<std::size_t>(comm_.size()));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, codes.data()));
-    for (int r = 0; r < comm_.size(); ++r)
-    {
-      if (codes[static_cast<std::size_t>(r)] != 0)
-      {
-        return failure_of(r, local);
-      }
-    }
-    return {};
-  }
-
-  status failure_of(int r, const status& local)
-  {
-    status_msg m;
-    std::memset(&m, 0, sizeof m);
-    if (comm_.rank() == r)
-    {
-      m.code = static_cast<std::int32_t>(local.code());
-      std::strncpy(m.argument, local.argument().c_str(), sizeof m.argument - 1);
-      std::strncpy(m.message, local.message().c_str(), sizeof m.message - 1);
-    }
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.broadcast(&m, sizeof m, r));
-    return {static_cast<errc>(m.code), m.argument, "rank " + std::to_string(r) + ": " + std::string(m.message)};
-  }
-
-  /// Step 1: the ranks' shapes, every check, and one agreement.
+  /// Step 1: the ranks' shapes, every check, and one agreement (distributed/agreement.hpp).
   status agree_on_problem(const problem_type& p, Element* dq, Element* dk)
   {
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
@@ -425,102 +384,21 @@ private:
         local = {errc::invalid_argument, "threads", "at most " + std::to_string(host::max_threads) + " threads"};
       }
     }
-    const shape_msg mine{static_cast<std::int64_t>(p.n_q),
-                         static_cast<std::int64_t>(p.n_k),
-                         static_cast<std::int64_t>(p.dim),
-                         static_cast<std::int64_t>(p.obj),
-                         p.labels != nullptr ? 1 : 0,
-                         static_cast<std::int64_t>(local.code())};
-    const std::size_t ranks = static_cast<std::size_t>(comm_.size());
-    std::vector<shape_msg> all(ranks);
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, all.data()));
-
-    // Global facts, computed identically on every rank; a disagreement is the first differing rank's error.
-    detail::checked_size nq_total(0), nk_total(0);
-    std::size_t q_off = 0, k_off = 0;
-    k_rows_.assign(ranks, 0);
-    dk_counts_.assign(ranks, 0);
-    int bad_rank = -1;
-    status global;
-    for (std::size_t r = 0; r < ranks; ++r)
-    {
-      const shape_msg& s = all[r];
-      if (r == static_cast<std::size_t>(comm_.rank()))
-      {
-        q_off = nq_total.value;
-        k_off = nk_total.value;
-      }
-      nq_total = nq_total + detail::checked_size(static_cast<std::size_t>(s.n_q));
-      nk_total = nk_total + detail::checked_size(static_cast<std::size_t>(s.n_k));
-      if (bad_rank >= 0 || s.code != 0)
-      {
-        continue;
-      }
-      const int rr = static_cast<int>(r);
-      if (s.dim != all[0].dim)
-      {
-        bad_rank = rr;
-        global = {errc::shape_mismatch,
-                  "dim",
-                  "dim = " + std::to_string(s.dim) + " where rank 0 has " + std::to_string(all[0].dim)};
-      }
-      else if (s.obj != all[0].obj || s.has_labels != all[0].has_labels)
-      {
-        bad_rank = rr;
-        global = {errc::invalid_argument, "obj", "objective or labels differ from rank 0's"};
-      }
-      else if (s.n_q > INT_MAX || s.n_k > INT_MAX ||
-               (detail::checked_size(static_cast<std::size_t>(s.n_k)) * static_cast<std::size_t>(s.dim)).value >
-                   static_cast<std::size_t>(INT_MAX))
-      {
-        bad_rank = rr;
-        global = {errc::size_overflow,
-                  "n_k",
-                  "n_k x dim = " + std::to_string(s.n_k) + " x " + std::to_string(s.dim) +
-                      " exceeds the int counts of the collectives on one rank"};
-      }
-      else
-      {
-        k_rows_[r] = static_cast<int>(s.n_k);
-        dk_counts_[r] = static_cast<int>(s.n_k * s.dim);
-      }
-    }
-    if (bad_rank < 0 && local.ok() && all[0].code == 0)
-    {
-      if (!nq_total.ok() || !nk_total.ok() || nk_total.value > static_cast<std::size_t>(INT_MAX))
-      {
-        bad_rank = 0;
-        global = {errc::size_overflow, "n_k", "the global batch exceeds 2^31 - 1 keys (int32 labels)"};
-      }
-      else if (p.obj == objective::info_nce && p.labels == nullptr && nq_total.value > nk_total.value)
-      {
-        bad_rank = 0;
-        global = {errc::shape_mismatch,
-                  "n_k",
-                  "global diagonal labels need n_q <= n_k over all ranks (" + std::to_string(nq_total.value) + " > " +
-                      std::to_string(nk_total.value) + ")"};
-      }
-    }
-    if (bad_rank == comm_.rank() && local.ok())
-    {
-      local = global; // a disagreement is reported by the first rank that differs
-    }
-    const bool any_failed = bad_rank >= 0 || std::any_of(all.begin(),
-                                                         all.end(),
-                                                         [](const shape_msg& s)
-                                                         {
-                                                           return s.code != 0;
-                                                         });
-    if (!any_failed)
-    {
-      n_q_total_ = nq_total.value;
-      n_k_total_ = nk_total.value;
-      q_off_ = q_off;
-      k_off_ = k_off;
-      local = checks_with_totals(p);
-    }
-    // Every rank reaches agree(); the first failing rank's status is broadcast to all.
-    return agree(local);
+    detail::global_shape g;
+    return detail::agree_on_problem(comm_,
+                                    p,
+                                    local,
+                                    g,
+                                    [&](const detail::global_shape& gs)
+                                    {
+                                      n_q_total_ = gs.n_q_total;
+                                      n_k_total_ = gs.n_k_total;
+                                      q_off_ = gs.q_off;
+                                      k_off_ = gs.k_off;
+                                      k_rows_ = gs.k_rows;
+                                      dk_counts_ = gs.dk_counts;
+                                      return checks_with_totals(p);
+                                    });
   }
 
   /// Checks that need the global sizes: labels against the global key count, finiteness, the engine's size.
@@ -551,8 +429,9 @@ private:
                   "] is not finite"};
     }
     const problem_type block{p.q, p.k, p.n_q, n_k_total_, p.dim, p.labels, p.obj};
-    const detail::checked_size bytes = engine_.template bytes_for<Algorithm>(block) +
-                                       detail::checked_size(n_k_total_) * p.dim * (sizeof(Element) + sizeof(float));
+    const contrastive::detail::checked_size bytes =
+        engine_.template bytes_for<Algorithm>(block) +
+        contrastive::detail::checked_size(n_k_total_) * p.dim * (sizeof(Element) + sizeof(float));
     if (!bytes.ok())
     {
       return {errc::size_overflow, "n_k", "this rank's buffers for the global batch do not fit in size_t bytes"};
@@ -574,8 +453,8 @@ private:
     for (std::size_t j = 0; j < n; ++j)
     {
       online_lse s{part_max[j], part_sum[j]};
-      s.rebase(col_a_[j] == -detail::infinity_f ? s.max : col_a_[j]);
-      sums[j] = s.max == -detail::infinity_f ? 0.0f : s.sum;
+      s.rebase(col_a_[j] == -contrastive::detail::infinity_f ? s.max : col_a_[j]);
+      sums[j] = s.max == -contrastive::detail::infinity_f ? 0.0f : s.sum;
       pos[j] = 0.0f;
     }
     // Column j's positive is global query j: owned by the rank whose queries start at q_off_.
