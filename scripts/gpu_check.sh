@@ -17,12 +17,12 @@ phase build
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCONTRASTIVE_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" -DCONTRASTIVE_BUILD_EXAMPLES=OFF >"$out/configure.log" 2>&1 ||
   { tail -30 "$out/configure.log"; exit 1; }
-timeout 300 cmake --build build-gpu -j"$(nproc)" --target device_test device_chunked_test contrastive_device_bench \
+timeout 300 cmake --build build-gpu -j"$(nproc)" --target device_test device_chunked_test device_distributed_test contrastive_device_bench \
   >"$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }
 
 phase "device tests"
 test_rc=0
-for t in device_test device_chunked_test; do
+for t in device_test device_chunked_test device_distributed_test; do
   timeout 120 "./build-gpu/tests/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (FAILED|PASSED|SKIPPED) ' | head -30
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && test_rc=$rc && echo "$t exited with $rc"
@@ -57,9 +57,9 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/comp
 fi
 
 phase summary
-passed=$(cat "$out"/device_test.log "$out"/device_chunked_test.log | grep -oE '^\[  PASSED  \] [0-9]+' |
+passed=$(cat "$out"/device_test.log "$out"/device_chunked_test.log "$out"/device_distributed_test.log | grep -oE '^\[  PASSED  \] [0-9]+' |
   grep -oE '[0-9]+$' | paste -sd+ | bc 2>/dev/null || echo "?")
-failed=$(cat "$out"/device_test.log "$out"/device_chunked_test.log | grep -cE '^\[  FAILED  \] [A-Za-z]' || true)
+failed=$(cat "$out"/device_test.log "$out"/device_chunked_test.log "$out"/device_distributed_test.log | grep -cE '^\[  FAILED  \] [A-Za-z]' || true)
 printf '%-28s %s\n' "gpu" "$(head -1 "$out/gpu.txt")" "device tests passed" "$passed" "device tests failed" "$failed" \
   "wall seconds" "$((SECONDS - t0))"
 exit "$test_rc"

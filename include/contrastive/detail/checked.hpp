@@ -21,7 +21,7 @@ struct checked_size
   std::size_t value = 0;
   bool overflow = false;
 
-  CONTRASTIVE_HOST_DEVICE constexpr checked_size() noexcept = default;
+  constexpr checked_size() noexcept = default; // defaulted: host and device alike (nvcc ignores annotations here)
   CONTRASTIVE_HOST_DEVICE constexpr checked_size(std::size_t v) noexcept : value(v) {}
   CONTRASTIVE_HOST_DEVICE constexpr checked_size(std::size_t v, bool o) noexcept : value(v), overflow(o) {}
 

@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long lon
 }
 
 /// Symmetric: 32 columns x 8 row slices per block; the chunk's negatives of each column merged into the running
-/// state (`first`: the state starts here). The positive of column j is row j.
+/// state (`first`: the state starts here). Each row's positive (its label, or the diagonal) is left out.
 __global__ void __launch_bounds__(threads) column_partials(chunk_args a, long long c0, int rows, int first)
 {
   const int j = blockIdx.x * 32 + threadIdx.x;
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(threads) column_partials(chunk_args a, long lo
   {
     for (int r = threadIdx.y; r < rows; r += 8)
     {
-      if (c0 + r != j)
+      if (positive_of(a, c0 + r) != j) // the diagonal, or (a block of a distributed batch) the row's label
       {
         st.absorb(s * a.logits[r * a.ld + j]);
       }

@@ -78,24 +78,24 @@ inline global_shape derive_global(const std::vector<shape_msg>& all, int me)
     if (s.dim != all[0].dim)
     {
       g.bad_rank = rr;
-      g.why = {errc::shape_mismatch,
-               "dim",
-               "dim = " + std::to_string(s.dim) + " where rank 0 has " + std::to_string(all[0].dim)};
+      (void)(g.why = status{errc::shape_mismatch,
+                            "dim",
+                            "dim = " + std::to_string(s.dim) + " where rank 0 has " + std::to_string(all[0].dim)});
     }
     else if (s.obj != all[0].obj || s.has_labels != all[0].has_labels)
     {
       g.bad_rank = rr;
-      g.why = {errc::invalid_argument, "obj", "objective or labels differ from rank 0's"};
+      (void)(g.why = status{errc::invalid_argument, "obj", "objective or labels differ from rank 0's"});
     }
     else if (s.n_q > INT_MAX || s.n_k > INT_MAX ||
              (contrastive::detail::checked_size(static_cast<std::size_t>(s.n_k)) * static_cast<std::size_t>(s.dim))
                      .value > static_cast<std::size_t>(INT_MAX))
     {
       g.bad_rank = rr;
-      g.why = {errc::size_overflow,
-               "n_k",
-               "n_k x dim = " + std::to_string(s.n_k) + " x " + std::to_string(s.dim) +
-                   " exceeds the int counts of the collectives on one rank"};
+      (void)(g.why = status{errc::size_overflow,
+                            "n_k",
+                            "n_k x dim = " + std::to_string(s.n_k) + " x " + std::to_string(s.dim) +
+                                " exceeds the int counts of the collectives on one rank"});
     }
     else
     {
@@ -109,24 +109,24 @@ inline global_shape derive_global(const std::vector<shape_msg>& all, int me)
     if (!nq.ok() || !nk.ok() || nk.value > static_cast<std::size_t>(INT_MAX))
     {
       g.bad_rank = 0;
-      g.why = {errc::size_overflow, "n_k", "the global batch exceeds 2^31 - 1 keys (int32 labels)"};
+      (void)(g.why = status{errc::size_overflow, "n_k", "the global batch exceeds 2^31 - 1 keys (int32 labels)"});
     }
     else if (all[0].obj == static_cast<std::int64_t>(objective::symmetric) && nq.value != nk.value)
     {
       g.bad_rank = 0;
-      g.why = {errc::shape_mismatch,
-               "n_k",
-               "symmetric: the global n_q (" + std::to_string(nq.value) + ") and n_k (" + std::to_string(nk.value) +
-                   ") differ"};
+      (void)(g.why = status{errc::shape_mismatch,
+                            "n_k",
+                            "symmetric: the global n_q (" + std::to_string(nq.value) + ") and n_k (" +
+                                std::to_string(nk.value) + ") differ"});
     }
     else if (all[0].obj == static_cast<std::int64_t>(objective::info_nce) && all[0].has_labels == 0 &&
              nq.value > nk.value)
     {
       g.bad_rank = 0;
-      g.why = {errc::shape_mismatch,
-               "n_k",
-               "global diagonal labels need n_q <= n_k over all ranks (" + std::to_string(nq.value) + " > " +
-                   std::to_string(nk.value) + ")"};
+      (void)(g.why = status{errc::shape_mismatch,
+                            "n_k",
+                            "global diagonal labels need n_q <= n_k over all ranks (" + std::to_string(nq.value) +
+                                " > " + std::to_string(nk.value) + ")"});
     }
   }
   g.any_failed |= g.bad_rank >= 0;
@@ -179,11 +179,11 @@ agree_on_problem(const Comm& comm, const problem<T>& p, status local, global_sha
   g = derive_global(all, comm.rank());
   if (g.bad_rank == comm.rank() && local.ok())
   {
-    local = g.why; // a disagreement is reported by the first rank that differs
+    (void)(local = g.why); // a disagreement is reported by the first rank that differs
   }
   if (!g.any_failed)
   {
-    local = checks_with_totals(g);
+    (void)(local = checks_with_totals(g));
   }
   return agree(comm, local);
 }

@@ -1,0 +1,539 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The global-batch loss on GPUs: `distributed::comm::nccl` (NCCL collectives on device buffers and a stream) and
+/// `distributed::device_loss<Element, Temperature, Scaler>`, the device counterpart of `distributed::loss` built on the
+/// chunked device algorithm (device/chunked.cuh, cuBLAS). Include this header in a .cu file and link NCCL and cuBLAS
+/// (CMake: `contrastive::nccl`). Users of anything else need neither.
+///
+/// The step is the host distributed loss's (docs/distributed.md), with device buffers:
+///   agreement (shapes and every host-side check, all-gathered through NCCL; errors name the failing rank on every
+///   rank) -> K all-gathered (grouped broadcasts, so ranks may hold unequal rows) -> the rank's block of rows through
+///   the chunked runner with the global coefficients -> symmetric: column partials combined (all-reduce max of N
+///   floats, sum of 2 N) -> backward -> dK partials reduce-scattered (grouped reduces) and rounded -> sums and flags
+///   all-reduced -> the record on every rank. `finish_step` all-reduces the first non-finite site, so a `parameters`
+///   site found by one rank's `unscale_and_check` skips the step on every rank.
+///
+/// Differences from the single-GPU device API, by design: the loss owns its workspace (grown with cudaMalloc when a
+/// step needs more, freed by the destructor); the agreement synchronizes the stream (host-side checks need every
+/// rank's answer), so a distributed step cannot be captured in a CUDA graph; labels and finiteness are not checked up
+/// front (as on one GPU: an out-of-range label makes its row's loss infinite, a non-finite input non-finite logits,
+/// and the step is skipped on every rank). NCCL's max of a NaN is unspecified: a NaN logit is still flagged (the step
+/// is skipped) but the recorded max logit may not show it.
+
+#include <contrastive/device/chunked.cuh>
+#include <contrastive/device/loss.cuh>
+#include <contrastive/distributed/agreement.hpp>
+#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace contrastive
+{
+namespace distributed
+{
+namespace comm
+{
+/// NCCL communicator policy. Wraps a caller-owned ncclComm_t (not destroyed here) and the stream the collectives are
+/// enqueued on (`set_stream`; the device loss sets it to each call's stream). Host-memory collectives (the
+/// agreement) go through a small device staging buffer and synchronize the stream.
+class nccl
+{
+public:
+  static constexpr const char* name = "nccl";
+
+  explicit nccl(ncclComm_t c, cudaStream_t s = nullptr) : comm_(c), stream_(s), staging_(std::make_shared<buffer>())
+  {
+    if (c != nullptr)
+    {
+      ncclCommCount(c, &size_);
+      ncclCommUserRank(c, &rank_);
+    }
+  }
+
+  int rank() const noexcept
+  {
+    return rank_;
+  }
+  int size() const noexcept
+  {
+    return size_;
+  }
+  ncclComm_t native() const noexcept
+  {
+    return comm_;
+  }
+  void set_stream(cudaStream_t s) noexcept
+  {
+    stream_ = s;
+  }
+  cudaStream_t stream() const noexcept
+  {
+    return stream_;
+  }
+
+  /// Host memory, equal blocks in rank order (synchronizes the stream).
+  status allgather(const void* mine, std::size_t bytes, void* all) const
+  {
+    const std::size_t total = bytes * static_cast<std::size_t>(size_);
+    CONTRASTIVE_RETURN_IF_ERROR(stage(total + bytes));
+    char* dev = static_cast<char*>(staging_->ptr);
+    CONTRASTIVE_RETURN_IF_ERROR(
+        cuda("cudaMemcpyAsync", cudaMemcpyAsync(dev + total, mine, bytes, cudaMemcpyHostToDevice, stream_)));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        check("ncclAllGather", ncclAllGather(dev + total, dev, bytes, ncclInt8, comm_, stream_)));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        cuda("cudaMemcpyAsync", cudaMemcpyAsync(all, dev, total, cudaMemcpyDeviceToHost, stream_)));
+    return cuda("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+  }
+
+  /// Host memory, from `root` to every rank (synchronizes the stream).
+  status broadcast(void* buf, std::size_t bytes, int root) const
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(stage(bytes));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        cuda("cudaMemcpyAsync", cudaMemcpyAsync(staging_->ptr, buf, bytes, cudaMemcpyHostToDevice, stream_)));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        check("ncclBroadcast", ncclBroadcast(staging_->ptr, staging_->ptr, bytes, ncclInt8, root, comm_, stream_)));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        cuda("cudaMemcpyAsync", cudaMemcpyAsync(buf, staging_->ptr, bytes, cudaMemcpyDeviceToHost, stream_)));
+    return cuda("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+  }
+
+  /// Device memory: rows[r] rows of row_bytes from rank r, concatenated in rank order (one broadcast per rank in
+  /// one NCCL group, so the row counts may differ).
+  status allgatherv_rows(const void* mine, const int* rows, std::size_t row_bytes, void* all) const
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(check("ncclGroupStart", ncclGroupStart()));
+    std::size_t at = 0;
+    ncclResult_t err = ncclSuccess;
+    for (int r = 0; r < size_ && err == ncclSuccess; ++r)
+    {
+      const std::size_t bytes = static_cast<std::size_t>(rows[r]) * row_bytes;
+      err = ncclBroadcast(mine, static_cast<char*>(all) + at, bytes, ncclInt8, r, comm_, stream_);
+      at += bytes;
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    CONTRASTIVE_RETURN_IF_ERROR(check("ncclBroadcast", err));
+    return check("ncclGroupEnd", end);
+  }
+
+  /// Device memory: the sum over ranks of `all`; rank r keeps its counts[r] floats (one reduce per rank in a group).
+  status reduce_scatter_sum(const float* all, const int* counts, float* mine) const
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(check("ncclGroupStart", ncclGroupStart()));
+    std::size_t at = 0;
+    ncclResult_t err = ncclSuccess;
+    for (int r = 0; r < size_ && err == ncclSuccess; ++r)
+    {
+      const std::size_t n = static_cast<std::size_t>(counts[r]);
+      err = ncclReduce(all + at, mine, n, ncclFloat32, ncclSum, r, comm_, stream_);
+      at += n;
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    CONTRASTIVE_RETURN_IF_ERROR(check("ncclReduce", err));
+    return check("ncclGroupEnd", end);
+  }
+
+  /// Device memory, in place.
+  status allreduce(float* data, std::size_t n, reduce_op op) const
+  {
+    return check("ncclAllReduce",
+                 ncclAllReduce(data, data, n, ncclFloat32, op == reduce_op::sum ? ncclSum : ncclMax, comm_, stream_));
+  }
+
+  /// Device memory, in place: the minimum of n ints.
+  status allreduce_min(std::int32_t* data, std::size_t n) const
+  {
+    return check("ncclAllReduce", ncclAllReduce(data, data, n, ncclInt32, ncclMin, comm_, stream_));
+  }
+
+private:
+  struct buffer
+  {
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+    buffer() = default;
+    buffer(const buffer&) = delete;
+    buffer& operator=(const buffer&) = delete;
+    ~buffer()
+    {
+      cudaFree(ptr);
+    }
+  };
+
+  status stage(std::size_t bytes) const
+  {
+    if (staging_->bytes >= bytes)
+    {
+      return {};
+    }
+    cudaFree(staging_->ptr);
+    staging_->ptr = nullptr;
+    staging_->bytes = 0;
+    CONTRASTIVE_RETURN_IF_ERROR(cuda("cudaMalloc", cudaMalloc(&staging_->ptr, bytes)));
+    staging_->bytes = bytes;
+    return {};
+  }
+
+  static status check(const char* what, ncclResult_t r)
+  {
+    if (r == ncclSuccess)
+    {
+      return {};
+    }
+    return {errc::communication_error, what, std::string(what) + " failed: " + ncclGetErrorString(r)};
+  }
+
+  static status cuda(const char* what, cudaError_t e)
+  {
+    if (e == cudaSuccess)
+    {
+      return {};
+    }
+    return {errc::cuda_error, what, std::string(what) + " failed: " + cudaGetErrorString(e)};
+  }
+
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  int rank_ = 0, size_ = 1;
+  std::shared_ptr<buffer> staging_;
+};
+} // namespace comm
+
+namespace device_detail
+{
+constexpr int threads = 256;
+
+/// Row i's positive column: the caller's global label, or the global diagonal.
+__global__ void fill_labels(std::int32_t* out, const std::int32_t* user, long long n, long long q_off)
+{
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+  {
+    out[i] = user != nullptr ? user[i] : static_cast<std::int32_t>(q_off + i);
+  }
+}
+
+/// Each column's local negatives rescaled to the global max (sums), and zeroed positives.
+__global__ void
+rescale_columns(const float* local_max, const float* local_sum, const float* global_max, float* pack, long long n)
+{
+  for (long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<long long>(gridDim.x) * blockDim.x)
+  {
+    online_lse s{local_max[j], local_sum[j]};
+    s.rebase(global_max[j] == -contrastive::detail::infinity_f ? s.max : global_max[j]);
+    pack[j] = s.max == -contrastive::detail::infinity_f ? 0.0f : s.sum;
+    pack[n + j] = 0.0f;
+  }
+}
+
+/// Column q_off + i's positive is this rank's row i's.
+__global__ void scatter_positives(const float* pos, float* pack_pos, long long n_rows, long long q_off)
+{
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n_rows;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+  {
+    pack_pos[q_off + i] = pos[i];
+  }
+}
+
+/// The global column log-sum-exps and losses.
+__global__ void
+finish_global_columns(const float* global_max, const float* pack, float* col_lse, float* col_loss, long long n)
+{
+  for (long long j = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<long long>(gridDim.x) * blockDim.x)
+  {
+    const row_loss rl = finish_row(online_lse{global_max[j], pack[j]}, pack[n + j]);
+    col_lse[j] = rl.lse;
+    col_loss[j] = rl.loss;
+  }
+}
+
+/// This rank's sums and flags into `red` (row loss, <dQ, Q>, three flags, then the max logit).
+__global__ void pack_results(const device::kernels::step_sums* sums, const int* flags, float* red)
+{
+  red[0] = sums->row_loss;
+  red[1] = sums->dlogs;
+  red[2] = flags[0] != 0 ? 1.0f : 0.0f;
+  red[3] = flags[1] != 0 ? 1.0f : 0.0f;
+  red[4] = flags[2] != 0 ? 1.0f : 0.0f;
+  red[5] = sums->max_logit;
+}
+
+/// The all-reduced results back into the sums and flags the finish kernel reads (column losses are already global).
+__global__ void unpack_results(const float* red, device::kernels::step_sums* sums, int* flags)
+{
+  sums->row_loss = red[0];
+  sums->dlogs = red[1];
+  flags[0] = red[2] != 0.0f ? 1 : 0;
+  flags[1] = red[3] != 0.0f ? 1 : 0;
+  flags[2] = red[4] != 0.0f ? 1 : 0;
+  sums->max_logit = red[5];
+}
+
+/// finish_step's agreement: this rank's first non-finite site (none -> a large value) out, the minimum back in.
+template <class State>
+__global__ void site_out(const State* state, std::int32_t* site)
+{
+  const auto s = static_cast<std::int32_t>(state->record.first_nonfinite);
+  site[0] = s == static_cast<std::int32_t>(nonfinite_site::none) ? 1 << 30 : s;
+  site[1] = state->record.pending ? 0 : 1;
+}
+template <class State>
+__global__ void site_in(State* state, const std::int32_t* site)
+{
+  if (site[1] == 0)
+  {
+    state->record.first_nonfinite = site[0] == (1 << 30) ? nonfinite_site::none : static_cast<nonfinite_site>(site[0]);
+  }
+}
+} // namespace device_detail
+
+/// The global-batch loss on GPUs (see the file comment). One per rank; not thread-safe.
+template <class Element, class Temperature = temperature::learnable, class Scaler = scaler::static_scale>
+class device_loss
+{
+public:
+  using single = contrastive::device::loss<Element, Temperature, Scaler, algorithm::chunked>;
+  using state_type = typename single::state_type;
+
+  /// `comm` wraps this rank's ncclComm_t; `handle` is this rank's cuBLAS handle (its stream and pointer mode are
+  /// set for each call and restored).
+  device_loss(comm::nccl comm, cublasHandle_t handle, chunk_options opts = {})
+      : comm_(std::move(comm)), handle_(handle), opts_(opts)
+  {
+  }
+  device_loss(const device_loss&) = delete;
+  device_loss& operator=(const device_loss&) = delete;
+  ~device_loss()
+  {
+    cudaFree(ws_);
+  }
+
+  static status make_state(const Temperature& t, const Scaler& s, state_type& out)
+  {
+    return single::make_state(t, s, out);
+  }
+  std::size_t workspace_bytes() const noexcept
+  {
+    return ws_bytes_;
+  }
+  std::size_t global_queries() const noexcept
+  {
+    return g_.n_q_total;
+  }
+  std::size_t global_keys() const noexcept
+  {
+    return g_.n_k_total;
+  }
+
+  /// Steps 1-3 over the global batch (collective): `p` holds this rank's rows (device pointers; info_nce labels are
+  /// global key indices); dq/dk receive the gradients of loss_scale * (global loss) for them; the pending record is
+  /// in d_state on every rank.
+  status forward_backward(
+      const problem<Element>& p, Element* dq, Element* dk, state_type* d_state, cudaStream_t stream = nullptr)
+  {
+    comm_.set_stream(stream);
+    status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
+    if (local.ok() && (d_state == nullptr || handle_ == nullptr))
+    {
+      (void)(local = status{
+                 errc::null_pointer, d_state == nullptr ? "d_state" : "handle", "null device state or cuBLAS handle"});
+    }
+    if (local.ok() && (p.n_q > (1u << 30) || p.n_k > (1u << 30) || p.dim > (1u << 24)))
+    {
+      (void)(local = status{errc::size_overflow, "n_q", "the device path takes n_q, n_k <= 2^30 and dim <= 2^24"});
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_problem(comm_,
+                                                         p,
+                                                         local,
+                                                         g_,
+                                                         [&](const detail::global_shape& g)
+                                                         {
+                                                           return size_workspace(p, g);
+                                                         }));
+    const bool sym = p.obj == objective::symmetric;
+    const std::size_t n = g_.n_k_total, d = p.dim;
+    const unsigned blocks = 1024;
+    auto f = [&](std::size_t off)
+    {
+      return reinterpret_cast<float*>(static_cast<char*>(ws_) + off);
+    };
+
+    // K from every rank, the rows' global positives.
+    Element* k_all = reinterpret_cast<Element*>(static_cast<char*>(ws_) + x_.k_all);
+    auto* labels = reinterpret_cast<std::int32_t*>(static_cast<char*>(ws_) + x_.labels);
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, g_.k_rows.data(), d * sizeof(Element), k_all));
+    device_detail::fill_labels<<<blocks, device_detail::threads, 0, stream>>>(
+        labels, p.labels, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+
+    const problem<Element> block{p.q, k_all, p.n_q, n, d, labels, p.obj};
+    const grad_coefficients gc =
+        sym ? grad_coefficients{static_cast<float>(0.5 / double(g_.n_q_total)),
+                                static_cast<float>(0.5 / double(n)),
+                                static_cast<float>(0.5 / double(g_.n_q_total)) + static_cast<float>(0.5 / double(n))}
+            : grad_coefficients{
+                  static_cast<float>(1.0 / double(g_.n_q_total)), 0.0f, static_cast<float>(1.0 / double(g_.n_q_total))};
+    contrastive::device::chunked_detail::handle_guard guard{handle_};
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(contrastive::device::chunked_detail::from_cublas(guard.enter(stream))));
+    contrastive::device::chunked_detail::runner<Element> run(block, w_, ws_, handle_, stream, gc);
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.begin(d_state)));
+
+    if (sym)
+    {
+      CONTRASTIVE_RETURN_IF_ERROR(cuda(run.forward_all()));
+      float* gmax = f(x_.col_max);
+      float* pack = f(x_.col_pack);
+      CONTRASTIVE_RETURN_IF_ERROR(
+          cuda(cudaMemcpyAsync(gmax, run.a.col_max, n * sizeof(float), cudaMemcpyDeviceToDevice, stream)));
+      CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(gmax, n, reduce_op::max));
+      device_detail::rescale_columns<<<blocks, device_detail::threads, 0, stream>>>(
+          run.a.col_max, run.a.col_sum, gmax, pack, static_cast<long long>(n));
+      device_detail::scatter_positives<<<blocks, device_detail::threads, 0, stream>>>(
+          run.a.pos, pack + n, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
+      CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+      CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(pack, 2 * n, reduce_op::sum));
+      device_detail::finish_global_columns<<<blocks, device_detail::threads, 0, stream>>>(
+          gmax, pack, run.a.col_lse, run.a.col_loss, static_cast<long long>(n));
+      CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.backward_all(dq)));
+
+    // dK back to its owners, rounded once.
+    float* dk_local = f(x_.dk_local);
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(run.dk_accumulator(), g_.dk_counts.data(), dk_local));
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.store_dk(dk_local, dk, p.n_k)));
+
+    // Sums and flags over ranks (the column losses are global already), then the record.
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.reduce_local()));
+    float* red = f(x_.red);
+    device_detail::pack_results<<<1, 1, 0, stream>>>(run.sums(), run.flags(), red);
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red, 5, reduce_op::sum));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red + 5, 1, reduce_op::max));
+    device_detail::unpack_results<<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
+    contrastive::device::kernels::finish_forward_backward<state_type>
+        <<<1, 1, 0, stream>>>(d_state,
+                              run.scalars(),
+                              run.sums(),
+                              run.flags(),
+                              static_cast<int>(g_.n_q_total),
+                              static_cast<int>(n),
+                              sym ? 1 : 0,
+                              /*materialized=*/0);
+    return cuda(cudaPeekAtLastError());
+  }
+
+  /// This rank's own gradients (device), as on one GPU.
+  status unscale_and_check(float* grads, std::size_t n, state_type* d_state, cudaStream_t stream = nullptr)
+  {
+    return cuda(single::unscale_and_check(grads, n, d_state, stream));
+  }
+
+  /// Step 4 (collective): every rank takes the earliest non-finite site over all ranks, then steps its policies.
+  status finish_step(state_type* d_state, cudaStream_t stream = nullptr)
+  {
+    if (d_state == nullptr || ws_ == nullptr)
+    {
+      return {errc::invalid_argument, "d_state", "finish_step needs a forward_backward on this loss first"};
+    }
+    comm_.set_stream(stream);
+    auto* site = reinterpret_cast<std::int32_t*>(static_cast<char*>(ws_) + x_.site);
+    device_detail::site_out<state_type><<<1, 1, 0, stream>>>(d_state, site);
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce_min(site, 2));
+    device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, site);
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+    return cuda(single::finish_step(d_state, stream));
+  }
+
+  status step(const problem<Element>& p, Element* dq, Element* dk, state_type* d_state, cudaStream_t stream = nullptr)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, d_state, stream));
+    return finish_step(d_state, stream);
+  }
+
+private:
+  /// The distributed buffers after the chunked runner's (byte offsets).
+  struct extras
+  {
+    std::size_t k_all, labels, col_max, col_pack, dk_local, red, site, total;
+  };
+
+  static status cuda(cudaError_t e)
+  {
+    if (e == cudaSuccess)
+    {
+      return {};
+    }
+    return {errc::cuda_error, "cuda", std::string("a CUDA or cuBLAS call failed: ") + cudaGetErrorString(e)};
+  }
+
+  /// Lays out the workspace for this rank's block and grows it if needed (runs after the global facts are known).
+  status size_workspace(const problem<Element>& p, const detail::global_shape& g)
+  {
+    const problem<Element> block{p.q, p.k, p.n_q, g.n_k_total, p.dim, p.labels, p.obj};
+    if (single::make_layout(block, opts_, w_) != cudaSuccess)
+    {
+      return {errc::size_overflow, "n_k", "this rank's workspace for the global batch does not fit in size_t bytes"};
+    }
+    const std::size_t n = g.n_k_total;
+    std::size_t off = w_.total;
+    auto take = [&](std::size_t bytes)
+    {
+      const std::size_t at = off;
+      off += contrastive::device::detail::align256(bytes);
+      return at;
+    };
+    x_.k_all = take(n * p.dim * sizeof(Element));
+    x_.labels = take(p.n_q * sizeof(std::int32_t));
+    x_.col_max = take(n * sizeof(float));
+    x_.col_pack = take(2 * n * sizeof(float));
+    x_.dk_local = take(p.n_k * p.dim * sizeof(float));
+    x_.red = take(8 * sizeof(float));
+    x_.site = take(2 * sizeof(std::int32_t));
+    x_.total = off;
+    if (x_.total > ws_bytes_)
+    {
+      cudaFree(ws_);
+      ws_ = nullptr;
+      ws_bytes_ = 0;
+      if (cudaMalloc(&ws_, x_.total) != cudaSuccess)
+      {
+        cudaGetLastError();
+        return {errc::resource_exhausted, "memory", "cudaMalloc of " + std::to_string(x_.total) + " bytes failed"};
+      }
+      ws_bytes_ = x_.total;
+    }
+    return {};
+  }
+
+  comm::nccl comm_;
+  cublasHandle_t handle_;
+  chunk_options opts_;
+  detail::global_shape g_;
+  contrastive::device::chunked_detail::layout w_{};
+  extras x_{};
+  void* ws_ = nullptr;
+  std::size_t ws_bytes_ = 0;
+};
+} // namespace distributed
+} // namespace contrastive

@@ -1,0 +1,94 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+// distributed::device_loss over NCCL on the GPUs of one process: with one rank it equals the single-GPU chunked loss;
+// with every visible GPU (one communicator per device, ncclCommInitAll) each rank's slice equals the one-GPU result on
+// the concatenated batch. Skips without a GPU.
+#include "device_util.cuh"
+#include "test_util.hpp"
+
+#include <contrastive/contrastive.hpp>
+#include <contrastive/device/chunked.cuh>
+#include <contrastive/distributed/nccl.cuh>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cl = contrastive;
+namespace ct = contrastive_test;
+
+static_assert(cl::distributed::is_communicator_v<cl::distributed::comm::nccl>);
+
+namespace
+{
+using T = __nv_bfloat16;
+using single = cl::device::loss<T, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::chunked>;
+using dist = cl::distributed::device_loss<T, cl::temperature::learnable, cl::scaler::static_scale>;
+
+double rel_diff(const std::vector<T>& got, const std::vector<T>& want)
+{
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+  {
+    const double g = cl::element_traits<T>::to_float(got[i]), w = cl::element_traits<T>::to_float(want[i]);
+    num = std::max(num, std::fabs(g - w));
+    den = std::max(den, std::fabs(w));
+  }
+  return den == 0.0 ? num : num / den;
+}
+} // namespace
+
+// One rank: the distributed code path (gather, column combine, reduce-scatter through NCCL) equals one GPU.
+TEST(DeviceDistributed, OneRankEqualsOneGpu)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce})
+  {
+    SCOPED_TRACE(cl::to_string(obj));
+    const std::size_t n = 300, dim = 64;
+    const auto q = ct::random_rows<T>(n, dim, 31), k = ct::random_rows<T>(n, dim, 32);
+    ct::device_buffer<T> d_q(q.size()), d_k(k.size()), dq1(q.size()), dk1(k.size()), dq2(q.size()), dk2(k.size());
+    ct::device_buffer<single::state_type> s1(1), s2(1);
+    ASSERT_EQ(d_q.upload(q), cudaSuccess);
+    ASSERT_EQ(d_k.upload(k), cudaSuccess);
+    single::state_type st;
+    ASSERT_TRUE(single::make_state(cl::temperature::learnable(0.05f), cl::scaler::static_scale(64.0f), st).ok());
+    ASSERT_EQ(cudaMemcpy(s1.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(s2.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+    const cl::problem<T> p{d_q.ptr, d_k.ptr, n, n, dim, nullptr, obj};
+    cublasHandle_t h = nullptr;
+    ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+    const cl::chunk_options opts{128, 0};
+    std::size_t bytes = 0;
+    ASSERT_EQ(single::step(nullptr, bytes, p, dq1.ptr, dk1.ptr, s1.ptr, h, 0, opts), cudaSuccess);
+    ct::device_buffer<char> temp(bytes);
+    ASSERT_EQ(single::step(temp.ptr, bytes, p, dq1.ptr, dk1.ptr, s1.ptr, h, 0, opts), cudaSuccess);
+
+    ncclComm_t comm = nullptr;
+    int dev = 0;
+    ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+    ASSERT_EQ(ncclCommInitAll(&comm, 1, &dev), ncclSuccess);
+    {
+      dist d(cl::distributed::comm::nccl(comm), h, opts);
+      const cl::status r = d.step(p, dq2.ptr, dk2.ptr, s2.ptr);
+      ASSERT_TRUE(r.ok()) << r.message();
+      EXPECT_EQ(d.global_queries(), n);
+    }
+    ncclCommDestroy(comm);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    single::state_type a, b;
+    cudaMemcpy(&a, s1.ptr, sizeof a, cudaMemcpyDeviceToHost);
+    cudaMemcpy(&b, s2.ptr, sizeof b, cudaMemcpyDeviceToHost);
+    EXPECT_NEAR(b.record.loss, a.record.loss, 1e-6 * std::fabs(a.record.loss));
+    EXPECT_NEAR(
+        b.record.grad_logit_scale, a.record.grad_logit_scale, 1e-5 * (1.0 + std::fabs(a.record.grad_logit_scale)));
+    EXPECT_EQ(b.record.first_nonfinite, a.record.first_nonfinite);
+    EXPECT_EQ(b.temperature.tau(), a.temperature.tau());
+    // Same kernels, same coefficients, one-rank collectives are copies: the results should agree to the bit.
+    EXPECT_LE(rel_diff(dq2.download(), dq1.download()), 1e-6);
+    EXPECT_LE(rel_diff(dk2.download(), dk1.download()), 1e-6);
+    cublasDestroy(h);
+  }
+}
