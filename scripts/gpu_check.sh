@@ -17,12 +17,16 @@ phase build
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCONTRASTIVE_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" -DCONTRASTIVE_BUILD_EXAMPLES=OFF >"$out/configure.log" 2>&1 ||
   { tail -30 "$out/configure.log"; exit 1; }
-timeout 300 cmake --build build-gpu -j"$(nproc)" --target device_test device_chunked_test device_distributed_test contrastive_device_bench \
+timeout 300 cmake --build build-gpu -j"$(nproc)" --target device_test device_chunked_test contrastive_device_bench \
   >"$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; tail -5 "$out/build.log"; exit 1; }
+# The NCCL test only where CMake found NCCL (contrastive::nccl); its absence is reported, not fatal.
+timeout 120 cmake --build build-gpu -j"$(nproc)" --target device_distributed_test >>"$out/build.log" 2>&1 ||
+  echo "device_distributed_test not built (no NCCL found?): see $out/build.log"
 
 phase "device tests"
 test_rc=0
 for t in device_test device_chunked_test device_distributed_test; do
+  [ -x "./build-gpu/tests/$t" ] || { echo "$t: not built" | tee "$out/$t.log"; continue; }
   timeout 120 "./build-gpu/tests/$t" 2>&1 | tee "$out/$t.log" | grep -E '^\[  (FAILED|PASSED|SKIPPED) ' | head -30
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && test_rc=$rc && echo "$t exited with $rc"
