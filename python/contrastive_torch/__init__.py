@@ -163,8 +163,8 @@ def _labels_tensor(labels, n_q):
 class _Base(torch.nn.Module):
     def __init__(self, algorithm="fused", threads=0):
         super().__init__()
-        if algorithm not in ("fused", "materialized"):
-            raise ValueError(f"algorithm: '{algorithm}' is not one of 'fused', 'materialized'")
+        if algorithm not in ("fused", "materialized", "chunked"):
+            raise ValueError(f"algorithm: '{algorithm}' is not one of 'fused', 'materialized', 'chunked'")
         if not isinstance(threads, int) or threads < 0:
             raise ValueError(f"threads: must be an int >= 0 (0 = all cores), got {threads!r}")
         self.algorithm = algorithm

@@ -34,7 +34,7 @@ def rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("algorithm", ["fused", "materialized"])
+@pytest.mark.parametrize("algorithm", ["fused", "materialized", "chunked"])
 @pytest.mark.parametrize("n,d", [(129, 64), (256, 96), (1, 8)])
 def test_clip_float32_matches_pytorch(algorithm, n, d):
     img, txt = features(n, d, seed=1), features(n, d, seed=2)
@@ -47,7 +47,7 @@ def test_clip_float32_matches_pytorch(algorithm, n, d):
             assert rel(a, b) <= 1e-5
 
 
-@pytest.mark.parametrize("algorithm", ["fused", "materialized"])
+@pytest.mark.parametrize("algorithm", ["fused", "materialized", "chunked"])
 def test_infonce_with_labels_and_a_queue(algorithm):
     n_q, n_k, d = 50, 300, 32
     q, k = features(n_q, d, seed=3), features(n_k, d, seed=4)
@@ -65,7 +65,7 @@ def test_infonce_with_labels_and_a_queue(algorithm):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-@pytest.mark.parametrize("algorithm", ["fused", "materialized"])
+@pytest.mark.parametrize("algorithm", ["fused", "materialized", "chunked"])
 def test_16bit_within_rounding(dtype, tol, algorithm):
     n, d = 129, 64
     img, txt = features(n, d, dtype, seed=6), features(n, d, dtype, seed=7)

@@ -131,7 +131,12 @@ std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned thr
   {
     return std::make_unique<handle<T, cl::algorithm::materialized>>(threads);
   }
-  throw std::invalid_argument("contrastive: algorithm: '" + algorithm + "' is not one of 'fused', 'materialized'");
+  if (algorithm == "chunked")
+  {
+    return std::make_unique<handle<T, cl::algorithm::chunked>>(threads);
+  }
+  throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
+                              "' is not one of 'fused', 'materialized', 'chunked'");
 }
 
 /// The Python-visible object.
