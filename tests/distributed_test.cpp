@@ -236,13 +236,14 @@ TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
   };
   const cl::problem<float> good{qm.data(), km.data(), s.count, s.count, dim, nullptr, cl::objective::symmetric};
 
-  // A non-finite key on the culprit.
+  // A non-finite key on the culprit (written in place: `good` points into km).
+  const float kept = km[3];
   if (rank == culprit)
   {
     km[3] = INFINITY;
   }
   expect_refused(good, cl::errc::non_finite_input, "k");
-  km = rows_of(k, s, dim);
+  km[3] = kept;
 
   // A different feature width on the culprit (with one rank there is nothing to differ from).
   cl::problem<float> p = good;
