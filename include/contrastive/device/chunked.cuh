@@ -649,17 +649,12 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
       return cudaErrorInvalidValue;
     }
     const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
-    std::size_t sum_bytes = 0, max_bytes = 0;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(nullptr, sum_bytes, nullptr, nullptr, n_max));
-    CONTRASTIVE_CUDA_TRY(detail::reduce_max(nullptr, max_bytes, nullptr, nullptr, n_max));
-    w.cub_bytes = std::max(sum_bytes, max_bytes);
+    CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, w.cub_bytes));
     const bool sym = p.obj == objective::symmetric;
-    std::size_t off = 0;
+    detail::carver c;
     auto take = [&](std::size_t bytes)
     {
-      const std::size_t at = off;
-      off += detail::align256(bytes);
-      return at;
+      return c.take(bytes);
     };
     w.row_lse = take(p.n_q * sizeof(float));
     w.row_loss = take(p.n_q * sizeof(float));
@@ -678,7 +673,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     w.flags = take(3 * sizeof(int));
     w.scalars = take(sizeof(kernels::step_scalars));
     w.cub = take(w.cub_bytes);
-    w.total = off;
+    w.total = c.offset;
     return cudaSuccess;
   }
 

@@ -65,6 +65,28 @@ reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cu
       tmp, bytes, in, out, n, kernels::nan_max{}, -contrastive::detail::infinity_f, stream);
 }
 
+/// Temporary bytes for reduce_sum and reduce_max over up to n items (the size query of every layout).
+inline cudaError_t reduction_bytes(int n, std::size_t& bytes)
+{
+  std::size_t sum_bytes = 0, max_bytes = 0;
+  CONTRASTIVE_CUDA_TRY(reduce_sum(nullptr, sum_bytes, nullptr, nullptr, n));
+  CONTRASTIVE_CUDA_TRY(reduce_max(nullptr, max_bytes, nullptr, nullptr, n));
+  bytes = sum_bytes > max_bytes ? sum_bytes : max_bytes;
+  return cudaSuccess;
+}
+
+/// Carves a workspace into 256-byte aligned sub-buffers: take(bytes) returns the next one's offset.
+struct carver
+{
+  std::size_t offset = 0;
+  std::size_t take(std::size_t bytes) noexcept
+  {
+    const std::size_t at = offset;
+    offset += align256(bytes);
+    return at;
+  }
+};
+
 /// The one place where runtime flags become template arguments: calls f(std::bool_constant<flags>...) with the
 /// flags in order, e.g. static_switch(f, symmetric, labels) calls f(std::true_type{}, std::false_type{}).
 template <class F>
@@ -145,16 +167,11 @@ struct loss_dispatch
     // The calls' own counts are ints (n <= 2^30 is checked before any layout is used for a launch); query with the
     // largest of them through the same functions the calls use.
     const int n_max = static_cast<int>(std::min<std::size_t>(std::max(std::max(p.n_q, p.n_k), w.n_partials), 1u << 30));
-    std::size_t sum_bytes = 0, max_bytes = 0;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(nullptr, sum_bytes, nullptr, nullptr, n_max));
-    CONTRASTIVE_CUDA_TRY(detail::reduce_max(nullptr, max_bytes, nullptr, nullptr, n_max));
-    w.cub_bytes = std::max(sum_bytes, max_bytes);
-    std::size_t off = 0;
+    CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, w.cub_bytes));
+    detail::carver c;
     auto take = [&](std::size_t bytes)
     {
-      const std::size_t at = off;
-      off += detail::align256(bytes);
-      return at;
+      return c.take(bytes);
     };
     w.row_lse = take(p.n_q * sizeof(float));
     w.row_loss = take(p.n_q * sizeof(float));
@@ -170,7 +187,7 @@ struct loss_dispatch
     w.scalars = take(sizeof(kernels::step_scalars));
     w.cub = take(w.cub_bytes);
     w.matrix = take(Materialized ? p.n_q * p.n_k * sizeof(Element) : 0);
-    w.total = off;
+    w.total = c.offset;
     return cudaSuccess;
   }
 

@@ -496,12 +496,10 @@ private:
       return {errc::size_overflow, "n_k", "this rank's workspace for the global batch does not fit in size_t bytes"};
     }
     const std::size_t n = g.n_k_total;
-    std::size_t off = w_.total;
+    contrastive::device::detail::carver c{w_.total};
     auto take = [&](std::size_t bytes)
     {
-      const std::size_t at = off;
-      off += contrastive::device::detail::align256(bytes);
-      return at;
+      return c.take(bytes);
     };
     x_.k_all = take(n * p.dim * sizeof(Element));
     x_.labels = take(p.n_q * sizeof(std::int32_t));
@@ -510,7 +508,7 @@ private:
     x_.dk_local = take(p.n_k * p.dim * sizeof(float));
     x_.red = take(8 * sizeof(float));
     x_.site = take(2 * sizeof(std::int32_t));
-    x_.total = off;
+    x_.total = c.offset;
     if (x_.total > ws_bytes_)
     {
       cudaFree(ws_);
