@@ -8,6 +8,7 @@
 // GPU's measured bf16 matmul rate and copy bandwidth (the roofline benchmarks in this file measure both with cuBLAS
 // and cudaMemcpy).
 
+#include "random_rows.hpp"
 #include <contrastive/device/chunked.cuh>
 #include <contrastive/device/loss.cuh>
 
@@ -54,13 +55,7 @@ struct events
 template <class T>
 T* random_device_rows(std::size_t rows, std::size_t dim, unsigned seed)
 {
-  std::vector<T> h(rows * dim);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(float(dim)));
-  for (auto& x : h)
-  {
-    x = cl::element_traits<T>::from_float(normal(rng));
-  }
+  const std::vector<T> h = contrastive_test::random_rows<T>(rows, dim, seed);
   T* d = nullptr;
   if (cudaMalloc(&d, h.size() * sizeof(T)) != cudaSuccess)
   {

@@ -14,6 +14,7 @@
 //                partials of every other rank's rows ((N - n_local) D floats, reduce-scatter) and 3 N floats of
 //                column statistics (symmetric); a ring implementation forwards more, a tree less
 //   nn_bytes     what one process's N x N float logits would take, for scale
+#include "random_rows.hpp"
 #include "support.hpp"
 
 #include <contrastive/contrastive.hpp>
@@ -35,29 +36,6 @@ namespace cl = contrastive;
 
 namespace
 {
-template <class T>
-std::vector<T> random_rows(std::size_t rows, std::size_t dim, unsigned seed)
-{
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<T> out(rows * dim);
-  std::vector<float> row(dim);
-  for (std::size_t r = 0; r < rows; ++r)
-  {
-    float n2 = 0.0f;
-    for (float& v : row)
-    {
-      v = normal(rng);
-      n2 += v * v;
-    }
-    for (std::size_t c = 0; c < dim; ++c)
-    {
-      out[r * dim + c] = cl::element_traits<T>::from_float(row[c] / std::sqrt(n2));
-    }
-  }
-  return out;
-}
-
 template <class T, class Algorithm>
 void step_benchmark(benchmark::State& state, cl::objective obj)
 {
@@ -66,8 +44,8 @@ void step_benchmark(benchmark::State& state, cl::objective obj)
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   const std::size_t n = static_cast<std::size_t>(state.range(0)), d = static_cast<std::size_t>(state.range(1));
   const std::size_t n_total = n * static_cast<std::size_t>(ranks);
-  const auto q = random_rows<T>(n, d, 11u + 2u * static_cast<unsigned>(rank));
-  const auto k = random_rows<T>(n, d, 12u + 2u * static_cast<unsigned>(rank));
+  const auto q = contrastive_test::random_rows<T>(n, d, 11u + 2u * static_cast<unsigned>(rank));
+  const auto k = contrastive_test::random_rows<T>(n, d, 12u + 2u * static_cast<unsigned>(rank));
   std::vector<T> dq(n * d), dk(n * d);
   contrastive_bench::heap::reset_peak();
   const std::size_t base = contrastive_bench::heap::live();

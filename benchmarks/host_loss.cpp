@@ -21,6 +21,7 @@
 //   bytes_held       what the loss object reports holding after the call (loss::bytes_held())
 //   rss_hwm          process resident-set high-water during the benchmark (cross-check; process-wide)
 
+#include "random_rows.hpp"
 #include "support.hpp"
 
 #include <contrastive/contrastive.hpp>
@@ -142,26 +143,9 @@ struct fixture : fixture_base
       : q(n * d), k(n * d), dq(ps == pass::forward ? 0 : n * d), dk(ps == pass::forward ? 0 : n * d),
         loss(contrastive::temperature::fixed(0.07f), contrastive::scaler::static_scale(1.0f), threads)
   {
-    std::mt19937_64 rng(0x5eed0000u + n * 7 + d);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<float> row(d);
-    for (std::vector<T>* m : {&q, &k})
-    {
-      for (std::size_t i = 0; i < n; ++i)
-      {
-        double norm = 0.0;
-        for (float& x : row)
-        {
-          x = normal(rng);
-          norm += static_cast<double>(x) * x;
-        }
-        const float inv = static_cast<float>(1.0 / std::sqrt(norm));
-        for (std::size_t c = 0; c < d; ++c)
-        {
-          (*m)[i * d + c] = contrastive::element_traits<T>::from_float(row[c] * inv);
-        }
-      }
-    }
+    const auto seed = static_cast<std::uint32_t>(0x5eed0000u + n * 7 + d);
+    q = contrastive_test::random_rows<T>(n, d, seed);
+    k = contrastive_test::random_rows<T>(n, d, seed + 1);
     p.q = q.data();
     p.k = k.data();
     p.n_q = p.n_k = n;

@@ -3,6 +3,8 @@
 
 // Shared test helpers: random inputs, the float64 host reference, and tolerances derived from the element type.
 
+#include "random_rows.hpp"
+
 #include <contrastive/contrastive.hpp>
 
 #include <algorithm>
@@ -66,31 +68,6 @@ inline std::vector<std::int32_t> random_labels(std::size_t n, std::size_t n_k, s
     l = static_cast<std::int32_t>(rng() % n_k);
   }
   return labels;
-}
-
-/// Random L2-normalised rows (as CLIP features are), stored in T. Never zero.
-template <class T>
-std::vector<T> random_rows(std::size_t rows, std::size_t dim, std::uint32_t seed, float norm = 1.0f)
-{
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<T> out(rows * dim);
-  std::vector<float> row(dim);
-  for (std::size_t i = 0; i < rows; ++i)
-  {
-    double ss = 0.0;
-    for (auto& x : row)
-    {
-      x = normal(rng);
-      ss += double(x) * x;
-    }
-    const float inv = norm / static_cast<float>(std::sqrt(ss));
-    for (std::size_t c = 0; c < dim; ++c)
-    {
-      out[i * dim + c] = element_traits<T>::from_float(row[c] * inv);
-    }
-  }
-  return out;
 }
 
 template <class T>
