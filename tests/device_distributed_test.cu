@@ -1,7 +1,7 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-// distributed::device_loss over NCCL on the GPUs of one process: with one rank it equals the single-GPU chunked loss;
-// with every visible GPU (one communicator per device, ncclCommInitAll) each rank's slice equals the one-GPU result on
-// the concatenated batch. Skips without a GPU.
+// distributed::device_loss over NCCL with one rank: the distributed code path (gather, column combine, reduce-scatter
+// through NCCL) equals the single-GPU chunked loss. Several ranks need a thread per GPU (the agreement synchronizes
+// the stream) and a machine with several GPUs: not here yet. Skips without a GPU.
 #include "device_util.cuh"
 #include "test_util.hpp"
 

@@ -26,7 +26,8 @@
 ///
 /// The call sets the handle's stream to `stream` and its pointer mode to host for the duration of the call and
 /// restores both before returning. cuBLAS failures come back as cudaError_t (allocation: cudaErrorMemoryAllocation,
-/// unsupported: cudaErrorNotSupported, anything else cudaErrorUnknown). Float products follow the handle's math mode
+/// invalid value: cudaErrorInvalidValue, unsupported or wrong architecture: cudaErrorNotSupported, anything else
+/// cudaErrorUnknown). Float products follow the handle's math mode
 /// (CUBLAS_DEFAULT_MATH: exact float; CUBLAS_TF32_TENSOR_OP_MATH if you want TF32).
 
 #include <contrastive/device/loss.cuh>
@@ -157,6 +158,7 @@ __device__ CONTRASTIVE_FORCEINLINE long long positive_of(const chunk_args& a, lo
 }
 
 /// One block per chunk row: the row's negatives, its positive, its loss and reported max.
+template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long long c0)
 {
   const long long r = blockIdx.x;
@@ -196,6 +198,7 @@ __global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long lon
 
 /// Symmetric: 32 columns x 8 row slices per block; the chunk's negatives of each column merged into the running
 /// state (`first`: the state starts here). Each row's positive (its label, or the diagonal) is left out.
+template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(threads) column_partials(chunk_args a, long long c0, int rows, int first)
 {
   const int j = blockIdx.x * 32 + threadIdx.x;
@@ -229,6 +232,7 @@ __global__ void __launch_bounds__(threads) column_partials(chunk_args a, long lo
 }
 
 /// Symmetric: each column's log-sum-exp and loss from its negatives and positive (row j's positive logit).
+template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(threads) finish_columns(chunk_args a)
 {
   for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
@@ -251,8 +255,8 @@ __global__ void __launch_bounds__(threads)
     const long long i = c0 + r;
     const long long p = positive_of(a, i);
     const float lr = a.row_lse[i];
-    const float pos_g =
-        exact_positive_gradient(a.row_loss[i], symmetric && p < a.n_k ? a.col_loss[p] : 0.0f, gc, symmetric != 0);
+    const float pos_g = exact_positive_gradient(
+        a.row_loss[i], symmetric && p >= 0 && p < a.n_k ? a.col_loss[p] : 0.0f, gc, symmetric != 0);
     const float* x = a.logits + r * a.ld;
     T* out = g + r * a.ld;
     for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
@@ -469,11 +473,11 @@ struct runner
   cudaError_t forward_chunk(std::size_t c0, int rows)
   {
     CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
-    row_statistics<<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
+    row_statistics<><<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
     CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     if (sym)
     {
-      column_partials<<<static_cast<unsigned>((a.n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
+      column_partials<><<<static_cast<unsigned>((a.n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
           a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     }
@@ -551,7 +555,7 @@ struct runner
   /// One process: each column's log-sum-exp and loss from its negatives and its positive (row j's).
   cudaError_t finish_columns_local()
   {
-    finish_columns<<<static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)), threads, 0, stream>>>(a);
+    finish_columns<><<<static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)), threads, 0, stream>>>(a);
     return cudaPeekAtLastError();
   }
 

@@ -106,10 +106,13 @@ inline global_shape derive_global(const std::vector<shape_msg>& all, int me)
   }
   if (g.bad_rank < 0 && !g.any_failed)
   {
-    if (!nq.ok() || !nk.ok() || nk.value > static_cast<std::size_t>(INT_MAX))
+    if (!nq.ok() || !nk.ok() || nq.value > static_cast<std::size_t>(INT_MAX) ||
+        nk.value > static_cast<std::size_t>(INT_MAX))
     {
       g.bad_rank = 0;
-      (void)(g.why = status{errc::size_overflow, "n_k", "the global batch exceeds 2^31 - 1 keys (int32 labels)"});
+      (void)(g.why = status{errc::size_overflow,
+                            "n_k",
+                            "the global batch exceeds 2^31 - 1 queries or keys (int32 labels and counts)"});
     }
     else if (all[0].obj == static_cast<std::int64_t>(objective::symmetric) && nq.value != nk.value)
     {

@@ -15,6 +15,10 @@
 ///   all-reduced -> the record on every rank. `finish_step` all-reduces the first non-finite site, so a `parameters`
 ///   site found by one rank's `unscale_and_check` skips the step on every rank.
 ///
+/// One rank per GPU and per host thread: set the rank's device (cudaSetDevice) before constructing and calling its
+/// loss (the agreement synchronizes the stream, so one thread cannot drive several ranks), and do not share one
+/// comm::nccl between threads (copies share its staging buffer).
+///
 /// Differences from the single-GPU device API, by design: the loss owns its workspace (grown with cudaMalloc when a
 /// step needs more, freed by the destructor); the agreement synchronizes the stream (host-side checks need every
 /// rank's answer), so a distributed step cannot be captured in a CUDA graph; labels and finiteness are not checked up
@@ -121,10 +125,11 @@ public:
     CONTRASTIVE_RETURN_IF_ERROR(check("ncclGroupStart", ncclGroupStart()));
     std::size_t at = 0;
     ncclResult_t err = ncclSuccess;
-    for (int r = 0; r < size_ && err == ncclSuccess; ++r)
+    for (int r = 0; r < size_; ++r) // every call is issued, so every rank's group holds the same operations
     {
       const std::size_t bytes = static_cast<std::size_t>(rows[r]) * row_bytes;
-      err = ncclBroadcast(mine, static_cast<char*>(all) + at, bytes, ncclInt8, r, comm_, stream_);
+      const ncclResult_t e = ncclBroadcast(mine, static_cast<char*>(all) + at, bytes, ncclInt8, r, comm_, stream_);
+      err = err == ncclSuccess ? e : err;
       at += bytes;
     }
     const ncclResult_t end = ncclGroupEnd();
@@ -138,10 +143,11 @@ public:
     CONTRASTIVE_RETURN_IF_ERROR(check("ncclGroupStart", ncclGroupStart()));
     std::size_t at = 0;
     ncclResult_t err = ncclSuccess;
-    for (int r = 0; r < size_ && err == ncclSuccess; ++r)
+    for (int r = 0; r < size_; ++r)
     {
       const std::size_t n = static_cast<std::size_t>(counts[r]);
-      err = ncclReduce(all + at, mine, n, ncclFloat32, ncclSum, r, comm_, stream_);
+      const ncclResult_t e = ncclReduce(all + at, mine, n, ncclFloat32, ncclSum, r, comm_, stream_);
+      err = err == ncclSuccess ? e : err;
       at += n;
     }
     const ncclResult_t end = ncclGroupEnd();
@@ -220,6 +226,7 @@ namespace device_detail
 constexpr int threads = 256;
 
 /// Row i's positive column: the caller's global label, or the global diagonal.
+template <int = 0>
 __global__ void fill_labels(std::int32_t* out, const std::int32_t* user, long long n, long long q_off)
 {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
@@ -230,6 +237,7 @@ __global__ void fill_labels(std::int32_t* out, const std::int32_t* user, long lo
 }
 
 /// Each column's local negatives rescaled to the global max (sums), and zeroed positives.
+template <int = 0>
 __global__ void
 rescale_columns(const float* local_max, const float* local_sum, const float* global_max, float* pack, long long n)
 {
@@ -244,6 +252,7 @@ rescale_columns(const float* local_max, const float* local_sum, const float* glo
 }
 
 /// Column q_off + i's positive is this rank's row i's.
+template <int = 0>
 __global__ void scatter_positives(const float* pos, float* pack_pos, long long n_rows, long long q_off)
 {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n_rows;
@@ -254,6 +263,7 @@ __global__ void scatter_positives(const float* pos, float* pack_pos, long long n
 }
 
 /// The global column log-sum-exps and losses.
+template <int = 0>
 __global__ void
 finish_global_columns(const float* global_max, const float* pack, float* col_lse, float* col_loss, long long n)
 {
@@ -266,7 +276,9 @@ finish_global_columns(const float* global_max, const float* pack, float* col_lse
   }
 }
 
-/// This rank's sums and flags into `red` (row loss, <dQ, Q>, three flags, then the max logit).
+/// This rank's sums and flags into `red`: row loss, <dQ, Q>, three flags, [5] the failure flag (set by the host),
+/// [6] the max logit; 0..5 are summed over ranks, 6 maxed.
+template <int = 0>
 __global__ void pack_results(const device::kernels::step_sums* sums, const int* flags, float* red)
 {
   red[0] = sums->row_loss;
@@ -274,10 +286,11 @@ __global__ void pack_results(const device::kernels::step_sums* sums, const int* 
   red[2] = flags[0] != 0 ? 1.0f : 0.0f;
   red[3] = flags[1] != 0 ? 1.0f : 0.0f;
   red[4] = flags[2] != 0 ? 1.0f : 0.0f;
-  red[5] = sums->max_logit;
+  red[6] = sums->max_logit;
 }
 
 /// The all-reduced results back into the sums and flags the finish kernel reads (column losses are already global).
+template <int = 0>
 __global__ void unpack_results(const float* red, device::kernels::step_sums* sums, int* flags)
 {
   sums->row_loss = red[0];
@@ -285,7 +298,7 @@ __global__ void unpack_results(const float* red, device::kernels::step_sums* sum
   flags[0] = red[2] != 0.0f ? 1 : 0;
   flags[1] = red[3] != 0.0f ? 1 : 0;
   flags[2] = red[4] != 0.0f ? 1 : 0;
-  sums->max_logit = red[5];
+  sums->max_logit = red[6];
 }
 
 /// finish_step's agreement: this rank's first non-finite site (none -> a large value) out, the minimum back in.
@@ -294,12 +307,12 @@ __global__ void site_out(const State* state, std::int32_t* site)
 {
   const auto s = static_cast<std::int32_t>(state->record.first_nonfinite);
   site[0] = s == static_cast<std::int32_t>(nonfinite_site::none) ? 1 << 30 : s;
-  site[1] = state->record.pending ? 0 : 1;
+  site[1] = state->record.pending ? 0 : -1; // the minimum is -1 when any rank has no step in progress
 }
 template <class State>
 __global__ void site_in(State* state, const std::int32_t* site)
 {
-  if (site[1] == 0)
+  if (site[1] == 0) // every rank pending (the host refuses otherwise)
   {
     state->record.first_nonfinite = site[0] == (1 << 30) ? nonfinite_site::none : static_cast<nonfinite_site>(site[0]);
   }
@@ -319,12 +332,18 @@ public:
   device_loss(comm::nccl comm, cublasHandle_t handle, chunk_options opts = {})
       : comm_(std::move(comm)), handle_(handle), opts_(opts)
   {
+    if (cudaMalloc(&site_, 2 * sizeof(std::int32_t)) != cudaSuccess)
+    {
+      cudaGetLastError();
+      site_ = nullptr; // finish_step reports it
+    }
   }
   device_loss(const device_loss&) = delete;
   device_loss& operator=(const device_loss&) = delete;
   ~device_loss()
   {
     cudaFree(ws_);
+    cudaFree(site_);
   }
 
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)
@@ -377,13 +396,25 @@ public:
       return reinterpret_cast<float*>(static_cast<char*>(ws_) + off);
     };
 
+    // From here every rank runs every collective whatever happens locally: a local CUDA or cuBLAS failure is
+    // remembered, the local work is skipped, and the failure is all-reduced with the results, so every rank returns
+    // it instead of the others waiting in a collective this rank never reaches.
+    cudaError_t local_err = cudaSuccess;
+    auto note = [&](cudaError_t e)
+    {
+      if (local_err == cudaSuccess && e != cudaSuccess)
+      {
+        local_err = e;
+      }
+    };
+
     // K from every rank, the rows' global positives.
     Element* k_all = reinterpret_cast<Element*>(static_cast<char*>(ws_) + x_.k_all);
     auto* labels = reinterpret_cast<std::int32_t*>(static_cast<char*>(ws_) + x_.labels);
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, g_.k_rows.data(), d * sizeof(Element), k_all));
-    device_detail::fill_labels<<<blocks, device_detail::threads, 0, stream>>>(
+    device_detail::fill_labels<><<<blocks, device_detail::threads, 0, stream>>>(
         labels, p.labels, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+    note(cudaPeekAtLastError());
 
     const problem<Element> block{p.q, k_all, p.n_q, n, d, labels, p.obj};
     const grad_coefficients gc =
@@ -393,43 +424,87 @@ public:
             : grad_coefficients{
                   static_cast<float>(1.0 / double(g_.n_q_total)), 0.0f, static_cast<float>(1.0 / double(g_.n_q_total))};
     contrastive::device::chunked_detail::handle_guard guard{handle_};
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(contrastive::device::chunked_detail::from_cublas(guard.enter(stream))));
+    note(contrastive::device::chunked_detail::from_cublas(guard.enter(stream)));
     contrastive::device::chunked_detail::runner<Element> run(block, w_, ws_, handle_, stream, gc);
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.begin(d_state)));
+    if (local_err == cudaSuccess)
+    {
+      note(run.begin(d_state));
+    }
 
     if (sym)
     {
-      CONTRASTIVE_RETURN_IF_ERROR(cuda(run.forward_all()));
       float* gmax = f(x_.col_max);
       float* pack = f(x_.col_pack);
-      CONTRASTIVE_RETURN_IF_ERROR(
-          cuda(cudaMemcpyAsync(gmax, run.a.col_max, n * sizeof(float), cudaMemcpyDeviceToDevice, stream)));
+      if (local_err == cudaSuccess)
+      {
+        note(run.forward_all());
+      }
+      if (local_err == cudaSuccess)
+      {
+        note(cudaMemcpyAsync(gmax, run.a.col_max, n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      }
       CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(gmax, n, reduce_op::max));
-      device_detail::rescale_columns<<<blocks, device_detail::threads, 0, stream>>>(
-          run.a.col_max, run.a.col_sum, gmax, pack, static_cast<long long>(n));
-      device_detail::scatter_positives<<<blocks, device_detail::threads, 0, stream>>>(
-          run.a.pos, pack + n, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
-      CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+      if (local_err == cudaSuccess)
+      {
+        device_detail::rescale_columns<><<<blocks, device_detail::threads, 0, stream>>>(
+            run.a.col_max, run.a.col_sum, gmax, pack, static_cast<long long>(n));
+        device_detail::scatter_positives<><<<blocks, device_detail::threads, 0, stream>>>(
+            run.a.pos, pack + n, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
+        note(cudaPeekAtLastError());
+      }
       CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(pack, 2 * n, reduce_op::sum));
-      device_detail::finish_global_columns<<<blocks, device_detail::threads, 0, stream>>>(
-          gmax, pack, run.a.col_lse, run.a.col_loss, static_cast<long long>(n));
-      CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
+      if (local_err == cudaSuccess)
+      {
+        device_detail::finish_global_columns<><<<blocks, device_detail::threads, 0, stream>>>(
+            gmax, pack, run.a.col_lse, run.a.col_loss, static_cast<long long>(n));
+        note(cudaPeekAtLastError());
+      }
     }
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.backward_all(dq)));
+    if (local_err == cudaSuccess)
+    {
+      note(run.backward_all(dq));
+    }
 
     // dK back to its owners, rounded once.
     float* dk_local = f(x_.dk_local);
     CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(run.dk_accumulator(), g_.dk_counts.data(), dk_local));
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.store_dk(dk_local, dk, p.n_k)));
+    if (local_err == cudaSuccess)
+    {
+      note(run.store_dk(dk_local, dk, p.n_k));
+    }
 
-    // Sums and flags over ranks (the column losses are global already), then the record.
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(run.reduce_local()));
+    // Sums, flags and the failure flag over ranks (the column losses are global already), then the record.
     float* red = f(x_.red);
-    device_detail::pack_results<<<1, 1, 0, stream>>>(run.sums(), run.flags(), red);
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red, 5, reduce_op::sum));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red + 5, 1, reduce_op::max));
-    device_detail::unpack_results<<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
+    if (local_err == cudaSuccess)
+    {
+      note(run.reduce_local());
+    }
+    if (local_err == cudaSuccess)
+    {
+      device_detail::pack_results<><<<1, 1, 0, stream>>>(run.sums(), run.flags(), red);
+      note(cudaPeekAtLastError());
+    }
+    const float failed = local_err == cudaSuccess ? 0.0f : 1.0f; // pageable: copied before cudaMemcpyAsync returns
+    if (const cudaError_t e = cudaMemcpyAsync(red + 5, &failed, sizeof failed, cudaMemcpyHostToDevice, stream);
+        e != cudaSuccess)
+    {
+      return cuda(e); // cannot even tell the others: a broken device
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red, 6, reduce_op::sum));
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red + 6, 1, reduce_op::max));
+    float any_failed = 0.0f;
+    CONTRASTIVE_RETURN_IF_ERROR(
+        cuda(cudaMemcpyAsync(&any_failed, red + 5, sizeof any_failed, cudaMemcpyDeviceToHost, stream)));
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream)));
+    if (any_failed != 0.0f)
+    {
+      return {errc::cuda_error,
+              "cuda",
+              std::string("a CUDA or cuBLAS call failed on ") + (any_failed > 1.5f ? "several ranks" : "one rank") +
+                  " during the step (this rank: " +
+                  (local_err == cudaSuccess ? "none" : cudaGetErrorString(local_err)) + "); no policy changed"};
+    }
+    device_detail::unpack_results<><<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
     contrastive::device::kernels::finish_forward_backward<state_type>
         <<<1, 1, 0, stream>>>(d_state,
                               run.scalars(),
@@ -449,18 +524,39 @@ public:
   }
 
   /// Step 4 (collective): every rank takes the earliest non-finite site over all ranks, then steps its policies.
+  /// If any rank has no pending step, every rank returns invalid_argument and none steps.
   status finish_step(state_type* d_state, cudaStream_t stream = nullptr)
   {
-    if (d_state == nullptr || ws_ == nullptr)
-    {
-      return {errc::invalid_argument, "d_state", "finish_step needs a forward_backward on this loss first"};
-    }
     comm_.set_stream(stream);
-    auto* site = reinterpret_cast<std::int32_t*>(static_cast<char*>(ws_) + x_.site);
-    device_detail::site_out<state_type><<<1, 1, 0, stream>>>(d_state, site);
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce_min(site, 2));
-    device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, site);
+    if (site_ == nullptr)
+    {
+      return {errc::resource_exhausted, "memory", "the loss's 8-byte agreement buffer could not be allocated"};
+    }
+    std::int32_t mine_ok = d_state != nullptr ? 1 : 0;
+    if (d_state != nullptr)
+    {
+      device_detail::site_out<state_type><<<1, 1, 0, stream>>>(d_state, site_);
+      if (cudaPeekAtLastError() != cudaSuccess)
+      {
+        mine_ok = 0;
+      }
+    }
+    if (mine_ok == 0)
+    {
+      const std::int32_t none[2] = {1 << 30, -1}; // "not pending": every rank refuses
+      CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(site_, none, sizeof none, cudaMemcpyHostToDevice, stream)));
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce_min(site_, 2));
+    std::int32_t agreed[2] = {0, 0};
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(agreed, site_, sizeof agreed, cudaMemcpyDeviceToHost, stream)));
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream)));
+    if (agreed[1] < 0)
+    {
+      return {errc::invalid_argument,
+              "d_state",
+              "a rank has no step in progress (or no state): finish_step needs a forward_backward on every rank"};
+    }
+    device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, site_);
     CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
     return cuda(single::finish_step(d_state, stream));
   }
@@ -475,7 +571,7 @@ private:
   /// The distributed buffers after the chunked runner's (byte offsets).
   struct extras
   {
-    std::size_t k_all, labels, col_max, col_pack, dk_local, red, site, total;
+    std::size_t k_all, labels, col_max, col_pack, dk_local, red, total;
   };
 
   static status cuda(cudaError_t e)
@@ -507,7 +603,6 @@ private:
     x_.col_pack = take(2 * n * sizeof(float));
     x_.dk_local = take(p.n_k * p.dim * sizeof(float));
     x_.red = take(8 * sizeof(float));
-    x_.site = take(2 * sizeof(std::int32_t));
     x_.total = c.offset;
     if (x_.total > ws_bytes_)
     {
@@ -532,6 +627,7 @@ private:
   extras x_{};
   void* ws_ = nullptr;
   std::size_t ws_bytes_ = 0;
+  std::int32_t* site_ = nullptr; ///< finish_step's agreement (its own buffer: it must exist on every rank)
 };
 } // namespace distributed
 } // namespace contrastive
