@@ -4,7 +4,10 @@
     cd python && /usr/bin/python3 -m contrastive_torch.bench [--n 4096] [--d 512] [--dtype float32] [--steps 5]
 
 Each measurement runs in a fresh subprocess: the median time of a forward+backward step after one warm-up, and the
-step's memory as the growth of the process's resident high-water mark (VmHWM) over the steps. The plain loss is
+step's memory as the growth of the process's resident high-water mark (VmHWM) over the steps. glibc's malloc raises
+its mmap threshold after the first large free, so later 8 MiB gradient tensors come from the heap and the resident
+mark grows by more than either loss holds; `--malloc-mmap-threshold BYTES` fixes the threshold (MALLOC_MMAP_THRESHOLD_)
+for both children alike, which shows each loss's working set. The plain loss is
 open_clip's form with one product: logits = s * img @ txt.T, cross-entropy over rows and columns, backward() to img,
 txt and logit_scale.
 """
@@ -52,10 +55,12 @@ print(statistics.median(times), hwm() - base, torch.__version__)
 """
 
 
-def measure(which, n, d, dtype, steps, algorithm, threads):
+def measure(which, n, d, dtype, steps, algorithm, threads, mmap_threshold=0):
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", CHILD, which, str(n), str(d), dtype, str(steps), algorithm, here],
                          check=True, capture_output=True, text=True, env=env).stdout.split()
@@ -69,11 +74,14 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--algorithm", default="fused", choices=["fused", "materialized"])
+    ap.add_argument("--algorithm", default="fused", choices=["fused", "materialized", "chunked"])
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=0,
+                    help="bytes; fixes glibc's mmap threshold in both children (0: glibc's dynamic default)")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
     args = ap.parse_args()
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; dtype {args.dtype}; "
-          f"D = {args.d}; {args.rounds} interleaved rounds (medians)")
+          f"D = {args.d}; {args.rounds} interleaved rounds (medians); malloc mmap threshold: "
+          f"{args.malloc_mmap_threshold or 'glibc default (dynamic)'}")
     print("| N | loss | time / step | memory / step | time vs PyTorch | memory vs PyTorch |")
     print("|---|---|---|---|---|---|")
     for n in args.n:
@@ -81,7 +89,8 @@ def main():
         version = "?"
         for _ in range(args.rounds):
             for which in ("pytorch", "contrastive"):
-                t, m, version = measure(which, n, args.d, args.dtype, args.steps, args.algorithm, args.threads)
+                t, m, version = measure(which, n, args.d, args.dtype, args.steps, args.algorithm, args.threads,
+                                        args.malloc_mmap_threshold)
                 res[which][0].append(t)
                 res[which][1].append(m)
         pt, pm = statistics.median(res["pytorch"][0]), statistics.median(res["pytorch"][1])
