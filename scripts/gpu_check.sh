@@ -49,6 +49,13 @@ fi
 phase table
 python3 scripts/gpu_table.py "$out/device_bench.json" "$out/torch.log" | tee "$out/table.txt"
 
+if [ -n "$py" ]; then
+  phase "PyTorch extension on CUDA tensors (first use compiles it with nvcc)"
+  (cd python && timeout 240 "$py" -m pytest -q -p no:cacheprovider tests -k cuda 2>&1 | tail -5) | tee "$out/torch_ext.log"
+  (cd python && timeout 120 "$py" -m contrastive_torch.bench --device cuda --n 16384 --dtype bfloat16 \
+    --algorithm chunked --rounds 1 --steps 3 2>&1 | tail -4) | tee -a "$out/torch_ext.log"
+fi
+
 if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   phase "compute-sanitizer (memcheck, racecheck on the small cases)"

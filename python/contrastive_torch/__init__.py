@@ -1,5 +1,5 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-"""contrastive as a drop-in CLIP loss for PyTorch (CPU tensors; float32, bfloat16, float16).
+"""contrastive as a drop-in CLIP loss for PyTorch (CPU and CUDA tensors; float32, bfloat16, float16).
 
     from contrastive_torch import ClipLoss
     loss = ClipLoss()(image_features, text_features, model.logit_scale.exp())   # open_clip's call
@@ -10,6 +10,13 @@ torch's extension directory). It needs the CUDA Toolkit's headers for the 16-bit
 /usr/local/cuda); no GPU is used. The loss runs the library's host engine: forward computes the loss, backward the
 gradients of the features and of logit_scale, with the incoming gradient (GradScaler's scale) applied before any
 16-bit rounding, as PyTorch's own backward does.
+
+CUDA tensors run the library's device step instead (a second extension, compiled with nvcc on first use where PyTorch
+has CUDA): forward and backward in one call on PyTorch's current stream, with its cuBLAS handle and caching allocator;
+use algorithm="chunked" (cuBLAS products) on GPUs. There the gradients are formed at loss scale 1 and multiplied by the
+incoming gradient afterwards, so in float16 gradient values below fp16's range flush before GradScaler's scale
+applies (bfloat16 and float32 are unaffected), and `last_step` holds device tensors (no synchronisation):
+`first_nonfinite_code` indexes NONFINITE_SITES. Input checks on CUDA (finiteness, label range) synchronise once.
 """
 
 import os
@@ -17,11 +24,15 @@ import threading
 
 import torch
 
-__all__ = ["ClipLoss", "InfoNCELoss", "clamp_logit_scale", "freeze_then_learn", "extension"]
+__all__ = ["ClipLoss", "InfoNCELoss", "clamp_logit_scale", "freeze_then_learn", "extension", "cuda_extension",
+           "NONFINITE_SITES"]
+
+NONFINITE_SITES = ("none", "logits", "loss", "grad_q", "grad_k", "grad_logit_scale", "parameters")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO_INCLUDE = os.path.normpath(os.path.join(_HERE, "..", "..", "include"))
 _ext = None
+_cuda_ext = None
 _ext_lock = threading.Lock()
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -49,14 +60,35 @@ def extension():
     return _ext
 
 
+def cuda_extension():
+    """The compiled device extension (built with nvcc on first call; needs PyTorch with CUDA)."""
+    global _cuda_ext
+    with _ext_lock:
+        if _cuda_ext is None:
+            from torch.utils import cpp_extension
+
+            include = os.environ.get("CONTRASTIVE_INCLUDE", _REPO_INCLUDE)
+            _cuda_ext = cpp_extension.load(
+                name="contrastive_torch_cuda_ext",
+                sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],
+                extra_include_paths=[include],
+                extra_cflags=["-O3", "-std=c++17", "-DNDEBUG"],
+                extra_cuda_cflags=["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr"],
+                extra_ldflags=["-lcublas"],
+                verbose=os.environ.get("CONTRASTIVE_VERBOSE_BUILD") == "1",
+            )
+    return _cuda_ext
+
+
 def _check_features(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D tensor (batch x dim), got shape {tuple(x.shape)}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{name}: on {x.device}; this build runs CPU tensors only (the CUDA path needs the device "
-                         "extension, not built with this PyTorch)")
+    if x.device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: on {x.device}, but this PyTorch has no CUDA")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: on {x.device}; CPU and CUDA tensors only")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {x.dtype} is not float32, bfloat16 or float16")
     if not x.is_contiguous():
@@ -144,6 +176,36 @@ class _ContrastiveFunction(torch.autograd.Function):
         return dq, dk, d_scale, None, None, None, None, None
 
 
+class _CudaFunction(torch.autograd.Function):
+    """CUDA tensors: the device step computes the loss and the gradients at loss scale 1 in the forward; the backward
+    multiplies them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, logit_scale, labels, symmetric, algorithm, report):
+        scale = _scale_value(logit_scale)
+        try:
+            loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0)
+        except (RuntimeError, ValueError) as e:
+            if "invalid" in str(e) or "algorithm" in str(e) or "dtype" in str(e):
+                raise ValueError(str(e)) from None
+            raise
+        report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
+        ctx.save_for_backward(dq, dk, dlogs)
+        ctx.scale = scale
+        ctx.scale_shape = logit_scale.shape if isinstance(logit_scale, torch.Tensor) else None
+        ctx.scale_dtype = logit_scale.dtype if isinstance(logit_scale, torch.Tensor) else torch.float32
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dq, dk, dlogs = ctx.saved_tensors
+        d_scale = None
+        if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
+            d_scale = (dlogs * grad / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
+        # In float: a GradScaler scale of 65536 does not fit float16.
+        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None
+
+
 def _labels_tensor(labels, n_q):
     if labels is None:
         return None
@@ -153,8 +215,6 @@ def _labels_tensor(labels, n_q):
         raise ValueError(f"labels: expected shape ({n_q},), got {tuple(labels.shape)}")
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels: dtype {labels.dtype} is not an integer type (int64 or int32)")
-    if labels.device.type != "cpu":
-        raise ValueError(f"labels: on {labels.device}; CPU tensors only")
     if labels.numel() and (int(labels.min()) < -(2**31) or int(labels.max()) >= 2**31):
         raise ValueError("labels: values outside the int32 range")
     return labels.to(torch.int32).contiguous()
@@ -180,11 +240,33 @@ class _Base(torch.nn.Module):
             raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype})")
         if q.shape[1] != k.shape[1]:
             raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
+        if q.device != k.device:
+            raise ValueError(f"features: on different devices ({q.device} and {k.device})")
         report = {}
         self.last_step = report
         labels32 = _labels_tensor(labels, q.shape[0])
+        if q.device.type == "cuda":
+            return self._run_cuda(q, k, logit_scale, labels32, symmetric, report)
+        if labels32 is not None and labels32.device.type != "cpu":
+            raise ValueError(f"labels: on {labels32.device} while the features are on the CPU")
         return _ContrastiveFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, self.threads,
                                           report)
+
+    def _run_cuda(self, q, k, logit_scale, labels32, symmetric, report):
+        # The device API does not check values (that would synchronise inside the step); check them here, once.
+        for name, x in (("image_features" if symmetric else "query", q), ("text_features" if symmetric else "keys", k)):
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"{name}: holds a non-finite value")
+        if labels32 is not None:
+            labels32 = labels32.to(q.device)
+            if labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
+                raise ValueError(f"labels: values outside [0, {k.shape[0]}) (the number of keys)")
+        elif not symmetric and q.shape[0] > k.shape[0]:
+            raise ValueError(f"labels: None means the diagonal, which needs n_q <= n_k ({q.shape[0]} > {k.shape[0]})")
+        if symmetric and q.shape[0] != k.shape[0]:
+            raise ValueError(f"features: the symmetric loss needs as many texts as images ({q.shape[0]} and "
+                             f"{k.shape[0]})")
+        return _CudaFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, report)
 
 
 class ClipLoss(_Base):

@@ -25,20 +25,24 @@ import torch, torch.nn.functional as F
 sys.path.insert(0, sys.argv[7])
 import contrastive_torch as ct
 which, n, d, dtype, steps, algorithm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
+dev = sys.argv[8]
 dtype = getattr(torch, dtype)
 g = torch.Generator().manual_seed(0)
-img = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).requires_grad_()
-txt = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).requires_grad_()
-log_scale = torch.tensor(math.log(1 / 0.07)).requires_grad_()
-labels = torch.arange(n)
+img = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).to(dev).requires_grad_()
+txt = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).to(dev).requires_grad_()
+log_scale = torch.tensor(math.log(1 / 0.07), device=dev).requires_grad_()
+labels = torch.arange(n, device=dev)
 if which == "contrastive":
-    ct.extension()
+    ct.cuda_extension() if dev == "cuda" else ct.extension()
     fn = ct.ClipLoss(algorithm=algorithm)
 else:
     def fn(a, b, s):
         logits = s * a @ b.t()
         return 0.5 * (F.cross_entropy(logits.float(), labels) + F.cross_entropy(logits.t().float(), labels))
 def hwm():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -46,23 +50,28 @@ def hwm():
 def step():
     img.grad = txt.grad = log_scale.grad = None
     fn(img, txt, log_scale.exp()).backward()
+def sync():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+if dev == "cuda":
+    torch.cuda.reset_peak_memory_stats()
 base = hwm()
 step()
 times = []
 for _ in range(steps):
-    t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+    sync(); t0 = time.perf_counter(); step(); sync(); times.append(time.perf_counter() - t0)
 print(statistics.median(times), hwm() - base, torch.__version__)
 """
 
 
-def measure(which, n, d, dtype, steps, algorithm, threads, mmap_threshold=0):
+def measure(which, n, d, dtype, steps, algorithm, threads, mmap_threshold=0, device="cpu"):
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", CHILD, which, str(n), str(d), dtype, str(steps), algorithm, here],
+    out = subprocess.run([sys.executable, "-c", CHILD, which, str(n), str(d), dtype, str(steps), algorithm, here, device],
                          check=True, capture_output=True, text=True, env=env).stdout.split()
     return float(out[0]), int(out[1]), out[2]
 
@@ -78,10 +87,12 @@ def main():
     ap.add_argument("--malloc-mmap-threshold", type=int, default=0,
                     help="bytes; fixes glibc's mmap threshold in both children (0: glibc's dynamic default)")
     ap.add_argument("--threads", type=int, default=0, help="0: all cores")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: both losses on the GPU (memory: torch.cuda.max_memory_allocated growth)")
     args = ap.parse_args()
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; dtype {args.dtype}; "
           f"D = {args.d}; {args.rounds} interleaved rounds (medians); malloc mmap threshold: "
-          f"{args.malloc_mmap_threshold or 'glibc default (dynamic)'}")
+          f"{args.malloc_mmap_threshold or 'glibc default (dynamic)'}; device {args.device}")
     print("| N | loss | time / step | memory / step | time vs PyTorch | memory vs PyTorch |")
     print("|---|---|---|---|---|---|")
     for n in args.n:
@@ -90,7 +101,7 @@ def main():
         for _ in range(args.rounds):
             for which in ("pytorch", "contrastive"):
                 t, m, version = measure(which, n, args.d, args.dtype, args.steps, args.algorithm, args.threads,
-                                        args.malloc_mmap_threshold)
+                                        args.malloc_mmap_threshold, args.device)
                 res[which][0].append(t)
                 res[which][1].append(m)
         pt, pm = statistics.median(res["pytorch"][0]), statistics.median(res["pytorch"][1])

@@ -12,7 +12,7 @@ import contrastive_torch as ct
 
 def reference_clip(img, txt, logit_scale):
     logits = logit_scale * img @ txt.t()
-    labels = torch.arange(img.shape[0])
+    labels = torch.arange(img.shape[0], device=img.device)
     return 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels))
 
 
@@ -202,8 +202,48 @@ def test_bad_inputs_raise():
     assert math.isfinite(float(loss(img, txt, s)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
-def test_cuda_tensors_are_refused_with_a_clear_error():
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+
+
+@needs_cuda
+@pytest.mark.parametrize("algorithm", ["chunked", "fused", "materialized"])
+def test_cuda_matches_reference(algorithm):
+    img, txt = features(300, 64, seed=11).cuda(), features(300, 64, seed=12).cuda()
+    log_scale = torch.tensor(math.log(20.0), device="cuda")
+    ref = grads_of(reference_clip, img, txt, log_scale)
+    fn = ct.ClipLoss(algorithm=algorithm)
+    got = grads_of(fn, img, txt, log_scale)
+    assert abs(float(got[0]) - float(ref[0])) <= 2e-5 * abs(float(ref[0]))
+    for g, r in zip(got[1:], ref[1:]):
+        assert rel(g, r) <= 1e-4
+    assert int(fn.last_step["first_nonfinite_code"]) == 0
+
+
+@needs_cuda
+def test_cuda_bfloat16_and_the_incoming_gradient():
+    img, txt = features(256, 32, seed=13).cuda(), features(256, 32, seed=14).cuda()
+    log_scale = torch.tensor(math.log(10.0), device="cuda")
+    ref = grads_of(reference_clip, img, txt, log_scale)
+    fn = ct.ClipLoss(algorithm="chunked")
+    a = img.to(torch.bfloat16).requires_grad_()
+    b = txt.to(torch.bfloat16).requires_grad_()
+    s = log_scale.clone().requires_grad_()
+    loss = fn(a, b, s.exp())
+    (loss * 1024.0).backward()  # a GradScaler-like incoming gradient
+    assert abs(float(loss) - float(ref[0])) <= 1e-2 * abs(float(ref[0]))
+    assert rel(a.grad.float() / 1024.0, ref[1]) <= 2e-2
+    assert rel(b.grad.float() / 1024.0, ref[2]) <= 2e-2
+
+
+@needs_cuda
+def test_cuda_bad_input_raises():
     img = features(8, 4).cuda()
-    with pytest.raises(ValueError, match="CPU tensors only|cuda"):
-        ct.ClipLoss()(img, img.clone(), torch.tensor(10.0))
+    bad = img.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ct.ClipLoss(algorithm="chunked")(bad, img, torch.tensor(10.0, device="cuda"))
+    with pytest.raises(ValueError, match="labels"):
+        ct.InfoNCELoss(algorithm="chunked")(img, img, torch.tensor(10.0, device="cuda"),
+                                            torch.tensor([0, 1, 2, 3, 4, 5, 6, 9], device="cuda"))
+    with pytest.raises(ValueError, match="devices"):
+        ct.ClipLoss()(img, img.cpu(), torch.tensor(10.0))

@@ -1,0 +1,154 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+//
+// PyTorch binding of the device path: one call runs the library's device step (forward and backward at loss scale 1)
+// on CUDA tensors, on PyTorch's current stream, with PyTorch's cuBLAS handle and caching allocator (the workspace
+// and the policy state are uint8 CUDA tensors). Nothing synchronizes: the loss, d loss / d log s, the max logit and
+// the first non-finite site come back as 0-dim CUDA tensors viewing the step record in device memory.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <contrastive/device/chunked.cuh>
+#include <contrastive/device/loss.cuh>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cl = contrastive;
+
+namespace
+{
+void check(cudaError_t e, const char* what)
+{
+  if (e == cudaErrorInvalidValue)
+  {
+    throw std::invalid_argument(std::string("contrastive: ") + what +
+                                ": invalid problem (shapes, pointers, overlapping outputs, or n > 2^30)");
+  }
+  if (e != cudaSuccess)
+  {
+    throw std::runtime_error(std::string("contrastive: ") + what + ": " + cudaGetErrorString(e));
+  }
+}
+
+/// A 0-dim tensor of `dtype` viewing `bytes` bytes of `state` at `offset`.
+torch::Tensor field(const torch::Tensor& state, std::ptrdiff_t offset, std::int64_t bytes, torch::Dtype dtype)
+{
+  return state.narrow(0, offset, bytes).view(dtype).reshape({});
+}
+
+template <class T, class Algorithm>
+std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                               const torch::Tensor& labels, bool symmetric, std::int64_t chunk_rows)
+{
+  using L = cl::device::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
+  using state_type = typename L::state_type;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  state_type st;
+  const cl::status made =
+      L::make_state(cl::temperature::fixed(static_cast<float>(1.0 / scale)), cl::scaler::static_scale(1.0f), st);
+  if (!made.ok())
+  {
+    throw std::invalid_argument("contrastive: " + made.message());
+  }
+  const auto bytes_u8 = torch::TensorOptions().dtype(torch::kUInt8).device(q.device());
+  torch::Tensor state = torch::empty({static_cast<std::int64_t>(sizeof(state_type))}, bytes_u8);
+  // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `st` may go out of scope.
+  check(cudaMemcpyAsync(state.data_ptr(), &st, sizeof st, cudaMemcpyHostToDevice, stream), "state upload");
+  auto* d_state = static_cast<state_type*>(state.data_ptr());
+
+  cl::problem<T> p;
+  p.q = reinterpret_cast<const T*>(q.data_ptr());
+  p.k = reinterpret_cast<const T*>(k.data_ptr());
+  p.n_q = static_cast<std::size_t>(q.size(0));
+  p.n_k = static_cast<std::size_t>(k.size(0));
+  p.dim = static_cast<std::size_t>(q.size(1));
+  p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
+  p.obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
+  torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
+  T* dq_p = reinterpret_cast<T*>(dq.data_ptr());
+  T* dk_p = reinterpret_cast<T*>(dk.data_ptr());
+
+  std::size_t bytes = 0;
+  torch::Tensor work;
+  if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
+  {
+    const cl::chunk_options o{static_cast<std::size_t>(chunk_rows), 0};
+    const cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+    check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, h, stream, o), "size query");
+    work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
+    check(L::forward_backward(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, h, stream, o), "step");
+  }
+  else
+  {
+    check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, stream), "size query");
+    work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
+    check(L::forward_backward(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, stream), "step");
+  }
+
+  // The record's fields, as views (the caching allocator keeps `state` alive while a view lives).
+  const char* base = reinterpret_cast<const char*>(&st);
+  const std::ptrdiff_t rec = reinterpret_cast<const char*>(&st.record) - base;
+  const cl::step_record& r = st.record;
+  auto at = [&](const void* member)
+  {
+    return rec + (reinterpret_cast<const char*>(member) - reinterpret_cast<const char*>(&r));
+  };
+  return {field(state, at(&r.loss), 4, torch::kFloat32),
+          dq,
+          dk,
+          field(state, at(&r.grad_logit_scale), 4, torch::kFloat32),
+          field(state, at(&r.max_logit), 4, torch::kFloat32),
+          field(state, at(&r.first_nonfinite), 4, torch::kInt32)};
+}
+
+template <class T>
+std::vector<torch::Tensor> by_algorithm(const std::string& algorithm, const torch::Tensor& q, const torch::Tensor& k,
+                                        double scale, const torch::Tensor& labels, bool symmetric,
+                                        std::int64_t chunk_rows)
+{
+  if (algorithm == "chunked")
+  {
+    return run<T, cl::algorithm::chunked>(q, k, scale, labels, symmetric, chunk_rows);
+  }
+  if (algorithm == "fused")
+  {
+    return run<T, cl::algorithm::fused>(q, k, scale, labels, symmetric, chunk_rows);
+  }
+  if (algorithm == "materialized")
+  {
+    return run<T, cl::algorithm::materialized>(q, k, scale, labels, symmetric, chunk_rows);
+  }
+  throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
+                              "' is not one of 'fused', 'materialized', 'chunked'");
+}
+
+/// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code)} at loss scale 1.
+std::vector<torch::Tensor> step(const torch::Tensor& q, const torch::Tensor& k, double scale,
+                                const c10::optional<torch::Tensor>& labels, bool symmetric,
+                                const std::string& algorithm, std::int64_t chunk_rows)
+{
+  const torch::Tensor lab = labels.has_value() ? *labels : torch::Tensor();
+  switch (q.scalar_type())
+  {
+  case torch::kFloat32:
+    return by_algorithm<float>(algorithm, q, k, scale, lab, symmetric, chunk_rows);
+  case torch::kBFloat16:
+    return by_algorithm<__nv_bfloat16>(algorithm, q, k, scale, lab, symmetric, chunk_rows);
+  case torch::kFloat16:
+    return by_algorithm<__half>(algorithm, q, k, scale, lab, symmetric, chunk_rows);
+  default:
+    throw std::invalid_argument("contrastive: features: dtype is not float32, bfloat16 or float16");
+  }
+}
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+  m.def("step", &step, "One device step (forward and backward at loss scale 1) on CUDA tensors");
+}
