@@ -41,8 +41,12 @@ torch::Tensor field(const torch::Tensor& state, std::ptrdiff_t offset, std::int6
 }
 
 template <class T, class Algorithm>
-std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, double scale,
-                               const torch::Tensor& labels, bool symmetric, std::int64_t chunk_rows)
+std::vector<torch::Tensor> run(const torch::Tensor& q,
+                               const torch::Tensor& k,
+                               double scale,
+                               const torch::Tensor& labels,
+                               bool symmetric,
+                               std::int64_t chunk_rows)
 {
   using L = cl::device::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
   using state_type = typename L::state_type;
@@ -108,8 +112,12 @@ std::vector<torch::Tensor> run(const torch::Tensor& q, const torch::Tensor& k, d
 }
 
 template <class T>
-std::vector<torch::Tensor> by_algorithm(const std::string& algorithm, const torch::Tensor& q, const torch::Tensor& k,
-                                        double scale, const torch::Tensor& labels, bool symmetric,
+std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
+                                        const torch::Tensor& q,
+                                        const torch::Tensor& k,
+                                        double scale,
+                                        const torch::Tensor& labels,
+                                        bool symmetric,
                                         std::int64_t chunk_rows)
 {
   if (algorithm == "chunked")
@@ -129,9 +137,13 @@ std::vector<torch::Tensor> by_algorithm(const std::string& algorithm, const torc
 }
 
 /// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code)} at loss scale 1.
-std::vector<torch::Tensor> step(const torch::Tensor& q, const torch::Tensor& k, double scale,
-                                const c10::optional<torch::Tensor>& labels, bool symmetric,
-                                const std::string& algorithm, std::int64_t chunk_rows)
+std::vector<torch::Tensor> step(const torch::Tensor& q,
+                                const torch::Tensor& k,
+                                double scale,
+                                const c10::optional<torch::Tensor>& labels,
+                                bool symmetric,
+                                const std::string& algorithm,
+                                std::int64_t chunk_rows)
 {
   const torch::Tensor lab = labels.has_value() ? *labels : torch::Tensor();
   switch (q.scalar_type())
