@@ -8,6 +8,7 @@
 // driver (fuzz_driver.cpp) that any compiler builds and ctest runs.
 
 #include <contrastive/contrastive.hpp>
+#include <contrastive/distributed/loss.hpp>
 #include <contrastive/policy/range_guard.hpp>
 
 #include <cmath>
@@ -263,14 +264,8 @@ void with_policies(byte_reader& in)
     dyn.backoff_factor = in.setting(0.5f);
   }
   const cl::scaler::static_scale fixed_scale(in.setting(1.0f));
-  switch (in.byte() % 8)
+  switch (in.byte() % 6)
   {
-  case 6:
-    with_policies<float, cl::algorithm::chunked>(in);
-    break;
-  case 7:
-    with_policies<__half, cl::algorithm::chunked>(in);
-    break;
   case 0:
     run<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>(in, cl::temperature::fixed(tau), fixed_scale);
     break;
@@ -297,12 +292,74 @@ void with_policies(byte_reader& in)
 }
 } // namespace
 
+/// The distributed loss over one process (comm::local): the same contract (a refused step writes and changes
+/// nothing; an accepted finite step is finite), and an accepted step equals the one-process loss's.
+template <class T, class Algorithm>
+static void run_distributed(byte_reader& in)
+{
+  using dist_t = cl::distributed::
+      loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm, cl::distributed::comm::local>;
+  using one_t = cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>;
+  const std::size_t n_q = in.below(30), n_k = in.below(36), dim = in.below(24);
+  const cl::objective obj = in.byte() % 2 == 0 ? cl::objective::symmetric : cl::objective::info_nce;
+  const bool with_labels = in.byte() % 3 == 0;
+  std::vector<T> q(n_q * dim + 1), k(n_k * dim + 1);
+  for (auto& x : q)
+  {
+    x = cl::element_traits<T>::from_float(in.value());
+  }
+  for (auto& x : k)
+  {
+    x = cl::element_traits<T>::from_float(in.value());
+  }
+  std::vector<std::int32_t> labels(n_q + 1);
+  for (auto& l : labels)
+  {
+    l = static_cast<std::int32_t>(in.below(n_k + 3)) - 1;
+  }
+  const auto temp = cl::temperature::learnable(in.setting(0.07f));
+  auto scal = cl::scaler::dynamic::torch();
+  scal.scale = in.setting(1024.0f);
+  dist_t dist(cl::distributed::comm::local{}, temp, scal, 1 + static_cast<unsigned>(in.below(2)));
+  one_t one(temp, scal, 1);
+  const T seven = cl::element_traits<T>::from_float(7.0f);
+  const cl::problem<T> p{q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
+  std::vector<T> dq(n_q * dim + 1, seven), dk(n_k * dim + 1, seven), dq1(n_q * dim + 1), dk1(n_k * dim + 1);
+  const typename dist_t::checkpoint before = dist.save();
+  cl::step_record rec, rec1;
+  const cl::status st = dist.step(p, dq.data(), dk.data(), rec);
+  const cl::status st1 = one.step(p, dq1.data(), dk1.data(), rec1);
+  if (!st.ok())
+  {
+    const typename dist_t::checkpoint after = dist.save();
+    require(std::memcmp(&before, &after, sizeof before) == 0, "distributed: a refused step changed the state", st);
+    require(all_sentinel(dq) && all_sentinel(dk), "distributed: a refused step wrote an output", st);
+    require(!st1.ok(), "distributed refused what one process accepted", st);
+    return;
+  }
+  require(st1.ok(), "distributed accepted what one process refused", st1);
+  require(rec.first_nonfinite == rec1.first_nonfinite, "distributed and one process diagnose differently");
+  if (rec.first_nonfinite == cl::nonfinite_site::none)
+  {
+    require(std::isfinite(rec.loss), "distributed: a finite step with a non-finite loss");
+    require(std::fabs(rec.loss - rec1.loss) <= 1e-4f * (1.0f + std::fabs(rec1.loss)), "distributed loss differs");
+  }
+  require(dist.tau() == one.tau() || rec.first_nonfinite != cl::nonfinite_site::none || !std::isfinite(one.tau()),
+          "distributed and one process moved tau differently");
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size)
 {
   byte_reader in(data, size);
   in.allow_edges(in.byte() % 4 == 0);
-  switch (in.byte() % 8)
+  switch (in.byte() % 10)
   {
+  case 8:
+    run_distributed<float, cl::algorithm::fused>(in);
+    break;
+  case 9:
+    run_distributed<__half, cl::algorithm::chunked>(in);
+    break;
   case 6:
     with_policies<float, cl::algorithm::chunked>(in);
     break;
