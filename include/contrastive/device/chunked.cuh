@@ -694,20 +694,17 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   {
     namespace cd = chunked_detail;
     if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr || handle == nullptr ||
-        p.n_q > (1u << 30) || p.n_k > (1u << 30) || p.dim > (1u << 24))
+        !detail::within_device_limits(p))
     {
       return cudaErrorInvalidValue;
     }
     cd::layout w{};
     CONTRASTIVE_CUDA_TRY(make_layout(p, opts, w));
-    if (d_temp == nullptr)
+    bool query = false;
+    CONTRASTIVE_CUDA_TRY(detail::workspace_phase(d_temp, temp_bytes, w.total, query));
+    if (query)
     {
-      temp_bytes = w.total;
       return cudaSuccess;
-    }
-    if (temp_bytes < w.total || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0)
-    {
-      return cudaErrorInvalidValue;
     }
     cd::handle_guard guard{handle};
     CONTRASTIVE_CUDA_TRY(cd::from_cublas(guard.enter(stream)));

@@ -65,6 +65,28 @@ reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cu
       tmp, bytes, in, out, n, kernels::nan_max{}, -contrastive::detail::infinity_f, stream);
 }
 
+/// The device path's size limits (its kernels index with int and 32-bit grid dimensions): n_q, n_k <= 2^30, dim <=
+/// 2^24.
+template <class Problem>
+bool within_device_limits(const Problem& p) noexcept
+{
+  return p.n_q <= (std::size_t(1) << 30) && p.n_k <= (std::size_t(1) << 30) && p.dim <= (std::size_t(1) << 24);
+}
+
+/// The CUB-style two-phase workspace protocol: with a null d_temp, writes `needed` to temp_bytes and answers true
+/// (`query`); otherwise checks that the workspace is large enough and 256-byte aligned (cudaMalloc memory always is).
+inline cudaError_t workspace_phase(void* d_temp, std::size_t& temp_bytes, std::size_t needed, bool& query) noexcept
+{
+  query = d_temp == nullptr;
+  if (query)
+  {
+    temp_bytes = needed;
+    return cudaSuccess;
+  }
+  return temp_bytes < needed || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0 ? cudaErrorInvalidValue
+                                                                                    : cudaSuccess;
+}
+
 /// Temporary bytes for reduce_sum and reduce_max over up to n items (the size query of every layout).
 inline cudaError_t reduction_bytes(int n, std::size_t& bytes)
 {
@@ -239,14 +261,11 @@ struct loss_dispatch
   {
     layout w{};
     CONTRASTIVE_CUDA_TRY(make_layout(p, w));
-    if (d_temp == nullptr)
+    bool query = false;
+    CONTRASTIVE_CUDA_TRY(detail::workspace_phase(d_temp, temp_bytes, w.total, query));
+    if (query)
     {
-      temp_bytes = w.total;
       return cudaSuccess;
-    }
-    if (temp_bytes < w.total || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0)
-    {
-      return cudaErrorInvalidValue; // workspace too small, or not 256-byte aligned (cudaMalloc memory always is)
     }
     const workspace ws(d_temp, w);
     return detail::static_switch(

@@ -109,8 +109,8 @@ struct loss
   {
     // Labels are device memory: their range is not read here (see the file comment). check_problem also refuses
     // sizes whose byte counts overflow and outputs that overlap each other or the inputs.
-    if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr || p.n_q > (1u << 30) ||
-        p.n_k > (1u << 30) || p.dim > (1u << 24))
+    if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr ||
+        !detail::within_device_limits(p))
     {
       return cudaErrorInvalidValue;
     }

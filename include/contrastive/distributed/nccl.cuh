@@ -376,7 +376,7 @@ public:
       (void)(local = status{
                  errc::null_pointer, d_state == nullptr ? "d_state" : "handle", "null device state or cuBLAS handle"});
     }
-    if (local.ok() && (p.n_q > (1u << 30) || p.n_k > (1u << 30) || p.dim > (1u << 24)))
+    if (local.ok() && !contrastive::device::detail::within_device_limits(p))
     {
       (void)(local = status{errc::size_overflow, "n_q", "the device path takes n_q, n_k <= 2^30 and dim <= 2^24"});
     }
