@@ -26,18 +26,6 @@ namespace
 using T = __nv_bfloat16;
 using single = cl::device::loss<T, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::chunked>;
 using dist = cl::distributed::device_loss<T, cl::temperature::learnable, cl::scaler::static_scale>;
-
-double rel_diff(const std::vector<T>& got, const std::vector<T>& want)
-{
-  double num = 0.0, den = 0.0;
-  for (std::size_t i = 0; i < want.size(); ++i)
-  {
-    const double g = cl::element_traits<T>::to_float(got[i]), w = cl::element_traits<T>::to_float(want[i]);
-    num = std::max(num, std::fabs(g - w));
-    den = std::max(den, std::fabs(w));
-  }
-  return den == 0.0 ? num : num / den;
-}
 } // namespace
 
 // One rank: the distributed code path (gather, column combine, reduce-scatter through NCCL) equals one GPU.
@@ -87,8 +75,8 @@ TEST(DeviceDistributed, OneRankEqualsOneGpu)
     EXPECT_EQ(b.record.first_nonfinite, a.record.first_nonfinite);
     EXPECT_EQ(b.temperature.tau(), a.temperature.tau());
     // Same kernels, same coefficients, one-rank collectives are copies: the results should agree to the bit.
-    EXPECT_LE(rel_diff(dq2.download(), dq1.download()), 1e-6);
-    EXPECT_LE(rel_diff(dk2.download(), dk1.download()), 1e-6);
+    EXPECT_LE(ct::rel_diff(dq2.download(), dq1.download()), 1e-6);
+    EXPECT_LE(ct::rel_diff(dk2.download(), dk1.download()), 1e-6);
     cublasDestroy(h);
   }
 }

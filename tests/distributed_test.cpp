@@ -80,20 +80,6 @@ cl::scaler::dynamic scaler_at(float scale)
   return d;
 }
 
-/// Largest |got - want| over the largest |want|, both in the element type's values.
-template <class T>
-double rel_diff(const std::vector<T>& got, const std::vector<T>& want)
-{
-  double num = 0.0, den = 0.0;
-  for (std::size_t i = 0; i < want.size(); ++i)
-  {
-    const double g = cl::element_traits<T>::to_float(got[i]), w = cl::element_traits<T>::to_float(want[i]);
-    num = std::max(num, std::fabs(g - w));
-    den = std::max(den, std::fabs(w));
-  }
-  return den == 0.0 ? num : num / den;
-}
-
 template <class T, class Algorithm>
 void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed)
 {
@@ -137,8 +123,8 @@ void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed)
     // Float: the 1e-6; 16-bit: the same float results rounded once more or less (one unit of T).
     const double tol = std::is_same_v<T, float> ? 1e-6 : 2.0 * ct::tolerance<T, Algorithm>::u_t;
     EXPECT_NEAR(r.loss, r1.loss, 1e-6 * std::fabs(r1.loss));
-    EXPECT_LE(rel_diff(dq, rows_of(dq1, sq, dim)), tol);
-    EXPECT_LE(rel_diff(dk, rows_of(dk1, sk, dim)), tol);
+    EXPECT_LE(ct::rel_diff(dq, rows_of(dq1, sq, dim)), tol);
+    EXPECT_LE(ct::rel_diff(dk, rows_of(dk1, sk, dim)), tol);
     EXPECT_NEAR(r.grad_logit_scale, r1.grad_logit_scale, 1e-5 * (1.0 + std::fabs(r1.grad_logit_scale)));
     EXPECT_EQ(r.max_logit, r1.max_logit);
     EXPECT_EQ(r.skipped, r1.skipped);
@@ -230,8 +216,8 @@ TEST(Distributed, RandomShapesMatchOneProcess)
       run(cl::algorithm::chunked{});
     }
     EXPECT_NEAR(r.loss, r1.loss, 2e-6 * std::fabs(r1.loss) + 1e-7);
-    EXPECT_LE(rel_diff(dq, rows_of(dq1, sq, dim)), 2e-6);
-    EXPECT_LE(rel_diff(dk, rows_of(dk1, sk, dim)), 2e-6);
+    EXPECT_LE(ct::rel_diff(dq, rows_of(dq1, sq, dim)), 2e-6);
+    EXPECT_LE(ct::rel_diff(dk, rows_of(dk1, sk, dim)), 2e-6);
     EXPECT_NEAR(r.grad_logit_scale, r1.grad_logit_scale, 2e-5 * (1.0 + std::fabs(r1.grad_logit_scale)));
     EXPECT_EQ(r.first_nonfinite, r1.first_nonfinite);
   }

@@ -70,6 +70,20 @@ inline std::vector<std::int32_t> random_labels(std::size_t n, std::size_t n_k, s
   return labels;
 }
 
+/// Largest |got - want| over the largest |want|, both read as the element type's values (0 when want is all zero).
+template <class T>
+double rel_diff(const std::vector<T>& got, const std::vector<T>& want)
+{
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+  {
+    const double g = element_traits<T>::to_float(got[i]), w = element_traits<T>::to_float(want[i]);
+    num = std::max(num, std::fabs(g - w));
+    den = std::max(den, std::fabs(w));
+  }
+  return den == 0.0 ? num : num / den;
+}
+
 template <class T>
 std::vector<double> to_double(const std::vector<T>& v)
 {

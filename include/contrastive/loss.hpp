@@ -18,6 +18,7 @@
 
 #include <contrastive/checks.hpp>
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/detail/host_step.hpp>
 #include <contrastive/detail/step_logic.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
@@ -67,12 +68,7 @@ public:
   using problem_type = problem<Element>;
 
   /// Everything a training run must save to resume bit-exactly (trivially copyable).
-  struct checkpoint
-  {
-    Temperature temperature;
-    Scaler scaler;
-    std::int64_t step;
-  };
+  using checkpoint = detail::checkpoint<Temperature, Scaler>;
 
   explicit loss(Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
       : temperature_(t), scaler_(s), engine_(threads)
@@ -156,34 +152,13 @@ public:
   /// compare equal with memcmp, so a checkpoint can be checksummed or compared as a blob.
   checkpoint save() const noexcept
   {
-    checkpoint c;
-    std::memset(static_cast<void*>(&c), 0, sizeof c);
-    std::memcpy(static_cast<void*>(&c.temperature), &temperature_, sizeof temperature_);
-    std::memcpy(static_cast<void*>(&c.scaler), &scaler_, sizeof scaler_);
-    c.step = step_;
-    return c;
+    return detail::save_checkpoint(temperature_, scaler_, step_);
   }
 
   /// Restores a checkpoint after validating it; on error nothing changes.
   status restore(const checkpoint& c)
   {
-    if (const char* why = c.temperature.validate(); why[0] != '\0')
-    {
-      return {errc::invalid_temperature, "checkpoint.temperature", why};
-    }
-    if (const char* why = c.scaler.validate(); why[0] != '\0')
-    {
-      return {errc::invalid_scaler, "checkpoint.scaler", why};
-    }
-    if (c.step < 0)
-    {
-      return {errc::invalid_argument, "checkpoint.step", "negative step count"};
-    }
-    // Bytes, padding included, so that save() after restore() reproduces the checkpoint exactly.
-    std::memcpy(static_cast<void*>(&temperature_), &c.temperature, sizeof temperature_);
-    std::memcpy(static_cast<void*>(&scaler_), &c.scaler, sizeof scaler_);
-    step_ = c.step;
-    return {};
+    return detail::restore_checkpoint(c, temperature_, scaler_, step_);
   }
 
   /// Loss at the current temperature; per-row (and, symmetric, per-column) log-sum-exps if the pointers are given
@@ -293,27 +268,7 @@ public:
   /// by 1/loss_scale and records `parameters` as the non-finite site if any unscaled value is not finite.
   status unscale_and_check(float* grads, std::size_t n, step_record& rec) const
   {
-    if (!rec.pending)
-    {
-      return {errc::invalid_argument, "rec", "no step in progress (call forward_backward first)"};
-    }
-    if (grads == nullptr && n != 0)
-    {
-      return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
-    }
-    const float inv = detail::unscale_factor(rec.loss_scale);
-    float poison = 0.0f;
-    for (std::size_t i = 0; i < n; ++i)
-    {
-      const float g = grads[i] * inv;
-      poison += g * 0.0f;
-      grads[i] = g;
-    }
-    if (poison != 0.0f && rec.first_nonfinite == nonfinite_site::none)
-    {
-      rec.first_nonfinite = nonfinite_site::parameters;
-    }
-    return {};
+    return detail::unscale_and_check_host(grads, n, rec);
   }
 
   /// Step 4: scaler update, then (finite steps only) the temperature update, then the temperature's optional

@@ -30,6 +30,7 @@
 
 #include <contrastive/checks.hpp>
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/detail/host_step.hpp>
 #include <contrastive/detail/step_logic.hpp>
 #include <contrastive/distributed/agreement.hpp>
 #include <contrastive/distributed/communicator.hpp>
@@ -80,12 +81,8 @@ public:
   using element_type = Element;
   using problem_type = problem<Element>;
 
-  struct checkpoint
-  {
-    Temperature temperature;
-    Scaler scaler;
-    std::int64_t step;
-  };
+  /// Everything a training run must save to resume bit-exactly (trivially copyable).
+  using checkpoint = contrastive::detail::checkpoint<Temperature, Scaler>;
 
   /// Construct on every rank with the same policies (a communicator constructor may itself be a collective).
   explicit loss(Comm comm = Comm{}, Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
@@ -150,34 +147,13 @@ public:
 
   checkpoint save() const noexcept
   {
-    checkpoint c;
-    std::memset(static_cast<void*>(&c), 0, sizeof c);
-    std::memcpy(static_cast<void*>(&c.temperature), &temperature_, sizeof temperature_);
-    std::memcpy(static_cast<void*>(&c.scaler), &scaler_, sizeof scaler_);
-    c.step = step_;
-    return c;
+    return contrastive::detail::save_checkpoint(temperature_, scaler_, step_);
   }
 
   /// Restores this rank's state (local; restore the same checkpoint on every rank).
   status restore(const checkpoint& c)
   {
-    if (const char* why = c.temperature.validate(); why[0] != '\0')
-    {
-      return {errc::invalid_temperature, "checkpoint.temperature", why};
-    }
-    if (const char* why = c.scaler.validate(); why[0] != '\0')
-    {
-      return {errc::invalid_scaler, "checkpoint.scaler", why};
-    }
-    if (c.step < 0)
-    {
-      return {errc::invalid_argument, "checkpoint.step", "negative step count"};
-    }
-    // Bytes, padding included, so that save() after restore() reproduces the checkpoint exactly.
-    std::memcpy(static_cast<void*>(&temperature_), &c.temperature, sizeof temperature_);
-    std::memcpy(static_cast<void*>(&scaler_), &c.scaler, sizeof scaler_);
-    step_ = c.step;
-    return {};
+    return contrastive::detail::restore_checkpoint(c, temperature_, scaler_, step_);
   }
 
   /// Steps 1-3 of a training step over the global batch (collective). `p` is this rank's rows; dq and dk receive the
@@ -300,27 +276,7 @@ public:
   /// next `finish_step` makes every rank skip if any rank recorded a non-finite value).
   status unscale_and_check(float* grads, std::size_t n, step_record& rec) const
   {
-    if (!rec.pending)
-    {
-      return {errc::invalid_argument, "rec", "no step in progress (call forward_backward first)"};
-    }
-    if (grads == nullptr && n != 0)
-    {
-      return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
-    }
-    const float inv = contrastive::detail::unscale_factor(rec.loss_scale);
-    float poison = 0.0f;
-    for (std::size_t i = 0; i < n; ++i)
-    {
-      const float g = grads[i] * inv;
-      poison += g * 0.0f;
-      grads[i] = g;
-    }
-    if (poison != 0.0f && rec.first_nonfinite == nonfinite_site::none)
-    {
-      rec.first_nonfinite = nonfinite_site::parameters;
-    }
-    return {};
+    return contrastive::detail::unscale_and_check_host(grads, n, rec);
   }
 
   /// Step 4 (collective): the ranks agree on the step's first non-finite site (the earliest in step order over all

@@ -1,0 +1,94 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The host-side pieces of a step that the single-process and the distributed loss share: the checkpoint of the
+/// policies (saved byte-deterministically, restored after validation) and the unscale-and-check pass over a caller's
+/// gradient buffer.
+
+#include <contrastive/detail/step_logic.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace contrastive
+{
+namespace detail
+{
+/// Everything a training run must save to resume bit-exactly (trivially copyable).
+template <class Temperature, class Scaler>
+struct checkpoint
+{
+  Temperature temperature;
+  Scaler scaler;
+  std::int64_t step;
+};
+
+/// Byte-deterministic (padding zeroed, members copied as bytes): two saves of the same state compare equal with
+/// memcmp, so a checkpoint can be checksummed or compared as a blob.
+template <class Temperature, class Scaler>
+checkpoint<Temperature, Scaler> save_checkpoint(const Temperature& t, const Scaler& s, std::int64_t step) noexcept
+{
+  checkpoint<Temperature, Scaler> c;
+  std::memset(static_cast<void*>(&c), 0, sizeof c);
+  std::memcpy(static_cast<void*>(&c.temperature), &t, sizeof t);
+  std::memcpy(static_cast<void*>(&c.scaler), &s, sizeof s);
+  c.step = step;
+  return c;
+}
+
+/// Validates `c`, then copies it in as bytes (padding included, so save() after restore() reproduces it exactly);
+/// on error nothing changes.
+template <class Temperature, class Scaler>
+status restore_checkpoint(const checkpoint<Temperature, Scaler>& c, Temperature& t, Scaler& s, std::int64_t& step)
+{
+  if (const char* why = c.temperature.validate(); why[0] != '\0')
+  {
+    return {errc::invalid_temperature, "checkpoint.temperature", why};
+  }
+  if (const char* why = c.scaler.validate(); why[0] != '\0')
+  {
+    return {errc::invalid_scaler, "checkpoint.scaler", why};
+  }
+  if (c.step < 0)
+  {
+    return {errc::invalid_argument, "checkpoint.step", "negative step count"};
+  }
+  std::memcpy(static_cast<void*>(&t), &c.temperature, sizeof t);
+  std::memcpy(static_cast<void*>(&s), &c.scaler, sizeof s);
+  step = c.step;
+  return {};
+}
+
+/// Multiplies a caller's gradients by 1/loss_scale and records `parameters` as the non-finite site if any unscaled
+/// value is not finite (one pass).
+inline status unscale_and_check_host(float* grads, std::size_t n, step_record& rec)
+{
+  if (!rec.pending)
+  {
+    return {errc::invalid_argument, "rec", "no step in progress (call forward_backward first)"};
+  }
+  if (grads == nullptr && n != 0)
+  {
+    return {errc::null_pointer, "grads", "null gradient buffer with n = " + std::to_string(n)};
+  }
+  const float inv = unscale_factor(rec.loss_scale);
+  float poison = 0.0f;
+  for (std::size_t i = 0; i < n; ++i)
+  {
+    const float g = grads[i] * inv;
+    poison += g * 0.0f;
+    grads[i] = g;
+  }
+  if (poison != 0.0f && rec.first_nonfinite == nonfinite_site::none)
+  {
+    rec.first_nonfinite = nonfinite_site::parameters;
+  }
+  return {};
+}
+} // namespace detail
+} // namespace contrastive
