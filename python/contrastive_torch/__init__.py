@@ -5,7 +5,8 @@
     loss = ClipLoss()(image_features, text_features, model.logit_scale.exp())   # open_clip's call
     loss.backward()
 
-The C++ extension is compiled on first use with torch.utils.cpp_extension (about 30-60 s, cached afterwards in
+Installed with `pip install --no-build-isolation ./python`, the C++ extension is built at install time; from a source
+checkout on sys.path it is compiled on first use with torch.utils.cpp_extension (about 30-60 s, cached afterwards in
 torch's extension directory). It needs the CUDA Toolkit's headers for the 16-bit types (CUDA_HOME or
 /usr/local/cuda); no GPU is used. The loss runs the library's host engine: forward computes the loss, backward the
 gradients of the features and of logit_scale, with the incoming gradient (GradScaler's scale) applied before any
@@ -30,6 +31,8 @@ __all__ = ["ClipLoss", "InfoNCELoss", "clamp_logit_scale", "freeze_then_learn", 
 NONFINITE_SITES = ("none", "logits", "loss", "grad_q", "grad_k", "grad_logit_scale", "parameters")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# An installed package carries the headers (setup.py copies them); a source checkout has them two levels up.
+_PACKAGED_INCLUDE = os.path.join(_HERE, "include")
 _REPO_INCLUDE = os.path.normpath(os.path.join(_HERE, "..", "..", "include"))
 _ext = None
 _cuda_ext = None
@@ -38,15 +41,38 @@ _ext_lock = threading.Lock()
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _include_dir():
+    if "CONTRASTIVE_INCLUDE" in os.environ:
+        return os.environ["CONTRASTIVE_INCLUDE"]
+    if os.path.isfile(os.path.join(_PACKAGED_INCLUDE, "contrastive", "contrastive.hpp")):
+        return _PACKAGED_INCLUDE
+    return _REPO_INCLUDE
+
+
+def _prebuilt(name):
+    """The extension `pip install` built (contrastive_torch._C / _C_cuda), or None in a source checkout.
+    CONTRASTIVE_TORCH_JIT=1 ignores it and compiles on first use instead."""
+    if os.environ.get("CONTRASTIVE_TORCH_JIT") == "1":
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError:
+        return None
+
+
 def extension():
-    """The compiled extension (built on first call)."""
+    """The compiled host extension: the one `pip install` built, else compiled on first call."""
     global _ext
     with _ext_lock:
+        if _ext is None:
+            _ext = _prebuilt("_C")
         if _ext is None:
             from torch.utils import cpp_extension
 
             cuda = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
-            include = os.environ.get("CONTRASTIVE_INCLUDE", _REPO_INCLUDE)
+            include = _include_dir()
             flags = ["-O3", "-std=c++17", "-DNDEBUG"]
             if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
                 flags.append("-march=native")
@@ -61,13 +87,16 @@ def extension():
 
 
 def cuda_extension():
-    """The compiled device extension (built with nvcc on first call; needs PyTorch with CUDA)."""
+    """The compiled device extension: the one `pip install` built, else built with nvcc on first call (needs PyTorch
+    with CUDA)."""
     global _cuda_ext
     with _ext_lock:
         if _cuda_ext is None:
+            _cuda_ext = _prebuilt("_C_cuda")
+        if _cuda_ext is None:
             from torch.utils import cpp_extension
 
-            include = os.environ.get("CONTRASTIVE_INCLUDE", _REPO_INCLUDE)
+            include = _include_dir()
             _cuda_ext = cpp_extension.load(
                 name="contrastive_torch_cuda_ext",
                 sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],

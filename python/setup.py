@@ -1,0 +1,100 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""Builds contrastive_torch ahead of time: the CPU extension (contrastive_torch._C), the CUDA extension
+(contrastive_torch._C_cuda) when torch has CUDA, and the library's headers as package data (for the on-first-use
+fallback and for users who compile against them).
+
+    pip install --no-build-isolation ./python
+    CONTRASTIVE_NATIVE=0 pip wheel --no-build-isolation --no-deps ./python -w dist     # portable wheel
+
+Options: see README.md beside this file (CUDA_HOME, CONTRASTIVE_NATIVE, CONTRASTIVE_TORCH_CUDA).
+"""
+
+import os
+import shutil
+import sys
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover - the message is the point
+    sys.exit("contrastive_torch: setup.py needs torch installed first, and pip's --no-build-isolation so that the "
+             "extension is built against it (pip install --no-build-isolation ./python)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGED_INCLUDE = os.path.join(HERE, "contrastive_torch", "include")
+REPO_INCLUDE = os.path.normpath(os.path.join(HERE, "..", "include"))
+
+
+def headers_dir():
+    """The library's include/ (repository checkout), else the copy an sdist carries."""
+    for d in (REPO_INCLUDE, PACKAGED_INCLUDE):
+        if os.path.isfile(os.path.join(d, "contrastive", "contrastive.hpp")):
+            return d
+    sys.exit(f"contrastive_torch: the library's headers are neither in {REPO_INCLUDE} nor in {PACKAGED_INCLUDE}")
+
+
+def cuda_home():
+    home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
+    if not os.path.isfile(os.path.join(home, "include", "cuda_fp16.h")):
+        sys.exit(f"contrastive_torch: no cuda_fp16.h under {home}/include: the 16-bit types come from the CUDA "
+                 "Toolkit's headers, also for the CPU extension; set CUDA_HOME")
+    return home
+
+
+def want_cuda():
+    mode = os.environ.get("CONTRASTIVE_TORCH_CUDA", "auto")
+    if mode not in ("auto", "0", "1"):
+        sys.exit(f"contrastive_torch: CONTRASTIVE_TORCH_CUDA={mode!r}: expected auto, 0 or 1")
+    if mode == "0":
+        return False
+    has = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if mode == "1" and not has:
+        sys.exit("contrastive_torch: CONTRASTIVE_TORCH_CUDA=1 but torch has no CUDA or nvcc was not found")
+    return has
+
+
+class build_py_with_headers(build_py):
+    """Copies include/contrastive into the package, so an installed contrastive_torch carries the headers."""
+
+    def run(self):
+        super().run()
+        src = os.path.join(headers_dir(), "contrastive")
+        dst = os.path.join(self.build_lib, "contrastive_torch", "include", "contrastive")
+        if os.path.abspath(src) != os.path.abspath(dst):
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+
+
+include = headers_dir()
+cuda = cuda_home()
+cxx_flags = ["-O3", "-std=c++17", "-DNDEBUG"]
+if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
+    cxx_flags.append("-march=native")
+ext_modules = [
+    cpp_extension.CppExtension(
+        "contrastive_torch._C",
+        [os.path.join("contrastive_torch", "csrc", "binding.cpp")],
+        include_dirs=[include, os.path.join(cuda, "include")],
+        extra_compile_args=cxx_flags,
+    )
+]
+if want_cuda():
+    ext_modules.append(
+        cpp_extension.CUDAExtension(
+            "contrastive_torch._C_cuda",
+            [os.path.join("contrastive_torch", "csrc", "binding_cuda.cu")],
+            include_dirs=[include],
+            libraries=["cublas"],
+            extra_compile_args={
+                "cxx": ["-O3", "-std=c++17", "-DNDEBUG"],
+                "nvcc": ["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr"],
+            },
+        ))
+
+setup(
+    ext_modules=ext_modules,
+    cmdclass={"build_py": build_py_with_headers, "build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
+)
