@@ -101,8 +101,9 @@ void bf16_gemm(cublasHandle_t h,
                CUBLAS_GEMM_DEFAULT);
 }
 
-/// The step call of each algorithm (chunked takes a cuBLAS handle and its default chunk options).
-template <class L, class Algorithm, class T>
+/// The step call of each algorithm (chunked takes a cuBLAS handle and chunk options: the default budget, with or
+/// without fused_tiles).
+template <class L, class Algorithm, bool Tiles, class T>
 cudaError_t call_step(void* temp,
                       std::size_t& bytes,
                       const cl::problem<T>& p,
@@ -113,7 +114,7 @@ cudaError_t call_step(void* temp,
 {
   if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
   {
-    return L::step(temp, bytes, p, dq, dk, d_state, h);
+    return L::step(temp, bytes, p, dq, dk, d_state, h, 0, cl::chunk_options{0, 0, Tiles});
   }
   else
   {
@@ -122,7 +123,7 @@ cudaError_t call_step(void* temp,
   }
 }
 
-template <class T, class Algorithm>
+template <class T, class Algorithm, bool Tiles = false>
 void step_benchmark(benchmark::State& state)
 {
   using L = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>;
@@ -141,7 +142,7 @@ void step_benchmark(benchmark::State& state)
       cudaMalloc(&dk, n * dim * sizeof(T)) == cudaSuccess && cudaMalloc(&d_state, sizeof(host_state)) == cudaSuccess &&
       L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), host_state).ok() &&
       cudaMemcpy(d_state, &host_state, sizeof(host_state), cudaMemcpyHostToDevice) == cudaSuccess &&
-      call_step<L, Algorithm>(nullptr, bytes, p, dq, dk, d_state, h) == cudaSuccess &&
+      call_step<L, Algorithm, Tiles>(nullptr, bytes, p, dq, dk, d_state, h) == cudaSuccess &&
       cudaMalloc(&temp, bytes) == cudaSuccess;
   if (!ok)
   {
@@ -154,7 +155,7 @@ void step_benchmark(benchmark::State& state)
     for (auto _ : state)
     {
       cudaEventRecord(ev.start);
-      const cudaError_t err = call_step<L, Algorithm>(temp, bytes, p, dq, dk, d_state, h);
+      const cudaError_t err = call_step<L, Algorithm, Tiles>(temp, bytes, p, dq, dk, d_state, h);
       cudaEventRecord(ev.stop);
       if (err != cudaSuccess)
       {
@@ -320,6 +321,7 @@ int main(int argc, char** argv)
   for (long n : {4096L, 16384L, 65536L})
   {
     reg("step/bf16/chunked", step_benchmark<__nv_bfloat16, cl::algorithm::chunked>, n);
+    reg("step/bf16/chunked_tiles", step_benchmark<__nv_bfloat16, cl::algorithm::chunked, true>, n);
     reg("step/bf16/fused", step_benchmark<__nv_bfloat16, cl::algorithm::fused>, n);
     reg("step/bf16/materialized", step_benchmark<__nv_bfloat16, cl::algorithm::materialized>, n);
     reg("baseline/cublas_bf16_3gemm", cublas_baseline, n);
@@ -327,6 +329,11 @@ int main(int argc, char** argv)
     reg("step/float/chunked", step_benchmark<float, cl::algorithm::chunked>, n);
   }
   benchmark::RegisterBenchmark("step/bf16/chunked", step_benchmark<__nv_bfloat16, cl::algorithm::chunked>)
+      ->Args({1L << 20, 512})
+      ->UseManualTime()
+      ->Iterations(1)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("step/bf16/chunked_tiles", step_benchmark<__nv_bfloat16, cl::algorithm::chunked, true>)
       ->Args({1L << 20, 512})
       ->UseManualTime()
       ->Iterations(1)

@@ -13,6 +13,7 @@ import sys
 
 COLUMNS = [
     ("chunked", "step/bf16/chunked"),
+    ("chunked fused_tiles", "step/bf16/chunked_tiles"),
     ("fused", "step/bf16/fused"),
     ("materialized", "step/bf16/materialized"),
     ("cuBLAS 3-GEMM", "baseline/cublas_bf16_3gemm"),
@@ -75,9 +76,12 @@ def main():
         print(f"{n:>8} | " + " | ".join(f"{c:>33}" for c in cells))
     print()
     for n in sizes:
-        c, b = bench.get(("step/bf16/chunked", n)), bench.get(("baseline/cublas_bf16_3gemm", n))
-        if c and b and "ms" in c and "ms" in b:
-            print(f"N = {n}: chunked / cuBLAS baseline: time {c['ms'] / b['ms']:.2f}x, memory {c['mem'] / b['mem']:.1%}")
+        b = bench.get(("baseline/cublas_bf16_3gemm", n))
+        for label, key in (("chunked", "step/bf16/chunked"), ("chunked fused_tiles", "step/bf16/chunked_tiles")):
+            c = bench.get((key, n))
+            if c and b and "ms" in c and "ms" in b:
+                print(f"N = {n}: {label} / cuBLAS baseline: time {c['ms'] / b['ms']:.2f}x, "
+                      f"memory {c['mem'] / b['mem']:.1%}")
     for typ in ("half", "float"):
         for n in sizes:
             r = bench.get((f"step/{typ}/chunked", n))

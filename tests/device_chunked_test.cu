@@ -70,11 +70,11 @@ const case_t cases[] = {
 /// One step on the device and the same step on the host (float64 reference); compares loss, dQ, dK,
 /// d loss / d log s and the policy updates.
 template <class T>
-void check_case(const case_t& c, std::uint32_t seed)
+void check_case(const case_t& c, std::uint32_t seed, bool tiles = false)
 {
   SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " n_q " + std::to_string(c.n_q) + " n_k " +
                std::to_string(c.n_k) + " dim " + std::to_string(c.dim) + " chunk " + std::to_string(c.chunk_rows) +
-               " " + cl::to_string(c.obj));
+               " " + cl::to_string(c.obj) + (tiles ? " fused_tiles" : ""));
   using L = dloss<T>;
   using tol = ct::tolerance<T, cl::algorithm::chunked>;
   const auto q = ct::random_rows<T>(c.n_q, c.dim, seed);
@@ -93,10 +93,16 @@ void check_case(const case_t& c, std::uint32_t seed)
   cl::problem<T> p{d_q.ptr, d_k.ptr, c.n_q, c.n_k, c.dim, c.labels ? d_labels.ptr : nullptr, c.obj};
   handle h;
   ASSERT_NE(h.h, nullptr);
-  const cl::chunk_options opts{c.chunk_rows, 0};
+  const cl::chunk_options opts{c.chunk_rows, 0, tiles};
   std::size_t bytes = 0;
   ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
   ct::device_buffer<char> temp(bytes);
+  // The tile path runs wherever it can (16-bit, dim % 8 == 0, aligned cudaMalloc pointers, sm_80+).
+  cl::device::chunked_detail::layout lay{};
+  ASSERT_EQ(L::make_layout(p, opts, lay), cudaSuccess);
+  const bool expect_tiles =
+      tiles && !std::is_same_v<T, float> && c.dim % 8 == 0 && cl::device::chunked_detail::device_runs_tiles();
+  EXPECT_EQ(lay.tiles, expect_tiles);
   ASSERT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   typename L::state_type after;
@@ -149,6 +155,101 @@ TEST(DeviceChunked, MatchesFloat64AndTheHostPath)
   }
 }
 
+// chunk_options::fused_tiles: the tensor-core tile kernels (statistics and G_c in registers). Shapes that leave
+// partial row and column tiles, a depth tail (dim 72 = 2 x 32 + 8), labels, several chunks and one.
+const case_t tile_cases[] = {
+    {300, 300, 64, cl::objective::symmetric, false, 64},
+    {300, 300, 64, cl::objective::symmetric, false, 0},
+    {200, 500, 40, cl::objective::info_nce, true, 128},
+    {129, 129, 16, cl::objective::info_nce, false, 64},
+    {1, 1, 8, cl::objective::symmetric, false, 0},
+    {700, 700, 72, cl::objective::symmetric, false, 256},
+    {1000, 1300, 128, cl::objective::info_nce, true, 0},
+    {129, 129, 17, cl::objective::symmetric, false, 64}, // dim % 8 != 0: the cuBLAS path runs
+};
+
+TEST(DeviceChunked, FusedTilesMatchFloat64AndTheHostPath)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  std::uint32_t seed = 1500;
+  for (const case_t& c : tile_cases)
+  {
+    check_case<__half>(c, seed += 3, true);
+    check_case<__nv_bfloat16>(c, seed += 3, true);
+    check_case<float>(c, seed += 3, true); // float: option ignored
+  }
+}
+
+TEST(DeviceChunked, FusedTilesHalfGradientsKeepTheirDigitsAtLargeN)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  check_case<__half>({20000, 20000, 32, cl::objective::symmetric, false, 4096}, 901, true);
+}
+
+// The two paths compute the same products in float from the same 16-bit inputs; only the order of the float sums
+// differs, so loss and gradients agree to a few float ulps before the final rounding to T.
+template <class T>
+void paths_agree(const case_t& c, std::uint32_t seed)
+{
+  SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " n " + std::to_string(c.n_q) + " dim " +
+               std::to_string(c.dim));
+  using L = cl::device::loss<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::chunked>;
+  const auto q = ct::random_rows<T>(c.n_q, c.dim, seed);
+  const auto k = ct::random_rows<T>(c.n_k, c.dim, seed + 1);
+  const auto labels = ct::random_labels(c.n_q, c.n_k, seed + 2);
+  ct::device_buffer<T> d_q(q.size()), d_k(k.size());
+  ct::device_buffer<std::int32_t> d_labels(labels.size());
+  ASSERT_EQ(d_q.upload(q), cudaSuccess);
+  ASSERT_EQ(d_k.upload(k), cudaSuccess);
+  ASSERT_EQ(d_labels.upload(labels), cudaSuccess);
+  cl::problem<T> p{d_q.ptr, d_k.ptr, c.n_q, c.n_k, c.dim, c.labels ? d_labels.ptr : nullptr, c.obj};
+  handle h;
+  typename L::state_type st;
+  ASSERT_TRUE(L::make_state(cl::temperature::fixed(0.02f), cl::scaler::static_scale(1024.0f), st).ok());
+  std::vector<T> dq[2], dk[2];
+  cl::step_record rec[2];
+  for (int tiles = 0; tiles < 2; ++tiles)
+  {
+    ct::device_buffer<T> d_dq(q.size()), d_dk(k.size());
+    ct::device_buffer<typename L::state_type> d_state(1);
+    ASSERT_EQ(cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+    const cl::chunk_options opts{c.chunk_rows, 0, tiles == 1};
+    std::size_t bytes = 0;
+    ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+    ct::device_buffer<char> temp(bytes);
+    ASSERT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+    typename L::state_type after;
+    ASSERT_EQ(cudaMemcpy(&after, d_state.ptr, sizeof after, cudaMemcpyDeviceToHost), cudaSuccess);
+    rec[tiles] = after.record;
+    dq[tiles] = d_dq.download();
+    dk[tiles] = d_dk.download();
+  }
+  EXPECT_NEAR(rec[1].loss, rec[0].loss, 1e-5 * (1.0 + std::fabs(rec[0].loss)));
+  EXPECT_NEAR(rec[1].max_logit, rec[0].max_logit, 1e-5 * (1.0 + std::fabs(rec[0].max_logit)));
+  EXPECT_NEAR(rec[1].grad_logit_scale, rec[0].grad_logit_scale, 1e-4 * (1.0 + std::fabs(rec[0].grad_logit_scale)));
+  // G is rounded to T on both paths: an element can land one T ulp apart, which the products average out.
+  const double tol = 4.0 * ct::tolerance<T, cl::algorithm::chunked>::u_t;
+  EXPECT_LE(ct::max_rel_error(dq[1], ct::to_double(dq[0]), 1.0), tol);
+  EXPECT_LE(ct::max_rel_error(dk[1], ct::to_double(dk[0]), 1.0), tol);
+}
+
+TEST(DeviceChunked, FusedTilesAgreeWithTheCublasPath)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  if (!cl::device::chunked_detail::device_runs_tiles())
+  {
+    GTEST_SKIP() << "the tile kernels need compute capability 8.0 or later";
+  }
+  std::uint32_t seed = 2500;
+  for (const case_t& c : {case_t{1024, 1024, 256, cl::objective::symmetric, false, 256},
+                          case_t{777, 2000, 96, cl::objective::info_nce, true, 0},
+                          case_t{4096, 4096, 512, cl::objective::symmetric, false, 0}})
+  {
+    paths_agree<__nv_bfloat16>(c, seed += 3);
+    paths_agree<__half>(c, seed += 3);
+  }
+}
+
 // fp16 at a batch where P ~ 1/n is below fp16's normal range: the gradient scaled by 2^k keeps its digits.
 TEST(DeviceChunked, HalfGradientsKeepTheirDigitsAtLargeN)
 {
@@ -172,54 +273,58 @@ TEST(DeviceChunked, GraphReplayEqualsEagerSteps)
   ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), st).ok());
   cl::problem<T> p{d_q.ptr, d_k.ptr, n, n, dim, nullptr, cl::objective::symmetric};
   handle h;
-  const cl::chunk_options opts{64, 0};
-  std::size_t bytes = 0;
-  ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, nullptr, h.h, 0, opts), cudaErrorInvalidValue);
-  ct::device_buffer<typename L::state_type> d_state(1);
-  ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
-  ct::device_buffer<char> temp(bytes);
-
-  auto run = [&](bool graph)
+  for (const bool tiles : {false, true})
   {
-    cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice);
-    cudaStream_t s;
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    if (graph)
+    SCOPED_TRACE(tiles ? "fused_tiles" : "cuBLAS logits");
+    const cl::chunk_options opts{64, 0, tiles};
+    std::size_t bytes = 0;
+    ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, nullptr, h.h, 0, opts), cudaErrorInvalidValue);
+    ct::device_buffer<typename L::state_type> d_state(1);
+    ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+    ct::device_buffer<char> temp(bytes);
+
+    auto run = [&](bool graph)
     {
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
-      EXPECT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s, opts), cudaSuccess);
-      EXPECT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
-      EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
-      EXPECT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
-      EXPECT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
-      EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-      cudaGraphExecDestroy(ge);
-      cudaGraphDestroy(g);
-    }
-    else
-    {
-      for (int i = 0; i < 2; ++i)
+      cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice);
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      if (graph)
       {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
         EXPECT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s, opts), cudaSuccess);
+        EXPECT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+        EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+        EXPECT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
+        EXPECT_EQ(cudaGraphLaunch(ge, s), cudaSuccess);
+        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
       }
-      EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    }
-    cudaStreamDestroy(s);
-    typename L::state_type out;
-    cudaMemcpy(&out, d_state.ptr, sizeof out, cudaMemcpyDeviceToHost);
-    return std::make_tuple(out, d_dq.download(), d_dk.download());
-  };
-  const auto [s1, dq1, dk1] = run(false);
-  const auto [s2, dq2, dk2] = run(true);
-  EXPECT_EQ(s1.step, 2);
-  EXPECT_EQ(s2.step, 2);
-  EXPECT_EQ(s1.record.loss, s2.record.loss);
-  EXPECT_EQ(s1.temperature.tau(), s2.temperature.tau());
-  EXPECT_EQ(s1.scaler.loss_scale(), s2.scaler.loss_scale());
-  EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(T)));
-  EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * sizeof(T)));
+      else
+      {
+        for (int i = 0; i < 2; ++i)
+        {
+          EXPECT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s, opts), cudaSuccess);
+        }
+        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      }
+      cudaStreamDestroy(s);
+      typename L::state_type out;
+      cudaMemcpy(&out, d_state.ptr, sizeof out, cudaMemcpyDeviceToHost);
+      return std::make_tuple(out, d_dq.download(), d_dk.download());
+    };
+    const auto [s1, dq1, dk1] = run(false);
+    const auto [s2, dq2, dk2] = run(true);
+    EXPECT_EQ(s1.step, 2);
+    EXPECT_EQ(s2.step, 2);
+    EXPECT_EQ(s1.record.loss, s2.record.loss);
+    EXPECT_EQ(s1.temperature.tau(), s2.temperature.tau());
+    EXPECT_EQ(s1.scaler.loss_scale(), s2.scaler.loss_scale());
+    EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(T)));
+    EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * sizeof(T)));
+  }
 }
 
 // Argument checks happen before any CUDA call, so they run without a GPU too.
@@ -250,4 +355,91 @@ TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
   EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {100, 0}), 128u);
   EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, std::size_t(1) << 20}), 64u);
   EXPECT_EQ(dloss<float>::chunk_rows_for(p, {}), 64u);
+}
+
+// fused_tiles sizing: no float chunk, so the same budget holds about 2.8x the rows (G_c in T plus the tile partials);
+// float ignores the option; without a device (or below sm_80) the cuBLAS path's sizing applies. Touches the CUDA
+// runtime (the device query), with or without a GPU.
+TEST(DeviceChunked, FusedTilesSizing)
+{
+  float dummy[4] = {};
+  cl::problem<float> p{dummy, dummy + 1, 1, 1, 1, nullptr, cl::objective::symmetric};
+  cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
+  const std::size_t tile_rows =
+      (std::size_t(384) << 20) / cl::device::chunked_detail::tile_bytes_per_row<__nv_bfloat16>(65536) / 64 * 64;
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, 0, true}, true), tile_rows);
+  EXPECT_GT(tile_rows, 2 * dloss<__nv_bfloat16>::chunk_rows_for(b, {}));
+  EXPECT_EQ(dloss<float>::chunk_rows_for(p, {0, 0, true}), 64u);
+  if (!cl::device::chunked_detail::device_runs_tiles())
+  {
+    EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, 0, true}), dloss<__nv_bfloat16>::chunk_rows_for(b, {}));
+  }
+  // Unaligned q (or dim % 8 != 0) never takes the tile path.
+  cl::problem<__nv_bfloat16> odd = b;
+  odd.q = reinterpret_cast<const __nv_bfloat16*>(std::uintptr_t(2));
+  EXPECT_FALSE(cl::device::chunked_detail::use_tiles(odd, {0, 0, true}));
+  cl::problem<__nv_bfloat16> narrow = b;
+  narrow.dim = 100;
+  EXPECT_FALSE(cl::device::chunked_detail::use_tiles(narrow, {0, 0, true}));
+}
+
+// Non-finite input and out-of-range labels on the tile path: the same record (site, skip) as the cuBLAS path.
+TEST(DeviceChunked, FusedTilesReportNonFiniteLikeTheCublasPath)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  using T = __nv_bfloat16;
+  using L = dloss<T>;
+  const std::size_t n = 300, dim = 64;
+  for (int poison = 0; poison < 3; ++poison) // 0: NaN in q, 1: inf in k, 2: a label past n_k (info_nce)
+  {
+    SCOPED_TRACE(poison);
+    auto q = ct::random_rows<T>(n, dim, 31 + poison);
+    auto k = ct::random_rows<T>(n, dim, 41 + poison);
+    auto labels = ct::random_labels(n, n, 51 + poison);
+    if (poison == 0)
+    {
+      q[7 * dim + 3] = cl::element_traits<T>::from_float(std::nanf(""));
+    }
+    else if (poison == 1)
+    {
+      k[200 * dim + 5] = cl::element_traits<T>::from_float(INFINITY);
+    }
+    else
+    {
+      labels[150] = static_cast<std::int32_t>(n + 7);
+    }
+    ct::device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+    ct::device_buffer<std::int32_t> d_labels(labels.size());
+    ASSERT_EQ(d_q.upload(q), cudaSuccess);
+    ASSERT_EQ(d_k.upload(k), cudaSuccess);
+    ASSERT_EQ(d_labels.upload(labels), cudaSuccess);
+    const cl::problem<T> p{d_q.ptr,
+                           d_k.ptr,
+                           n,
+                           n,
+                           dim,
+                           poison == 2 ? d_labels.ptr : nullptr,
+                           poison == 2 ? cl::objective::info_nce : cl::objective::symmetric};
+    typename L::state_type st;
+    ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.05f), scaler_at(1024.0f), st).ok());
+    handle h;
+    typename L::state_type out[2];
+    for (int tiles = 0; tiles < 2; ++tiles)
+    {
+      ct::device_buffer<typename L::state_type> d_state(1);
+      ASSERT_EQ(cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+      const cl::chunk_options opts{128, 0, tiles == 1};
+      std::size_t bytes = 0;
+      ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+      ct::device_buffer<char> temp(bytes);
+      ASSERT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(&out[tiles], d_state.ptr, sizeof out[tiles], cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    EXPECT_NE(out[0].record.first_nonfinite, cl::nonfinite_site::none);
+    EXPECT_EQ(out[1].record.first_nonfinite, out[0].record.first_nonfinite);
+    EXPECT_TRUE(out[1].record.skipped);
+    EXPECT_EQ(out[1].record.skipped, out[0].record.skipped);
+    EXPECT_EQ(out[1].scaler.loss_scale(), out[0].scaler.loss_scale());
+    EXPECT_EQ(out[1].temperature.tau(), out[0].temperature.tau());
+  }
 }

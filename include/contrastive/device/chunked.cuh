@@ -24,12 +24,17 @@
 /// Workspace: B x ld (float S_c, G_c in place for float; + B x ld of T for 16-bit), n_k x dim floats (dK),
 /// B x dim floats (dQ_c), O(n_q + n_k) statistics. Work: 6 n_q n_k d flops (one chunk or info_nce), else 8.
 ///
+/// chunk_options::fused_tiles (16-bit types, sm_80+; device/logits_tile.cuh): S_c tiles on tensor cores in the
+/// library's kernel, reduced (forward) or turned into G_c (backward) in registers; no float S_c (workspace B x ld of T
+/// plus small tile partials); always 8 n_q n_k d flops (S_c computed in both passes, also for info_nce).
+///
 /// The call sets the handle's stream to `stream` and its pointer mode to host for the duration of the call and
 /// restores both before returning. cuBLAS failures come back as cudaError_t (allocation: cudaErrorMemoryAllocation,
 /// invalid value: cudaErrorInvalidValue, unsupported or wrong architecture: cudaErrorNotSupported, anything else
 /// cudaErrorUnknown). Float products follow the handle's math mode
 /// (CUBLAS_DEFAULT_MATH: exact float; CUBLAS_TF32_TENSOR_OP_MATH if you want TF32).
 
+#include <contrastive/device/logits_tile.cuh>
 #include <contrastive/device/loss.cuh>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/loss_math.hpp>
@@ -317,9 +322,58 @@ __global__ void __launch_bounds__(threads) store_rows(const float* acc,
 struct layout
 {
   std::size_t row_lse, row_loss, row_max, pos, row_dot, col_max, col_sum, col_lse, col_loss, logits, grad, dq, dk, sums,
-      flags, scalars, cub, total;
+      flags, scalars, cub, row_part, col_part, total;
   std::size_t chunk_rows, ld, cub_bytes;
+  bool tiles; ///< chunk_options::fused_tiles in effect (no float S_c; row_part / col_part hold the tile partials)
 };
+
+/// Whether the current device runs the tile kernels: compute capability 8.0 or later, and the code this program
+/// loads for them built for sm_80 or later (a build for sm_70/75 alone would run compute_7x PTX, where mma.sync
+/// m16n8k16 is missing and the kernels trap). A CUDA error (no device) answers no; that error is cleared.
+inline bool device_runs_tiles() noexcept
+{
+  int dev = 0;
+  int major = 0;
+  cudaFuncAttributes fa{};
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaFuncGetAttributes(&fa, tile_detail::tile_statistics<__nv_bfloat16>) != cudaSuccess)
+  {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major >= 8 && fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
+}
+
+/// chunk_options::fused_tiles in effect for this problem (see there).
+template <class Element>
+bool use_tiles(const problem<Element>& p, const chunk_options& o) noexcept
+{
+  if constexpr (std::is_same_v<Element, float>)
+  {
+    (void)p;
+    (void)o;
+    return false;
+  }
+  else
+  {
+    const auto aligned = [](const void* ptr)
+    {
+      return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+    };
+    return o.fused_tiles && p.dim % 8 == 0 && aligned(p.q) && aligned(p.k) && device_runs_tiles();
+  }
+}
+
+/// Bytes per chunk row of the tile path's buffers: G_c in T, one row partial per column tile, and (amortised over a
+/// row tile) one column partial per column.
+template <class Element>
+constexpr std::size_t tile_bytes_per_row(std::size_t ld) noexcept
+{
+  const std::size_t col_tiles = (ld + tile_detail::config::bn - 1) / tile_detail::config::bn;
+  return ld * sizeof(Element) + col_tiles * sizeof(float2) +
+         (ld * sizeof(float2) + tile_detail::config::bm - 1) / tile_detail::config::bm;
+}
 
 /// Restores the handle's stream and pointer mode when the call ends.
 struct handle_guard
@@ -470,8 +524,91 @@ struct runner
                                     CUBLAS_GEMM_DEFAULT));
   }
 
+  /// Arguments of the tile kernels for the chunk at row c0.
+  tile_detail::tile_args tile_args_for(std::size_t c0, int rows) const noexcept
+  {
+    tile_detail::tile_args t;
+    t.q = p.q + c0 * p.dim;
+    t.k = p.k;
+    t.rows = rows;
+    t.n_k = a.n_k;
+    t.dim = dim();
+    t.c0 = static_cast<long long>(c0);
+    t.labels = p.labels;
+    t.scalars = a.scalars;
+    t.row_part = reinterpret_cast<float2*>(base + w.row_part);
+    t.col_part = reinterpret_cast<float2*>(base + w.col_part);
+    t.pos = a.pos;
+    t.flag = a.flags;
+    t.row_lse = a.row_lse;
+    t.row_loss = a.row_loss;
+    t.col_lse = a.col_lse;
+    t.col_loss = a.col_loss;
+    t.gc = gc;
+    t.symmetric = sym ? 1 : 0;
+    t.factor = up;
+    t.g = grad();
+    t.ld = static_cast<long long>(w.ld);
+    return t;
+  }
+
+  static dim3 tile_grid(int rows, int n_k) noexcept
+  {
+    return dim3(static_cast<unsigned>((n_k + tile_detail::config::bn - 1) / tile_detail::config::bn),
+                static_cast<unsigned>((rows + tile_detail::config::bm - 1) / tile_detail::config::bm));
+  }
+
+  /// The tile path's forward of one chunk: statistics tiles, then the rows' and (symmetric) the columns' merges.
+  cudaError_t forward_chunk_tiles(std::size_t c0, int rows)
+  {
+    if constexpr (sixteen_bit)
+    {
+      const tile_detail::tile_args t = tile_args_for(c0, rows);
+      const dim3 grid = tile_grid(rows, a.n_k);
+      tile_detail::tile_statistics<Element><<<grid, tile_detail::config::threads, 0, stream>>>(t);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      tile_detail::finish_tile_rows<><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
+          t.row_part, static_cast<int>(grid.x), rows, t.c0, a.n_k, p.labels, a.row_lse, a.row_loss, a.row_max, a.pos);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      if (sym)
+      {
+        tile_detail::merge_tile_columns<>
+            <<<static_cast<unsigned>(std::min(1024, (a.n_k + 255) / 256)), 256, 0, stream>>>(
+                t.col_part, static_cast<int>(grid.y), a.n_k, c0 == 0 ? 1 : 0, a.col_max, a.col_sum);
+      }
+      return cudaPeekAtLastError();
+    }
+    else
+    {
+      (void)c0;
+      (void)rows;
+      return cudaErrorNotSupported;
+    }
+  }
+
+  /// The tile path's G_c of one chunk (S_c recomputed on tensor cores, never stored).
+  cudaError_t gradient_tiles(std::size_t c0, int rows)
+  {
+    if constexpr (sixteen_bit)
+    {
+      tile_detail::tile_gradient<Element>
+          <<<tile_grid(rows, a.n_k), tile_detail::config::threads, 0, stream>>>(tile_args_for(c0, rows));
+      return cudaPeekAtLastError();
+    }
+    else
+    {
+      (void)c0;
+      (void)rows;
+      return cudaErrorNotSupported;
+    }
+  }
+
   cudaError_t forward_chunk(std::size_t c0, int rows)
   {
+    if (w.tiles)
+    {
+      return forward_chunk_tiles(c0, rows);
+    }
     CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
     row_statistics<><<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
     CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
@@ -492,9 +629,16 @@ struct runner
     const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
     const dim3 grid(static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)),
                     static_cast<unsigned>(std::min(rows, 65535)));
-    chunk_gradient<Element><<<grid, threads, 0, stream>>>(
-        a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad()));
-    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    if (w.tiles)
+    {
+      CONTRASTIVE_CUDA_TRY(gradient_tiles(c0, rows));
+    }
+    else
+    {
+      chunk_gradient<Element><<<grid, threads, 0, stream>>>(
+          a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad()));
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    }
     // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
     CONTRASTIVE_CUDA_TRY(from_cublas(cublasGemmEx(handle,
                                                   CUBLAS_OP_N,
@@ -570,7 +714,7 @@ struct runner
       {
         CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
       }
-      else if (!one_chunk)
+      else if (!one_chunk && !w.tiles) // the tile path recomputes S_c inside gradient_tiles
       {
         CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
       }
@@ -624,8 +768,14 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   /// Rows per chunk for a problem and options (a multiple of 64, at most n_q rounded up).
   static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o) noexcept
   {
+    return chunk_rows_for(p, o, chunked_detail::use_tiles(p, o));
+  }
+
+  static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o, bool tiles) noexcept
+  {
     const std::size_t ld = (p.n_k + 31) / 32 * 32;
-    const std::size_t per_row = ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
+    const std::size_t per_row = tiles ? chunked_detail::tile_bytes_per_row<Element>(ld)
+                                      : ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
     const std::size_t rows = contrastive::detail::chunk_rows_for(
         o, p.n_q, per_row, chunked_detail::row_align, chunked_detail::default_budget);
     if (o.rows != 0 || o.budget_bytes != 0)
@@ -641,13 +791,23 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   static cudaError_t make_layout(const problem<Element>& p, const chunk_options& o, chunked_detail::layout& w)
   {
     using contrastive::detail::checked_size;
-    w.chunk_rows = std::min(chunk_rows_for(p, o), p.n_q);
+    w.tiles = chunked_detail::use_tiles(p, o);
+    w.chunk_rows = std::min(chunk_rows_for(p, o, w.tiles), p.n_q);
+    if (w.tiles) // the tile kernels' grid has one row of blocks per 128 chunk rows, at most 65535 rows
+    {
+      w.chunk_rows = std::min(w.chunk_rows, std::size_t(65535) * tile_detail::config::bm);
+    }
     w.ld = (p.n_k + 31) / 32 * 32;
+    constexpr std::size_t bm = tile_detail::config::bm;
+    constexpr std::size_t bn = tile_detail::config::bn;
+    const std::size_t row_tiles = w.tiles ? (w.chunk_rows + bm - 1) / bm : 0;
+    const std::size_t col_tiles = w.tiles ? (p.n_k + bn - 1) / bn : 0;
     const checked_size f = sizeof(float);
     const checked_size bound =
         checked_size(64 * 256) + checked_size(5) * p.n_q * f + checked_size(4) * p.n_k * f +
         checked_size(w.chunk_rows) * w.ld * (f + checked_size(sixteen_bit ? sizeof(Element) : 0)) +
-        (checked_size(w.chunk_rows) + p.n_k) * checked_size(p.dim) * f;
+        (checked_size(w.chunk_rows) + p.n_k) * checked_size(p.dim) * f +
+        (checked_size(w.chunk_rows) * col_tiles + checked_size(row_tiles) * p.n_k) * checked_size(sizeof(float2));
     if (!bound.ok())
     {
       return cudaErrorInvalidValue;
@@ -669,7 +829,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     w.col_sum = take(sym ? p.n_k * sizeof(float) : 0);
     w.col_lse = take(sym ? p.n_k * sizeof(float) : 0);
     w.col_loss = take(sym ? p.n_k * sizeof(float) : 0);
-    w.logits = take(w.chunk_rows * w.ld * sizeof(float));
+    w.logits = take(w.tiles ? 0 : w.chunk_rows * w.ld * sizeof(float));
     w.grad = take(sixteen_bit ? w.chunk_rows * w.ld * sizeof(Element) : 0);
     w.dq = take(w.chunk_rows * p.dim * sizeof(float));
     w.dk = take(p.n_k * p.dim * sizeof(float));
@@ -677,6 +837,8 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     w.flags = take(3 * sizeof(int));
     w.scalars = take(sizeof(kernels::step_scalars));
     w.cub = take(w.cub_bytes);
+    w.row_part = take(w.chunk_rows * col_tiles * sizeof(float2));
+    w.col_part = take(sym ? row_tiles * p.n_k * sizeof(float2) : 0);
     w.total = c.offset;
     return cudaSuccess;
   }

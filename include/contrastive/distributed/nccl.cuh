@@ -586,7 +586,9 @@ private:
   /// Lays out the workspace for this rank's block and grows it if needed (runs after the global facts are known).
   status size_workspace(const problem<Element>& p, const detail::global_shape& g)
   {
-    const problem<Element> block{p.q, p.k, p.n_q, g.n_k_total, p.dim, p.labels, p.obj};
+    // The step reads K from k_all (carved from the workspace, 256-byte aligned), not from p.k: the layout (and
+    // chunk_options::fused_tiles's alignment test) sees that pointer's alignment, which null stands for.
+    const problem<Element> block{p.q, nullptr, p.n_q, g.n_k_total, p.dim, p.labels, p.obj};
     if (single::make_layout(block, opts_, w_) != cudaSuccess)
     {
       return {errc::size_overflow, "n_k", "this rank's workspace for the global batch does not fit in size_t bytes"};
