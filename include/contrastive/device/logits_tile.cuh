@@ -19,6 +19,7 @@
 /// (rows are then 16-byte aligned too), a device of compute capability 8.0 or later.
 
 #include <contrastive/device/kernels.cuh>
+#include <contrastive/device/tile_layout.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
@@ -37,31 +38,6 @@ namespace device
 {
 namespace tile_detail
 {
-/// Block tile (rows x columns x depth per stage), warp layout, and the shared-memory row pitch.
-struct config
-{
-  static constexpr int bm = 128;
-  static constexpr int bn = 128;
-  static constexpr int bk = 32;
-  static constexpr int warps_m = 2;
-  static constexpr int warps_n = 4;
-  static constexpr int threads = 32 * warps_m * warps_n;
-  static constexpr int wm = bm / warps_m; // 64 rows per warp
-  static constexpr int wn = bn / warps_n; // 32 columns per warp
-  static constexpr int mt = wm / 16;      // m16 tiles per warp
-  static constexpr int nt = wn / 8;       // n8 tiles per warp
-  /// 40 elements (80 bytes) per shared row: 16-byte aligned for cp.async and ldmatrix, and the 8 row addresses of
-  /// one ldmatrix phase fall into 8 distinct 16-byte bank groups (80 / 16 = 5 is odd), so no bank conflicts.
-  static constexpr int pitch = bk + 8;
-  static constexpr int stages = 2;
-  /// Chunk granularity of the global loads: 8 elements = 16 bytes.
-  static constexpr int vec = 8;
-};
-
-static_assert(config::bk % 16 == 0 && config::wm % 16 == 0 && config::wn % 16 == 0, "tile shape");
-static_assert((config::bm * config::bk / config::vec) % config::threads == 0, "A stage load");
-static_assert((config::bn * config::bk / config::vec) % config::threads == 0, "B stage load");
-
 template <class T>
 struct smem_tiles
 {
@@ -193,34 +169,31 @@ template <class T>
 __device__ CONTRASTIVE_FORCEINLINE void
 load_stage(smem_tiles<T>& sm, int stage, const tile_args& a, int row0, int col0, int k0) noexcept
 {
-  constexpr int per_row = config::bk / config::vec; // 16-byte chunks per tile row
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
+  const int tid = static_cast<int>(threadIdx.x);
 #pragma unroll
-  for (int it = 0; it < config::bm * per_row / config::threads; ++it)
+  for (int it = 0; it < config::a_loads; ++it)
   {
-    const int idx = static_cast<int>(threadIdx.x) + it * config::threads;
-    const int r = idx / per_row;
-    const int c = (idx % per_row) * config::vec;
+    const int r = lane_map::load_row(tid, it);
+    const int c = lane_map::load_depth(tid, it);
     const bool ok = row0 + r < a.rows && k0 + c < a.dim;
     const T* src = ok ? q + (static_cast<long long>(row0 + r) * a.dim + k0 + c) : q;
     cp_async_16(&sm.a[stage][r][c], src, ok);
   }
 #pragma unroll
-  for (int it = 0; it < config::bn * per_row / config::threads; ++it)
+  for (int it = 0; it < config::b_loads; ++it)
   {
-    const int idx = static_cast<int>(threadIdx.x) + it * config::threads;
-    const int r = idx / per_row;
-    const int c = (idx % per_row) * config::vec;
+    const int r = lane_map::load_row(tid, it);
+    const int c = lane_map::load_depth(tid, it);
     const bool ok = col0 + r < a.n_k && k0 + c < a.dim;
     const T* src = ok ? k + (static_cast<long long>(col0 + r) * a.dim + k0 + c) : k;
     cp_async_16(&sm.b[stage][r][c], src, ok);
   }
 }
 
-/// The block's 128 x 128 tile of Q_c K^T in registers. acc[mi][ni][h * 2 + e] is the product at tile row
-/// warp_m * 64 + mi * 16 + lane / 4 + 8 h and tile column warp_n * 32 + ni * 8 + 2 (lane % 4) + e (the m16n8
-/// accumulator layout of the PTX ISA).
+/// The block's 128 x 128 tile of Q_c K^T in registers. acc[mi][ni][2 h + e] is the product at tile row
+/// warp_row + mi * 16 + c_row(lane, h) and tile column warp_col + ni * 8 + c_col(lane, e) (lane_map).
 template <class T>
 __device__ CONTRASTIVE_FORCEINLINE void tile_product(
     smem_tiles<T>& sm, const tile_args& a, int row0, int col0, float (&acc)[config::mt][config::nt][4]) noexcept
@@ -243,8 +216,8 @@ __device__ CONTRASTIVE_FORCEINLINE void tile_product(
 #endif
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int wrow = (warp / config::warps_n) * config::wm;
-  const int wcol = (warp % config::warps_n) * config::wn;
+  const int wrow = lane_map::warp_row(warp);
+  const int wcol = lane_map::warp_col(warp);
   const int ktiles = (a.dim + config::bk - 1) / config::bk;
   load_stage(sm, 0, a, row0, col0, 0);
   cp_async_commit();
@@ -270,14 +243,14 @@ __device__ CONTRASTIVE_FORCEINLINE void tile_product(
       for (int mi = 0; mi < config::mt; ++mi)
       {
         // matrices: rows 0-7 / 8-15 of the m16 tile at depth ks, then the same at depth ks + 8
-        ldmatrix_x4(af[mi], &sm.a[st][wrow + mi * 16 + (lane % 16)][ks + (lane / 16) * 8]);
+        ldmatrix_x4(af[mi], &sm.a[st][wrow + mi * 16 + lane_map::a_row(lane)][ks + lane_map::a_depth(lane)]);
       }
 #pragma unroll
       for (int nj = 0; nj < config::nt / 2; ++nj)
       {
         // matrices: n8 tile 2 nj at depth ks / ks + 8, then n8 tile 2 nj + 1 at depth ks / ks + 8
         unsigned bf[4];
-        ldmatrix_x4(bf, &sm.b[st][wcol + nj * 16 + (lane % 8) + (lane / 16) * 8][ks + ((lane / 8) % 2) * 8]);
+        ldmatrix_x4(bf, &sm.b[st][wcol + nj * 16 + lane_map::b_row(lane)][ks + lane_map::b_depth(lane)]);
 #pragma unroll
         for (int mi = 0; mi < config::mt; ++mi)
         {
@@ -323,10 +296,10 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int wm_i = warp / config::warps_n;
-  const int wn_i = warp % config::warps_n;
-  const int wrow = wm_i * config::wm;
-  const int wcol = wn_i * config::wn;
+  const int wm_i = lane_map::warp_m(warp);
+  const int wn_i = lane_map::warp_n(warp);
+  const int wrow = lane_map::warp_row(warp);
+  const int wcol = lane_map::warp_col(warp);
   const float s = a.scalars->scale;
   online_lse rs[config::mt][2];
   online_lse cs[config::nt][2];
@@ -337,7 +310,7 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
     {
-      const int r = row0 + wrow + mi * 16 + lane / 4 + 8 * h;
+      const int r = row0 + wrow + mi * 16 + lane_map::c_row(lane, h);
       const bool row_ok = r < a.rows;
       const long long i = a.c0 + r;
       const long long p = row_ok ? positive_of(a, i) : -1;
@@ -347,7 +320,7 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
         {
-          const int j = col0 + wcol + ni * 8 + 2 * (lane % 4) + e;
+          const int j = col0 + wcol + ni * 8 + lane_map::c_col(lane, e);
           if (row_ok && j < a.n_k)
           {
             const float v = s * acc[mi][ni][2 * h + e];
@@ -376,7 +349,11 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
     {
-      rs[mi][h] = shfl_merge(shfl_merge(rs[mi][h], 1), 2);
+#pragma unroll
+      for (int x = 0; x < lane_map::row_shuffles; ++x)
+      {
+        rs[mi][h] = shfl_merge(rs[mi][h], lane_map::row_xor(x));
+      }
     }
   }
   const bool columns = a.symmetric != 0; // info_nce has no column statistics (uniform across the block)
@@ -388,13 +365,17 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
       {
-        cs[ni][e] = shfl_merge(shfl_merge(shfl_merge(cs[ni][e], 4), 8), 16);
+#pragma unroll
+        for (int x = 0; x < lane_map::col_shuffles; ++x)
+        {
+          cs[ni][e] = shfl_merge(cs[ni][e], lane_map::col_xor(x));
+        }
       }
     }
   }
   // tile_product ended with a barrier: the tiles' shared bytes are free.
   smem_reduce& red = *reinterpret_cast<smem_reduce*>(raw);
-  if (lane % 4 == 0)
+  if (lane_map::row_writer(lane))
   {
 #pragma unroll
     for (int mi = 0; mi < config::mt; ++mi)
@@ -402,13 +383,13 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
       {
-        const int lr = wrow + mi * 16 + lane / 4 + 8 * h;
+        const int lr = wrow + mi * 16 + lane_map::c_row(lane, h);
         red.row_max[wn_i][lr] = rs[mi][h].max;
         red.row_sum[wn_i][lr] = rs[mi][h].sum;
       }
     }
   }
-  if (columns && lane / 4 == 0)
+  if (columns && lane_map::col_writer(lane))
   {
 #pragma unroll
     for (int ni = 0; ni < config::nt; ++ni)
@@ -416,7 +397,7 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
       {
-        const int lc = wcol + ni * 8 + 2 * lane + e;
+        const int lc = wcol + ni * 8 + lane_map::c_col(lane, e);
         red.col_max[wm_i][lc] = cs[ni][e].max;
         red.col_sum[wm_i][lc] = cs[ni][e].sum;
       }
@@ -469,8 +450,8 @@ __global__ void __launch_bounds__(config::threads) tile_gradient(tile_args a)
 
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int wrow = (warp / config::warps_n) * config::wm;
-  const int wcol = (warp % config::warps_n) * config::wn;
+  const int wrow = lane_map::warp_row(warp);
+  const int wcol = lane_map::warp_col(warp);
   const float s = a.scalars->scale;
   const bool sym = a.symmetric != 0;
   float clse[config::nt][2];
@@ -480,7 +461,7 @@ __global__ void __launch_bounds__(config::threads) tile_gradient(tile_args a)
 #pragma unroll
     for (int e = 0; e < 2; ++e)
     {
-      const int j = col0 + wcol + ni * 8 + 2 * (lane % 4) + e;
+      const int j = col0 + wcol + ni * 8 + lane_map::c_col(lane, e);
       clse[ni][e] = sym && j < a.n_k ? a.col_lse[j] : 0.0f;
     }
   }
@@ -491,7 +472,7 @@ __global__ void __launch_bounds__(config::threads) tile_gradient(tile_args a)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
     {
-      const int r = row0 + wrow + mi * 16 + lane / 4 + 8 * h;
+      const int r = row0 + wrow + mi * 16 + lane_map::c_row(lane, h);
       if (r >= a.rows)
       {
         continue;
@@ -505,7 +486,7 @@ __global__ void __launch_bounds__(config::threads) tile_gradient(tile_args a)
 #pragma unroll
       for (int ni = 0; ni < config::nt; ++ni)
       {
-        const int j = col0 + wcol + ni * 8 + 2 * (lane % 4); // even; ld % 32 == 0, so out + j is 4-byte aligned
+        const int j = col0 + wcol + ni * 8 + lane_map::c_col(lane, 0); // even; ld % 32 == 0: out + j 4-byte aligned
         T gv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e)
