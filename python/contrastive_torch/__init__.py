@@ -210,10 +210,11 @@ class _CudaFunction(torch.autograd.Function):
     multiplies them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, logit_scale, labels, symmetric, algorithm, report):
+    def forward(ctx, q, k, logit_scale, labels, symmetric, algorithm, fused_tiles, report):
         scale = _scale_value(logit_scale)
         try:
-            loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0)
+            loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
+                                                                         fused_tiles)
         except (RuntimeError, ValueError) as e:
             if "invalid" in str(e) or "algorithm" in str(e) or "dtype" in str(e):
                 raise ValueError(str(e)) from None
@@ -232,7 +233,7 @@ class _CudaFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
             d_scale = (dlogs * grad / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
         # In float: a GradScaler scale of 65536 does not fit float16.
-        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None
+        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None, None
 
 
 def _labels_tensor(labels, n_q):
@@ -250,14 +251,19 @@ def _labels_tensor(labels, n_q):
 
 
 class _Base(torch.nn.Module):
-    def __init__(self, algorithm="fused", threads=0):
+    def __init__(self, algorithm="fused", threads=0, fused_tiles=False):
         super().__init__()
         if algorithm not in ("fused", "materialized", "chunked"):
             raise ValueError(f"algorithm: '{algorithm}' is not one of 'fused', 'materialized', 'chunked'")
         if not isinstance(threads, int) or threads < 0:
             raise ValueError(f"threads: must be an int >= 0 (0 = all cores), got {threads!r}")
+        if not isinstance(fused_tiles, bool):
+            raise TypeError(f"fused_tiles: expected a bool, got {type(fused_tiles).__name__}")
         self.algorithm = algorithm
         self.threads = threads
+        # CUDA, algorithm="chunked", bfloat16/float16: the library's tensor-core logits tiles (chunk_options::
+        # fused_tiles); ignored on the CPU, for float32 and for the other algorithms.
+        self.fused_tiles = fused_tiles
         self.last_step = {}
         """Diagnosis of the last call: loss, first_nonfinite ('none', 'logits', 'loss', 'grad_q', 'grad_k',
         'grad_logit_scale'), max_logit. Filled by forward and completed by backward."""
@@ -295,7 +301,7 @@ class _Base(torch.nn.Module):
         if symmetric and q.shape[0] != k.shape[0]:
             raise ValueError(f"features: the symmetric loss needs as many texts as images ({q.shape[0]} and "
                              f"{k.shape[0]})")
-        return _CudaFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, report)
+        return _CudaFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, self.fused_tiles, report)
 
 
 class ClipLoss(_Base):

@@ -196,6 +196,8 @@ def test_bad_inputs_raise():
         ct.InfoNCELoss()(img, txt, s, torch.zeros(8))
     with pytest.raises(ValueError, match="algorithm"):
         ct.ClipLoss(algorithm="magic")
+    with pytest.raises(TypeError, match="fused_tiles"):
+        ct.ClipLoss(algorithm="chunked", fused_tiles="yes")
     with pytest.raises(ValueError, match="empty|n_q = 0"):
         loss(features(8, 4)[:0], features(8, 4)[:0], s)
     # After every refusal the loss still works.
@@ -220,11 +222,12 @@ def test_cuda_matches_reference(algorithm):
 
 
 @needs_cuda
-def test_cuda_bfloat16_and_the_incoming_gradient():
+@pytest.mark.parametrize("fused_tiles", [False, True])
+def test_cuda_bfloat16_and_the_incoming_gradient(fused_tiles):
     img, txt = features(256, 32, seed=13).cuda(), features(256, 32, seed=14).cuda()
     log_scale = torch.tensor(math.log(10.0), device="cuda")
     ref = grads_of(reference_clip, img, txt, log_scale)
-    fn = ct.ClipLoss(algorithm="chunked")
+    fn = ct.ClipLoss(algorithm="chunked", fused_tiles=fused_tiles)
     a = img.to(torch.bfloat16).requires_grad_()
     b = txt.to(torch.bfloat16).requires_grad_()
     s = log_scale.clone().requires_grad_()

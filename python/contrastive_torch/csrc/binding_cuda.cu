@@ -46,7 +46,8 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
                                double scale,
                                const torch::Tensor& labels,
                                bool symmetric,
-                               std::int64_t chunk_rows)
+                               std::int64_t chunk_rows,
+                               bool fused_tiles)
 {
   using L = cl::device::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
   using state_type = typename L::state_type;
@@ -82,7 +83,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   torch::Tensor work;
   if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
   {
-    const cl::chunk_options o{static_cast<std::size_t>(chunk_rows), 0};
+    const cl::chunk_options o{static_cast<std::size_t>(chunk_rows), 0, fused_tiles};
     const cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
     check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, h, stream, o), "size query");
     work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
@@ -118,19 +119,20 @@ std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         double scale,
                                         const torch::Tensor& labels,
                                         bool symmetric,
-                                        std::int64_t chunk_rows)
+                                        std::int64_t chunk_rows,
+                                        bool fused_tiles)
 {
   if (algorithm == "chunked")
   {
-    return run<T, cl::algorithm::chunked>(q, k, scale, labels, symmetric, chunk_rows);
+    return run<T, cl::algorithm::chunked>(q, k, scale, labels, symmetric, chunk_rows, fused_tiles);
   }
   if (algorithm == "fused")
   {
-    return run<T, cl::algorithm::fused>(q, k, scale, labels, symmetric, chunk_rows);
+    return run<T, cl::algorithm::fused>(q, k, scale, labels, symmetric, chunk_rows, fused_tiles);
   }
   if (algorithm == "materialized")
   {
-    return run<T, cl::algorithm::materialized>(q, k, scale, labels, symmetric, chunk_rows);
+    return run<T, cl::algorithm::materialized>(q, k, scale, labels, symmetric, chunk_rows, fused_tiles);
   }
   throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
                               "' is not one of 'fused', 'materialized', 'chunked'");
@@ -143,17 +145,18 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
                                 const c10::optional<torch::Tensor>& labels,
                                 bool symmetric,
                                 const std::string& algorithm,
-                                std::int64_t chunk_rows)
+                                std::int64_t chunk_rows,
+                                bool fused_tiles)
 {
   const torch::Tensor lab = labels.has_value() ? *labels : torch::Tensor();
   switch (q.scalar_type())
   {
   case torch::kFloat32:
-    return by_algorithm<float>(algorithm, q, k, scale, lab, symmetric, chunk_rows);
+    return by_algorithm<float>(algorithm, q, k, scale, lab, symmetric, chunk_rows, fused_tiles);
   case torch::kBFloat16:
-    return by_algorithm<__nv_bfloat16>(algorithm, q, k, scale, lab, symmetric, chunk_rows);
+    return by_algorithm<__nv_bfloat16>(algorithm, q, k, scale, lab, symmetric, chunk_rows, fused_tiles);
   case torch::kFloat16:
-    return by_algorithm<__half>(algorithm, q, k, scale, lab, symmetric, chunk_rows);
+    return by_algorithm<__half>(algorithm, q, k, scale, lab, symmetric, chunk_rows, fused_tiles);
   default:
     throw std::invalid_argument("contrastive: features: dtype is not float32, bfloat16 or float16");
   }
