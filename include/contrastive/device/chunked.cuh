@@ -337,7 +337,8 @@ inline bool device_runs_tiles() noexcept
   cudaFuncAttributes fa{};
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&fa, tile_detail::tile_statistics<__nv_bfloat16>) != cudaSuccess)
+      cudaFuncGetAttributes(&fa, tile_detail::tile_kernel<__nv_bfloat16, tile_detail::statistics_epilogue>) !=
+          cudaSuccess)
   {
     (void)cudaGetLastError();
     return false;
@@ -565,7 +566,8 @@ struct runner
     {
       const tile_detail::tile_args t = tile_args_for(c0, rows);
       const dim3 grid = tile_grid(rows, a.n_k);
-      tile_detail::tile_statistics<Element><<<grid, tile_detail::config::threads, 0, stream>>>(t);
+      tile_detail::tile_kernel<Element, tile_detail::statistics_epilogue>
+          <<<grid, tile_detail::config::threads, 0, stream>>>(t);
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
       tile_detail::finish_tile_rows<><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
           t.row_part, static_cast<int>(grid.x), rows, t.c0, a.n_k, p.labels, a.row_lse, a.row_loss, a.row_max, a.pos);
@@ -591,7 +593,7 @@ struct runner
   {
     if constexpr (sixteen_bit)
     {
-      tile_detail::tile_gradient<Element>
+      tile_detail::tile_kernel<Element, tile_detail::gradient_epilogue>
           <<<tile_grid(rows, a.n_k), tile_detail::config::threads, 0, stream>>>(tile_args_for(c0, rows));
       return cudaPeekAtLastError();
     }

@@ -282,18 +282,43 @@ __device__ CONTRASTIVE_FORCEINLINE long long positive_of(const tile_args& a, lon
   return a.labels != nullptr ? static_cast<long long>(a.labels[i]) : i;
 }
 
-/// Forward: the tile's row and column partials of the negatives, the positives, the non-finite flag.
-/// Grid: (column tiles, row tiles of the chunk); config::threads threads.
-template <class T>
-__global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
+/// The accumulators of one block: tile_product's layout (lane_map).
+using tile_accumulators = float[config::mt][config::nt][4];
+
+/// Forward epilogue: the tile's row and column partials of the negatives, the positives, the non-finite flag.
+struct statistics_epilogue
+{
+  template <class T>
+  __device__ static CONTRASTIVE_FORCEINLINE void
+  apply(const tile_args& a, tile_accumulators& acc, unsigned char* raw, int row0, int col0) noexcept;
+};
+
+/// Backward epilogue: G_c of the tile, times `factor`, rounded to T into g (row stride ld).
+struct gradient_epilogue
+{
+  template <class T>
+  __device__ static CONTRASTIVE_FORCEINLINE void
+  apply(const tile_args& a, tile_accumulators& acc, unsigned char* raw, int row0, int col0) noexcept;
+};
+
+/// One 128 x 128 logits tile per block: the tensor-core product into registers, then the epilogue (statistics or
+/// gradient). Grid: (column tiles, row tiles of the chunk); config::threads threads; 40 KiB of static shared memory,
+/// which the epilogue may reuse.
+template <class T, class Epilogue>
+__global__ void __launch_bounds__(config::threads) tile_kernel(tile_args a)
 {
   __shared__ alignas(16) unsigned char raw[smem_bytes<T>];
-  smem_tiles<T>& sm = *reinterpret_cast<smem_tiles<T>*>(raw);
   const int row0 = static_cast<int>(blockIdx.y) * config::bm;
   const int col0 = static_cast<int>(blockIdx.x) * config::bn;
-  float acc[config::mt][config::nt][4];
-  tile_product<T>(sm, a, row0, col0, acc);
+  tile_accumulators acc;
+  tile_product<T>(*reinterpret_cast<smem_tiles<T>*>(raw), a, row0, col0, acc);
+  Epilogue::template apply<T>(a, acc, raw, row0, col0);
+}
 
+template <class T>
+__device__ CONTRASTIVE_FORCEINLINE void
+statistics_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned char* raw, int row0, int col0) noexcept
+{
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int wm_i = lane_map::warp_m(warp);
@@ -437,17 +462,11 @@ __global__ void __launch_bounds__(config::threads) tile_statistics(tile_args a)
   }
 }
 
-/// Backward: G_c of the tile, times `factor`, rounded to T into g (row stride ld). Grid as tile_statistics.
 template <class T>
-__global__ void __launch_bounds__(config::threads) tile_gradient(tile_args a)
+__device__ CONTRASTIVE_FORCEINLINE void
+gradient_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned char* raw, int row0, int col0) noexcept
 {
-  __shared__ alignas(16) unsigned char raw[smem_bytes<T>];
-  smem_tiles<T>& sm = *reinterpret_cast<smem_tiles<T>*>(raw);
-  const int row0 = static_cast<int>(blockIdx.y) * config::bm;
-  const int col0 = static_cast<int>(blockIdx.x) * config::bn;
-  float acc[config::mt][config::nt][4];
-  tile_product<T>(sm, a, row0, col0, acc);
-
+  (void)raw;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int wrow = lane_map::warp_row(warp);
@@ -508,7 +527,7 @@ __global__ void __launch_bounds__(config::threads) tile_gradient(tile_args a)
   }
 }
 
-/// Forward, after tile_statistics: each row's statistics from its column tiles' partials and its positive (as
+/// Forward, after the statistics tiles: each row's statistics from its column tiles' partials and its positive (as
 /// chunked_detail::row_statistics). One warp per row.
 template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(256) finish_tile_rows(const float2* row_part,
@@ -553,8 +572,8 @@ __global__ void __launch_bounds__(256) finish_tile_rows(const float2* row_part,
   }
 }
 
-/// Forward, symmetric, after tile_statistics: the chunk's column partials (row tiles) merged into the running column
-/// state (`first`: the state starts here).
+/// Forward, symmetric, after the statistics tiles: the chunk's column partials (row tiles) merged into the running
+/// column state (`first`: the state starts here).
 template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(256)
     merge_tile_columns(const float2* col_part, int tiles, int n_k, int first, float* col_max, float* col_sum)
