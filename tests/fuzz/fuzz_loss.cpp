@@ -139,27 +139,48 @@ bool all_finite(const std::vector<T>& v)
   return true;
 }
 
+/// A problem read from the input: shapes below the given bounds, objective, optional labels (sometimes -1 or >= n_k),
+/// values from the input (non-finite and extreme ones included). Each buffer has one element past its end.
+template <class T>
+struct fuzz_problem
+{
+  std::size_t n_q, n_k, dim;
+  cl::objective obj;
+  bool with_labels;
+  std::vector<T> q, k;
+  std::vector<std::int32_t> labels;
+
+  fuzz_problem(byte_reader& in, std::size_t max_q, std::size_t max_k, std::size_t max_dim)
+      : n_q(in.below(max_q)), n_k(in.below(max_k)), dim(in.below(max_dim)),
+        obj(in.byte() % 2 == 0 ? cl::objective::symmetric : cl::objective::info_nce), with_labels(in.byte() % 3 == 0),
+        q(n_q * dim + 1), k(n_k * dim + 1), labels(n_q + 1)
+  {
+    for (auto& x : q)
+    {
+      x = cl::element_traits<T>::from_float(in.value());
+    }
+    for (auto& x : k)
+    {
+      x = cl::element_traits<T>::from_float(in.value());
+    }
+    for (auto& l : labels)
+    {
+      l = static_cast<std::int32_t>(in.below(n_k + 3)) - 1;
+    }
+  }
+
+  cl::problem<T> problem() const noexcept
+  {
+    return {q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
+  }
+};
+
 template <class T, class Temperature, class Scaler, class Algorithm>
 void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
 {
   using L = cl::loss<T, Temperature, Scaler, Algorithm>;
-  const std::size_t n_q = in.below(34), n_k = in.below(40), dim = in.below(40);
-  const cl::objective obj = in.byte() % 2 == 0 ? cl::objective::symmetric : cl::objective::info_nce;
-  const bool with_labels = in.byte() % 3 == 0;
-  std::vector<T> q(n_q * dim + 1), k(n_k * dim + 1);
-  for (auto& x : q)
-  {
-    x = cl::element_traits<T>::from_float(in.value());
-  }
-  for (auto& x : k)
-  {
-    x = cl::element_traits<T>::from_float(in.value());
-  }
-  std::vector<std::int32_t> labels(n_q + 1);
-  for (auto& l : labels)
-  {
-    l = static_cast<std::int32_t>(in.below(n_k + 3)) - 1; // sometimes -1 or >= n_k
-  }
+  const fuzz_problem<T> in_p(in, 34, 40, 40);
+  const std::size_t n_q = in_p.n_q, n_k = in_p.n_k, dim = in_p.dim;
   const unsigned threads = 1 + static_cast<unsigned>(in.below(3));
   L loss(temp, scal, threads);
   if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
@@ -173,7 +194,7 @@ void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
     }
   }
   const T seven = cl::element_traits<T>::from_float(7.0f);
-  const cl::problem<T> p{q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
+  const cl::problem<T> p = in_p.problem();
 
   const int calls = 1 + static_cast<int>(in.below(4));
   for (int c = 0; c < calls; ++c)
@@ -300,30 +321,15 @@ static void run_distributed(byte_reader& in)
   using dist_t = cl::distributed::
       loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm, cl::distributed::comm::local>;
   using one_t = cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>;
-  const std::size_t n_q = in.below(30), n_k = in.below(36), dim = in.below(24);
-  const cl::objective obj = in.byte() % 2 == 0 ? cl::objective::symmetric : cl::objective::info_nce;
-  const bool with_labels = in.byte() % 3 == 0;
-  std::vector<T> q(n_q * dim + 1), k(n_k * dim + 1);
-  for (auto& x : q)
-  {
-    x = cl::element_traits<T>::from_float(in.value());
-  }
-  for (auto& x : k)
-  {
-    x = cl::element_traits<T>::from_float(in.value());
-  }
-  std::vector<std::int32_t> labels(n_q + 1);
-  for (auto& l : labels)
-  {
-    l = static_cast<std::int32_t>(in.below(n_k + 3)) - 1;
-  }
+  const fuzz_problem<T> in_p(in, 30, 36, 24);
+  const std::size_t n_q = in_p.n_q, n_k = in_p.n_k, dim = in_p.dim;
   const auto temp = cl::temperature::learnable(in.setting(0.07f));
   auto scal = cl::scaler::dynamic::torch();
   scal.scale = in.setting(1024.0f);
   dist_t dist(cl::distributed::comm::local{}, temp, scal, 1 + static_cast<unsigned>(in.below(2)));
   one_t one(temp, scal, 1);
   const T seven = cl::element_traits<T>::from_float(7.0f);
-  const cl::problem<T> p{q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
+  const cl::problem<T> p = in_p.problem();
   std::vector<T> dq(n_q * dim + 1, seven), dk(n_k * dim + 1, seven), dq1(n_q * dim + 1), dk1(n_k * dim + 1);
   const typename dist_t::checkpoint before = dist.save();
   cl::step_record rec, rec1;
