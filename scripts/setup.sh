@@ -14,9 +14,11 @@ demo_packages=(build-essential cmake libgtest-dev libbenchmark-dev gnuplot-nox)
 #   clang            the libFuzzer target (.ci/run's fuzz stage)
 #   libopenblas-dev  the gemm::cblas backend and its tests
 #   python3-torch, python3-pytest   the PyTorch extension's tests (python/tests)
-#   python3-venv     the extension's install test (pip install into a fresh venv)
+#   python3-venv, python3-setuptools, python3-wheel   the extension's install test (pip install into a fresh venv
+#                    that sees the system's torch; --no-build-isolation builds with the system's setuptools and wheel)
 #   libopenmpi-dev, openmpi-bin     the MPI tests
-test_packages=("${demo_packages[@]}" clang libopenblas-dev python3-torch python3-pytest python3-venv libopenmpi-dev openmpi-bin)
+test_packages=("${demo_packages[@]}" clang libopenblas-dev python3-torch python3-pytest python3-venv python3-setuptools python3-wheel
+  libopenmpi-dev openmpi-bin)
 
 case "${1:-}" in
   demo) wanted=("${demo_packages[@]}") ;;
