@@ -25,6 +25,7 @@
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
