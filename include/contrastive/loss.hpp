@@ -355,16 +355,9 @@ private:
               "the engine's buffers for n_q = " + std::to_string(p.n_q) + ", n_k = " + std::to_string(p.n_k) +
                   ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name + ") do not fit in size_t bytes"};
     }
-    const std::ptrdiff_t bad = engine_.first_nonfinite(p);
-    if (bad != 0)
+    if (const std::ptrdiff_t bad = engine_.first_nonfinite(p); bad != 0)
     {
-      const bool in_q = bad > 0;
-      const std::size_t idx = static_cast<std::size_t>((in_q ? bad : -bad) - 1);
-      const char* name = in_q ? "q" : "k";
-      return {errc::non_finite_input,
-              name,
-              std::string(name) + "[" + std::to_string(idx / p.dim) + "][" + std::to_string(idx % p.dim) +
-                  "] is not finite"};
+      return detail::nonfinite_input(bad, p.dim);
     }
     forward_ready_ = false;
     status st = guarded(

@@ -19,6 +19,18 @@ namespace contrastive
 {
 namespace detail
 {
+/// The refusal of a problem whose input holds a non-finite value: `bad` is the host engine's first_nonfinite (index
+/// row * dim + col, plus 1, into q; negative: into k), named as the element, e.g. "k[3][7] is not finite".
+inline status nonfinite_input(std::ptrdiff_t bad, std::size_t dim)
+{
+  const bool in_q = bad > 0;
+  const std::size_t idx = static_cast<std::size_t>((in_q ? bad : -bad) - 1);
+  const char* name = in_q ? "q" : "k";
+  return {errc::non_finite_input,
+          name,
+          std::string(name) + "[" + std::to_string(idx / dim) + "][" + std::to_string(idx % dim) + "] is not finite"};
+}
+
 /// Everything a training run must save to resume bit-exactly (trivially copyable).
 template <class Temperature, class Scaler>
 struct checkpoint

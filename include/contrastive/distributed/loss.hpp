@@ -373,16 +373,9 @@ private:
         }
       }
     }
-    const std::ptrdiff_t bad = engine_.first_nonfinite(p);
-    if (bad != 0)
+    if (const std::ptrdiff_t bad = engine_.first_nonfinite(p); bad != 0)
     {
-      const bool in_q = bad > 0;
-      const std::size_t idx = static_cast<std::size_t>((in_q ? bad : -bad) - 1);
-      const char* name = in_q ? "q" : "k";
-      return {errc::non_finite_input,
-              name,
-              std::string(name) + "[" + std::to_string(idx / p.dim) + "][" + std::to_string(idx % p.dim) +
-                  "] is not finite"};
+      return contrastive::detail::nonfinite_input(bad, p.dim);
     }
     const problem_type block{p.q, p.k, p.n_q, n_k_total_, p.dim, p.labels, p.obj};
     const contrastive::detail::checked_size bytes =
