@@ -29,6 +29,8 @@ assert os.path.realpath(ct.__file__).startswith(venv), f"imported {ct.__file__},
 ext = ct.extension()
 assert ext.__name__ == "contrastive_torch._C", f"extension {ext.__name__}: not the one pip built"
 assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "include", "contrastive", "contrastive.hpp"))
+for src in ("binding.cpp", "binding_cuda.cu", "problem_of.hpp"):  # the on-first-use build's sources
+    assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "csrc", src)), f"csrc/{src} not installed"
 print(f"installed: {ct.__file__}; extension {ext.__file__}")
 PY
 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$src/tests"

@@ -6,6 +6,8 @@
 
 #include <torch/extension.h>
 
+#include "problem_of.hpp"
+
 #include <contrastive/contrastive.hpp>
 
 #include <cstdint>
@@ -56,14 +58,7 @@ public:
     q_ = q;
     k_ = k;
     labels_ = labels;
-    cl::problem<T> p;
-    p.q = reinterpret_cast<const T*>(q.data_ptr());
-    p.k = reinterpret_cast<const T*>(k.data_ptr());
-    p.n_q = static_cast<std::size_t>(q.size(0));
-    p.n_k = static_cast<std::size_t>(k.size(0));
-    p.dim = static_cast<std::size_t>(q.size(1));
-    p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
-    p.obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
+    const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
     float value = 0.0f;
     const cl::status st = loss_.forward(p, value);
     if (!st.ok())

@@ -6,6 +6,8 @@
 // the first non-finite site come back as 0-dim CUDA tensors viewing the step record in device memory.
 #include <torch/extension.h>
 
+#include "problem_of.hpp"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -67,14 +69,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   check(cudaMemcpyAsync(state.data_ptr(), &st, sizeof st, cudaMemcpyHostToDevice, stream), "state upload");
   auto* d_state = static_cast<state_type*>(state.data_ptr());
 
-  cl::problem<T> p;
-  p.q = reinterpret_cast<const T*>(q.data_ptr());
-  p.k = reinterpret_cast<const T*>(k.data_ptr());
-  p.n_q = static_cast<std::size_t>(q.size(0));
-  p.n_k = static_cast<std::size_t>(k.size(0));
-  p.dim = static_cast<std::size_t>(q.size(1));
-  p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
-  p.obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
+  const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
   torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
   T* dq_p = reinterpret_cast<T*>(dq.data_ptr());
   T* dk_p = reinterpret_cast<T*>(dk.data_ptr());

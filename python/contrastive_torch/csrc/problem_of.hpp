@@ -1,0 +1,30 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+//
+// The library's problem viewing PyTorch tensors, shared by the host and the CUDA binding. The Python side has checked
+// shapes, dtypes, devices and contiguity; labels are int32 (or undefined: the diagonal).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <contrastive/problem.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace contrastive_torch
+{
+template <class T>
+contrastive::problem<T>
+problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels, bool symmetric)
+{
+  contrastive::problem<T> p;
+  p.q = reinterpret_cast<const T*>(q.data_ptr());
+  p.k = reinterpret_cast<const T*>(k.data_ptr());
+  p.n_q = static_cast<std::size_t>(q.size(0));
+  p.n_k = static_cast<std::size_t>(k.size(0));
+  p.dim = static_cast<std::size_t>(q.size(1));
+  p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
+  p.obj = symmetric ? contrastive::objective::symmetric : contrastive::objective::info_nce;
+  return p;
+}
+} // namespace contrastive_torch
