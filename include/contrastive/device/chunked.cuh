@@ -818,29 +818,25 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, w.cub_bytes));
     const bool sym = p.obj == objective::symmetric;
     detail::carver c;
-    auto take = [&](std::size_t bytes)
-    {
-      return c.take(bytes);
-    };
-    w.row_lse = take(p.n_q * sizeof(float));
-    w.row_loss = take(p.n_q * sizeof(float));
-    w.row_max = take(p.n_q * sizeof(float));
-    w.pos = take(p.n_q * sizeof(float));
-    w.row_dot = take(p.n_q * sizeof(float));
-    w.col_max = take(sym ? p.n_k * sizeof(float) : 0);
-    w.col_sum = take(sym ? p.n_k * sizeof(float) : 0);
-    w.col_lse = take(sym ? p.n_k * sizeof(float) : 0);
-    w.col_loss = take(sym ? p.n_k * sizeof(float) : 0);
-    w.logits = take(w.tiles ? 0 : w.chunk_rows * w.ld * sizeof(float));
-    w.grad = take(sixteen_bit ? w.chunk_rows * w.ld * sizeof(Element) : 0);
-    w.dq = take(w.chunk_rows * p.dim * sizeof(float));
-    w.dk = take(p.n_k * p.dim * sizeof(float));
-    w.sums = take(sizeof(kernels::step_sums));
-    w.flags = take(3 * sizeof(int));
-    w.scalars = take(sizeof(kernels::step_scalars));
-    w.cub = take(w.cub_bytes);
-    w.row_part = take(w.chunk_rows * col_tiles * sizeof(float2));
-    w.col_part = take(sym ? row_tiles * p.n_k * sizeof(float2) : 0);
+    w.row_lse = c.take(p.n_q * sizeof(float));
+    w.row_loss = c.take(p.n_q * sizeof(float));
+    w.row_max = c.take(p.n_q * sizeof(float));
+    w.pos = c.take(p.n_q * sizeof(float));
+    w.row_dot = c.take(p.n_q * sizeof(float));
+    w.col_max = c.take(sym ? p.n_k * sizeof(float) : 0);
+    w.col_sum = c.take(sym ? p.n_k * sizeof(float) : 0);
+    w.col_lse = c.take(sym ? p.n_k * sizeof(float) : 0);
+    w.col_loss = c.take(sym ? p.n_k * sizeof(float) : 0);
+    w.logits = c.take(w.tiles ? 0 : w.chunk_rows * w.ld * sizeof(float));
+    w.grad = c.take(sixteen_bit ? w.chunk_rows * w.ld * sizeof(Element) : 0);
+    w.dq = c.take(w.chunk_rows * p.dim * sizeof(float));
+    w.dk = c.take(p.n_k * p.dim * sizeof(float));
+    w.sums = c.take(sizeof(kernels::step_sums));
+    w.flags = c.take(3 * sizeof(int));
+    w.scalars = c.take(sizeof(kernels::step_scalars));
+    w.cub = c.take(w.cub_bytes);
+    w.row_part = c.take(w.chunk_rows * col_tiles * sizeof(float2));
+    w.col_part = c.take(sym ? row_tiles * p.n_k * sizeof(float2) : 0);
     w.total = c.offset;
     return cudaSuccess;
   }

@@ -97,7 +97,7 @@ inline cudaError_t reduction_bytes(int n, std::size_t& bytes)
   return cudaSuccess;
 }
 
-/// Carves a workspace into 256-byte aligned sub-buffers: take(bytes) returns the next one's offset.
+/// Carves a workspace into 256-byte aligned sub-buffers: c.take(bytes) returns the next one's offset.
 struct carver
 {
   std::size_t offset = 0;
@@ -191,24 +191,20 @@ struct loss_dispatch
     const int n_max = static_cast<int>(std::min<std::size_t>(std::max(std::max(p.n_q, p.n_k), w.n_partials), 1u << 30));
     CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, w.cub_bytes));
     detail::carver c;
-    auto take = [&](std::size_t bytes)
-    {
-      return c.take(bytes);
-    };
-    w.row_lse = take(p.n_q * sizeof(float));
-    w.row_loss = take(p.n_q * sizeof(float));
-    w.row_max = take(p.n_q * sizeof(float));
-    w.col_lse = take(p.n_k * sizeof(float));
-    w.col_loss = take(p.n_k * sizeof(float));
-    w.col_max = take(p.n_k * sizeof(float));
-    w.acc_q = take(w.nq_pad * w.ld_acc * sizeof(float));
-    w.acc_k = take(w.nk_pad * w.ld_acc * sizeof(float));
-    w.partials = take(w.n_partials * sizeof(float));
-    w.sums = take(sizeof(kernels::step_sums));
-    w.flags = take(3 * sizeof(int)); // logits, dQ, dK non-finite
-    w.scalars = take(sizeof(kernels::step_scalars));
-    w.cub = take(w.cub_bytes);
-    w.matrix = take(Materialized ? p.n_q * p.n_k * sizeof(Element) : 0);
+    w.row_lse = c.take(p.n_q * sizeof(float));
+    w.row_loss = c.take(p.n_q * sizeof(float));
+    w.row_max = c.take(p.n_q * sizeof(float));
+    w.col_lse = c.take(p.n_k * sizeof(float));
+    w.col_loss = c.take(p.n_k * sizeof(float));
+    w.col_max = c.take(p.n_k * sizeof(float));
+    w.acc_q = c.take(w.nq_pad * w.ld_acc * sizeof(float));
+    w.acc_k = c.take(w.nk_pad * w.ld_acc * sizeof(float));
+    w.partials = c.take(w.n_partials * sizeof(float));
+    w.sums = c.take(sizeof(kernels::step_sums));
+    w.flags = c.take(3 * sizeof(int)); // logits, dQ, dK non-finite
+    w.scalars = c.take(sizeof(kernels::step_scalars));
+    w.cub = c.take(w.cub_bytes);
+    w.matrix = c.take(Materialized ? p.n_q * p.n_k * sizeof(Element) : 0);
     w.total = c.offset;
     return cudaSuccess;
   }

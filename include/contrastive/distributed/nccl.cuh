@@ -595,16 +595,12 @@ private:
     }
     const std::size_t n = g.n_k_total;
     contrastive::device::detail::carver c{w_.total};
-    auto take = [&](std::size_t bytes)
-    {
-      return c.take(bytes);
-    };
-    x_.k_all = take(n * p.dim * sizeof(Element));
-    x_.labels = take(p.n_q * sizeof(std::int32_t));
-    x_.col_max = take(n * sizeof(float));
-    x_.col_pack = take(2 * n * sizeof(float));
-    x_.dk_local = take(p.n_k * p.dim * sizeof(float));
-    x_.red = take(8 * sizeof(float));
+    x_.k_all = c.take(n * p.dim * sizeof(Element));
+    x_.labels = c.take(p.n_q * sizeof(std::int32_t));
+    x_.col_max = c.take(n * sizeof(float));
+    x_.col_pack = c.take(2 * n * sizeof(float));
+    x_.dk_local = c.take(p.n_k * p.dim * sizeof(float));
+    x_.red = c.take(8 * sizeof(float));
     x_.total = c.offset;
     if (x_.total > ws_bytes_)
     {
