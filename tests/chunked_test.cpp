@@ -34,7 +34,7 @@ struct case_t
 };
 
 const case_t cases[] = {
-    {300, 300, 40, cl::objective::symmetric, false}, // 5 chunks of 64 rows, the last partial
+    {300, 300, 40, cl::objective::symmetric, false}, // several chunks of one row block each, the last partial
     {200, 450, 33, cl::objective::info_nce, true},   // a queue of keys, random labels
     {129, 129, 17, cl::objective::info_nce, false},
 };
@@ -56,7 +56,9 @@ void check_against_reference(std::size_t chunk_rows, unsigned threads)
     cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::chunked> l(
         cl::temperature::fixed(0.05f), cl::scaler::static_scale(256.0f), threads);
     ASSERT_TRUE(l.set_chunk({chunk_rows, 0}).ok());
-    EXPECT_EQ(l.chunk_rows_for(p), std::min<std::size_t>(chunk_rows, (c.n_q + 63) / 64 * 64));
+    // Rows are rounded up to the host's row block (the ISA's: host::block_m), at most all rows padded.
+    const std::size_t bm = cl::host::block_m;
+    EXPECT_EQ(l.chunk_rows_for(p), std::min((chunk_rows + bm - 1) / bm * bm, (c.n_q + bm - 1) / bm * bm));
     const ct::reference ref = ct::compute_reference(
         ct::to_double(q), ct::to_double(k), c.n_q, c.n_k, c.dim, p.labels, c.obj, 1.0 / double(0.05f));
     std::vector<T> dq(c.n_q * c.dim), dk(c.n_k * c.dim);
@@ -75,7 +77,8 @@ void check_against_reference(std::size_t chunk_rows, unsigned threads)
 
 TEST(Chunked, ManyChunksMatchFloat64)
 {
-  for (std::size_t rows : {64u, 128u, 4096u})
+  // One row block per chunk, a request that rounds up to two, and one chunk of every row.
+  for (std::size_t rows : {cl::host::block_m, cl::host::block_m + 1, std::size_t(4096)})
   {
     for (unsigned threads : {1u, 3u})
     {
@@ -191,23 +194,29 @@ TEST(Chunked, OptionsAndMemory)
   cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
   cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::chunked> l(
       cl::temperature::fixed(0.07f), {}, 2);
+  // The row block and key tile are the ISA's (host/gemm.hpp), so the expectations are derived from them.
+  const std::size_t bm = cl::host::block_m, bn = cl::host::block_n;
+  const std::size_t all_rows = (n + bm - 1) / bm * bm;
   ASSERT_TRUE(l.set_chunk({1, 0}).ok());
-  EXPECT_EQ(l.chunk_rows_for(p), 64u); // at least one row block
-  ASSERT_TRUE(l.set_chunk({65, 0}).ok());
-  EXPECT_EQ(l.chunk_rows_for(p), 128u); // rounded up to the row block
+  EXPECT_EQ(l.chunk_rows_for(p), bm); // at least one row block
+  ASSERT_TRUE(l.set_chunk({bm + 1, 0}).ok());
+  EXPECT_EQ(l.chunk_rows_for(p), 2 * bm); // rounded up to the row block
   ASSERT_TRUE(l.set_chunk({1u << 30, 0}).ok());
-  EXPECT_EQ(l.chunk_rows_for(p), 1024u);              // every row, padded
-  const std::size_t row_bytes = 1024 * sizeof(float); // n_k padded to the key tile
+  EXPECT_EQ(l.chunk_rows_for(p), all_rows);                             // every row, padded
+  const std::size_t row_bytes = (n + bn - 1) / bn * bn * sizeof(float); // n_k padded to the key tile
   ASSERT_TRUE(l.set_chunk({0, 300 * row_bytes}).ok());
-  EXPECT_EQ(l.chunk_rows_for(p), 256u); // what fits in the budget, whole row blocks
+  const std::size_t budget_rows = 300 / bm * bm;
+  ASSERT_GE(budget_rows, bm);
+  ASSERT_LT(budget_rows, all_rows);
+  EXPECT_EQ(l.chunk_rows_for(p), budget_rows); // what fits in the budget, whole row blocks
   std::vector<float> dq(n * dim), dk(n * dim);
   cl::step_record r;
   ASSERT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
   const std::size_t small = l.bytes_held();
   EXPECT_EQ(small, formula_bytes(p, 2, {0, 300 * row_bytes}));
-  ASSERT_TRUE(l.set_chunk({1024, 0}).ok());
+  ASSERT_TRUE(l.set_chunk({all_rows, 0}).ok());
   ASSERT_TRUE(l.step(p, dq.data(), dk.data(), r).ok());
-  EXPECT_EQ(l.bytes_held(), small + (1024 - 256) * row_bytes);
+  EXPECT_EQ(l.bytes_held(), small + (all_rows - budget_rows) * row_bytes);
 
   cl::loss<float> fused;
   const cl::status s = fused.set_chunk({128, 0});

@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 
 using contrastive::element_traits;
 
@@ -220,4 +222,35 @@ TEST(OnlineLse, AbsorbMatchesPush)
   nan.absorb(NAN);
   nan.absorb(3.0f);
   EXPECT_TRUE(std::isnan(contrastive::finish_row(nan, 1.0f).loss));
+}
+
+// The host micro-kernel is the one the build asked for (CMake's CONTRASTIVE_HOST_ISA), so an ISA matrix in CI really
+// runs each kernel; and the block shapes the tests derive their expectations from are consistent with it.
+TEST(HostIsa, KernelIsTheConfiguredOne)
+{
+  namespace h = contrastive::host;
+  const std::string isa = CONTRASTIVE_TEST_HOST_ISA;
+  std::printf("host kernel: %s, MR x NR = %d x %d, block_m %zu, block_n %zu (CONTRASTIVE_HOST_ISA=%s)\n",
+              h::kernel_isa,
+              h::kernel_mr,
+              h::kernel_nr,
+              h::block_m,
+              h::block_n,
+              isa.c_str());
+  if (isa == "avx512")
+  {
+    EXPECT_STREQ(h::kernel_isa, "avx512");
+  }
+  else if (isa == "avx2")
+  {
+    EXPECT_STREQ(h::kernel_isa, "avx2+fma");
+  }
+  else if (isa == "portable")
+  {
+    EXPECT_STREQ(h::kernel_isa, "generic");
+  }
+  EXPECT_EQ(h::block_m % h::kernel_mr, 0u);
+  EXPECT_EQ(h::block_n % h::kernel_nr, 0u);
+  EXPECT_EQ(h::block_n % h::kernel_mr, 0u);
+  EXPECT_EQ(h::kernel_nr % h::vector_floats, 0);
 }
