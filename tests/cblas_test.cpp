@@ -82,3 +82,16 @@ TEST(CblasBackend, FloatOperandsAreNotCopied)
   ASSERT_TRUE(l.step({q.data(), k.data(), n, n, d}, dq.data(), dk.data(), rec).ok());
   EXPECT_LT(l.bytes_held(), n * d * sizeof(float)) << "no whole copy of an operand";
 }
+
+TEST(CblasBackend, BackwardRefusesOverlappingOutputs)
+{
+  namespace tp = cl::temperature;
+  namespace sc = cl::scaler;
+  // float operands are used in place by this backend (no copy), so an output over an input matters most here.
+  ct::check_backward_refuses_aliases<
+      cl::loss<float, tp::fixed, sc::static_scale, cl::algorithm::fused, cl::gemm::cblas>>();
+  ct::check_backward_refuses_aliases<
+      cl::loss<float, tp::fixed, sc::static_scale, cl::algorithm::chunked, cl::gemm::cblas>>();
+  ct::check_backward_refuses_aliases<
+      cl::loss<__half, tp::fixed, sc::static_scale, cl::algorithm::materialized, cl::gemm::cblas>>();
+}

@@ -420,3 +420,17 @@ TEST(LossAccuracy, FusedPositiveGradientIsExactWhenThePositiveDominates)
     }
   }
 }
+
+// backward checks its outputs against each other and against the forward's inputs, as forward_backward does: every
+// element type and algorithm (the CBLAS backend: cblas_test).
+TEST(LossAliasing, BackwardRefusesOverlappingOutputs)
+{
+  namespace tp = cl::temperature;
+  namespace sc = cl::scaler;
+  ct::check_backward_refuses_aliases<cl::loss<float, tp::fixed, sc::static_scale, cl::algorithm::fused>>();
+  ct::check_backward_refuses_aliases<cl::loss<float, tp::fixed, sc::static_scale, cl::algorithm::materialized>>();
+  ct::check_backward_refuses_aliases<cl::loss<float, tp::fixed, sc::static_scale, cl::algorithm::chunked>>();
+  ct::check_backward_refuses_aliases<cl::loss<__half, tp::fixed, sc::static_scale, cl::algorithm::fused>>();
+  ct::check_backward_refuses_aliases<cl::loss<__half, tp::fixed, sc::static_scale, cl::algorithm::materialized>>();
+  ct::check_backward_refuses_aliases<cl::loss<__nv_bfloat16, tp::fixed, sc::static_scale, cl::algorithm::chunked>>();
+}

@@ -7,9 +7,12 @@
 
 #include <contrastive/contrastive.hpp>
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -252,4 +255,58 @@ struct tolerance
     return materialized ? 8.0 * u_t * (1.0 + max_logit) + 1e-5 : 4.0 * u_t + 1e-5;
   }
 };
+/// `backward` refuses outputs that overlap each other or the inputs, as `forward_backward` does, for loss type L
+/// (any element type, algorithm and GEMM backend): each aliased call is invalid_argument naming the output, writes
+/// nothing, and leaves the forward ready, so the correct call that follows equals a run that was never refused.
+template <class L>
+void check_backward_refuses_aliases()
+{
+  using T = typename L::element_type;
+  const std::size_t n = 37, d = 19;
+  std::vector<T> q = random_rows<T>(n, d, 4401), k = random_rows<T>(n, d, 4402);
+  const contrastive::problem<T> p{q.data(), k.data(), n, n, d};
+  const T sentinel = element_traits<T>::from_float(7.0f);
+  std::vector<T> buf(3 * n * d, sentinel);
+  std::vector<T> q_copy = q, k_copy = k;
+  L l(typename L::temperature_type(0.1f), typename L::scaler_type(), 2);
+  float value = 0.0f, g = 0.0f;
+  ASSERT_TRUE(l.forward(p, value).ok());
+  struct alias_case
+  {
+    T *dq, *dk;
+    const char* argument;
+  };
+  const alias_case cases[] = {
+      {buf.data(), buf.data(), "dk"},
+      {buf.data(), buf.data() + 1, "dk"},         // dk starts inside dq
+      {buf.data() + n * d - 1, buf.data(), "dk"}, // dq ends inside dk
+      {q.data(), buf.data(), "dq"},               // dq over q
+      {k.data() + 3, buf.data(), "dq"},           // dq inside k
+      {buf.data(), q.data() + n * d - 1, "dk"},   // dk over q's last element
+      {buf.data(), k.data(), "dk"},               // dk over k
+  };
+  for (const alias_case& c : cases)
+  {
+    const contrastive::status st = l.backward(c.dq, c.dk, g);
+    EXPECT_EQ(st.code(), contrastive::errc::invalid_argument) << st.message();
+    EXPECT_EQ(st.argument(), c.argument) << st.message();
+  }
+  for (const T& x : buf)
+  {
+    ASSERT_EQ(element_traits<T>::to_float(x), 7.0f) << "a refused backward wrote an output";
+  }
+  EXPECT_EQ(std::memcmp(q.data(), q_copy.data(), q.size() * sizeof(T)), 0) << "a refused backward wrote q";
+  EXPECT_EQ(std::memcmp(k.data(), k_copy.data(), k.size() * sizeof(T)), 0) << "a refused backward wrote k";
+  // Adjacent buffers are separate: accepted, and equal to a loss that never saw a refusal.
+  float g_ok = 0.0f;
+  ASSERT_TRUE(l.backward(buf.data(), buf.data() + n * d, g_ok).ok());
+  L fresh(typename L::temperature_type(0.1f), typename L::scaler_type(), 2);
+  std::vector<T> dq(n * d), dk(n * d);
+  float v2 = 0.0f, g2 = 0.0f;
+  ASSERT_TRUE(fresh.forward(p, v2).ok());
+  ASSERT_TRUE(fresh.backward(dq.data(), dk.data(), g2).ok());
+  EXPECT_EQ(g_ok, g2);
+  EXPECT_EQ(std::memcmp(buf.data(), dq.data(), n * d * sizeof(T)), 0);
+  EXPECT_EQ(std::memcmp(buf.data() + n * d, dk.data(), n * d * sizeof(T)), 0);
+}
 } // namespace contrastive_test

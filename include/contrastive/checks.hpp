@@ -22,6 +22,35 @@ inline constexpr bool is_algorithm_v =
     std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized> ||
     std::is_same_v<A, algorithm::chunked>;
 
+/// Checks that the gradient outputs dq (n_q x dim) and dk (n_k x dim) do not overlap each other or the inputs q and
+/// k: dq == dk would silently lose dQ, and an output over an input would be read after it is written. The sizes must
+/// already be known to fit (check_problem checks them first). `forward_backward` runs it through check_problem,
+/// `backward` on its own against the problem of the forward it finishes.
+template <class T>
+status check_outputs(const problem<T>& p, const void* dq, const void* dk)
+{
+  const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
+  {
+    const auto x = reinterpret_cast<std::uintptr_t>(a);
+    const auto y = reinterpret_cast<std::uintptr_t>(b);
+    return x < y + b_bytes && y < x + a_bytes;
+  };
+  const std::size_t qb = p.n_q * p.dim * sizeof(T), kb = p.n_k * p.dim * sizeof(T);
+  if (overlaps(dq, qb, dk, kb))
+  {
+    return {errc::invalid_argument, "dk", "dk overlaps dq; the two gradient outputs must be separate buffers"};
+  }
+  if (overlaps(dq, qb, p.q, qb) || overlaps(dq, qb, p.k, kb))
+  {
+    return {errc::invalid_argument, "dq", "dq overlaps an input (q or k); outputs must not alias inputs"};
+  }
+  if (overlaps(dk, kb, p.q, qb) || overlaps(dk, kb, p.k, kb))
+  {
+    return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
+  }
+  return {};
+}
+
 /// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
 /// checks). `need_grads` also requires dq/dk. `check_labels = false` skips reading the labels (device pointers).
 template <class T>
@@ -107,27 +136,7 @@ status check_problem(const problem<T>& p,
   }
   if (need_grads)
   {
-    // Outputs must not overlap each other or the inputs (dq == dk would silently lose dQ; an output over an input
-    // would be read after it is written).
-    const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
-    {
-      const auto x = reinterpret_cast<std::uintptr_t>(a);
-      const auto y = reinterpret_cast<std::uintptr_t>(b);
-      return x < y + b_bytes && y < x + a_bytes;
-    };
-    const std::size_t qb = q_bytes.value, kb = k_bytes.value;
-    if (overlaps(dq, qb, dk, kb))
-    {
-      return {errc::invalid_argument, "dk", "dk overlaps dq; the two gradient outputs must be separate buffers"};
-    }
-    if (overlaps(dq, qb, p.q, qb) || overlaps(dq, qb, p.k, kb))
-    {
-      return {errc::invalid_argument, "dq", "dq overlaps an input (q or k); outputs must not alias inputs"};
-    }
-    if (overlaps(dk, kb, p.q, qb) || overlaps(dk, kb, p.k, kb))
-    {
-      return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(check_outputs(p, dq, dk));
   }
   if (p.labels != nullptr && check_labels)
   {

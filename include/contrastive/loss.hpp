@@ -173,6 +173,7 @@ public:
           r = engine_.template forward<Algorithm>(temperature_.scale());
         }));
     forward_ready_ = true;
+    forward_problem_ = p;
     last_forward_ = r;
     loss_value = r.loss;
     if (row_lse != nullptr)
@@ -224,10 +225,7 @@ public:
     {
       return {errc::null_pointer, "dk", "null gradient output for k"};
     }
-    if (dq == dk)
-    {
-      return {errc::invalid_argument, "dk", "dk is dq; the two gradient outputs must be separate buffers"};
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(check_outputs(forward_problem_, dq, dk));
     host::backward_result br;
     CONTRASTIVE_RETURN_IF_ERROR(guarded(
         [&]
@@ -381,6 +379,7 @@ private:
   host::engine<Element, Gemm> engine_;
   std::int64_t step_ = 0;
   bool forward_ready_ = false;
+  problem_type forward_problem_{}; // the problem of the forward a backward finishes (its outputs' shapes and inputs)
   host::forward_result last_forward_{};
   host::backward_result last_backward_{};
 };
