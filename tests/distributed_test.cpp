@@ -2,7 +2,10 @@
 // distributed::loss against the one-process loss on the concatenated batch. Built twice: with comm::local (always;
 // one rank, no MPI) and, when MPI is found, with comm::mpi and run by ctest under mpiexec with 2 and 4 ranks
 // (-DCONTRASTIVE_TEST_MPI). Every rank builds the same global batch from the same seed and checks its own slice.
+// The multi-rank bodies are templates over the communicator: the local build also runs them over 2-4 thread ranks
+// (tests/thread_comm.hpp), so out-of-step ranks and one rank's bad input are tested without MPI.
 #include "test_util.hpp"
+#include "thread_comm.hpp"
 
 #include <contrastive/contrastive.hpp>
 #include <contrastive/distributed/loss.hpp>
@@ -80,10 +83,10 @@ cl::scaler::dynamic scaler_at(float scale)
   return d;
 }
 
-template <class T, class Algorithm>
-void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed)
+template <class T, class Algorithm, class Comm = comm_t>
+void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed, Comm comm = Comm{})
 {
-  const int rank = world_rank(), ranks = world_size();
+  const int rank = comm.rank(), ranks = comm.size();
   const std::size_t n_q = 4 * static_cast<std::size_t>(ranks) + 3;
   const std::size_t n_k = obj == cl::objective::symmetric ? n_q : n_q + 5 * static_cast<std::size_t>(ranks) + 1;
   const std::size_t dim = 24;
@@ -100,8 +103,8 @@ void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed)
   const auto temp = cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f));
 
   cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm> one(temp, scaler_at(scale), 1);
-  cl::distributed::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm, comm_t> dist(
-      comm_t{}, temp, scaler_at(scale), 1);
+  cl::distributed::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm, Comm> dist(
+      comm, temp, scaler_at(scale), 1);
   for (int step = 0; step < 2; ++step)
   {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -256,18 +259,21 @@ TEST(Distributed, NonFiniteOnOneRankSkipsTheStepOnAll)
   EXPECT_EQ(dist.steps(), 1);
 }
 
-// Bad input on one rank is reported on every rank, naming the rank, and changes nothing anywhere (no deadlock: the
-// ctest timeout bounds this test).
-TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
+namespace
 {
-  const int rank = world_rank(), ranks = world_size();
+// Bad input on one rank is reported on every rank, naming the rank once and the argument once, and changes nothing
+// anywhere (no deadlock: the ctest timeout, and over thread ranks the thread_world's watchdog, bound this test).
+template <class Comm>
+void bad_input_on_one_rank(Comm comm)
+{
+  const int rank = comm.rank(), ranks = comm.size();
   const int culprit = ranks - 1;
   const std::size_t n = 6 * static_cast<std::size_t>(ranks), dim = 12;
   const auto q = ct::random_rows<float>(n, dim, 51), k = ct::random_rows<float>(n, dim, 52);
   const split s = share(n, rank, ranks);
   auto qm = rows_of(q, s, dim), km = rows_of(k, s, dim);
-  cl::distributed::loss<float, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused, comm_t> dist(
-      comm_t{}, cl::temperature::learnable(0.07f), scaler_at(64.0f));
+  cl::distributed::loss<float, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::fused, Comm> dist(
+      comm, cl::temperature::learnable(0.07f), scaler_at(64.0f));
   const auto before = dist.save();
   std::vector<float> dq(s.count * dim, 7.0f), dk(s.count * dim, 7.0f);
   auto expect_refused = [&](const cl::problem<float>& p, cl::errc code, const char* argument)
@@ -276,7 +282,10 @@ TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
     const cl::status st = dist.step(p, dq.data(), dk.data(), rec);
     EXPECT_EQ(st.code(), code) << st.message();
     EXPECT_EQ(st.argument(), argument);
-    EXPECT_NE(st.message().find("rank " + std::to_string(culprit) + ":"), std::string::npos) << st.message();
+    // "argument: rank r: what", the argument not repeated after the rank.
+    const std::string head = std::string(argument) + ": rank " + std::to_string(culprit) + ": ";
+    EXPECT_EQ(st.message().rfind(head, 0), 0u) << st.message();
+    EXPECT_EQ(st.message().find(std::string(argument) + ": ", head.size()), std::string::npos) << st.message();
     const auto after = dist.save();
     EXPECT_EQ(std::memcmp(&before, &after, sizeof before), 0);
     for (float v : dq)
@@ -297,6 +306,11 @@ TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
     km[3] = INFINITY;
   }
   expect_refused(good, cl::errc::non_finite_input, "k");
+  {
+    cl::step_record rec;
+    EXPECT_EQ(dist.step(good, dq.data(), dk.data(), rec).message(),
+              "k: rank " + std::to_string(culprit) + ": k[0][3] is not finite");
+  }
   km[3] = kept;
 
   // A different feature width on the culprit (with one rank there is nothing to differ from).
@@ -330,6 +344,331 @@ TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
   // And the loss still works afterwards.
   EXPECT_TRUE(dist.step(good, dq.data(), dk.data(), rec).ok());
 }
+} // namespace
+
+TEST(Distributed, BadInputOnOneRankIsReportedOnAll)
+{
+  bad_input_on_one_rank(comm_t{});
+}
+
+namespace
+{
+template <class Comm>
+using out_of_step_loss =
+    cl::distributed::loss<float, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::fused, Comm>;
+
+/// One rank's rows of a small symmetric batch, with sentinel-filled outputs.
+struct rank_rows
+{
+  std::size_t n, dim, count;
+  std::vector<float> q, k, dq, dk;
+  rank_rows(int rank, int ranks) : n(3 * static_cast<std::size_t>(ranks) + 1), dim(8)
+  {
+    const split s = share(n, rank, ranks);
+    count = s.count;
+    q = rows_of(ct::random_rows<float>(n, dim, 81), s, dim);
+    k = rows_of(ct::random_rows<float>(n, dim, 82), s, dim);
+    reset();
+  }
+  cl::problem<float> problem() const
+  {
+    return {q.data(), k.data(), count, count, dim, nullptr, cl::objective::symmetric};
+  }
+  void reset()
+  {
+    dq.assign(count * dim, 7.0f);
+    dk.assign(count * dim, 7.0f);
+  }
+  bool untouched() const
+  {
+    for (std::size_t i = 0; i < dq.size(); ++i)
+    {
+      if (dq[i] != 7.0f || dk[i] != 7.0f)
+      {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+void expect_out_of_step(const cl::status& st, const std::vector<std::string>& where)
+{
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument) << st.message();
+  EXPECT_EQ(st.argument(), "step");
+  EXPECT_EQ(st.message().rfind("step: ranks out of step: ", 0), 0u) << st.message();
+  for (const std::string& w : where)
+  {
+    EXPECT_NE(st.message().find(w), std::string::npos) << "no \"" << w << "\" in: " << st.message();
+  }
+}
+
+/// Rank 1 skips the whole step of iteration 2 (the others do not): with the caller's iteration, every rank is
+/// refused at its first wrong call (rank 1 at iteration 3, the others at 2), nothing is written, no rank steps.
+template <class Comm>
+void rank_skipping_a_step(Comm comm)
+{
+  const int rank = comm.rank();
+  rank_rows rows(rank, comm.size());
+  out_of_step_loss<Comm> dist(comm, cl::temperature::learnable(0.07f), {}, 1);
+  int refused_at = -1;
+  cl::status refusal;
+  for (int it = 0; it < 6; ++it)
+  {
+    if (rank == 1 && it == 2)
+    {
+      continue; // the caller's bug
+    }
+    rows.reset();
+    cl::step_record rec;
+    const cl::status st = dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec, it);
+    if (!st.ok())
+    {
+      refused_at = it;
+      refusal = st;
+      EXPECT_TRUE(rows.untouched());
+      EXPECT_TRUE(rec.pending == false);
+      break;
+    }
+    EXPECT_EQ(rec.step, it);
+  }
+  EXPECT_EQ(refused_at, rank == 1 ? 3 : 2);
+  expect_out_of_step(
+      refusal,
+      {"rank 0 at step 2 (iteration 2) in forward_backward", "rank 1 at step 2 (iteration 3) in forward_backward"});
+  EXPECT_EQ(dist.steps(), 2);
+}
+
+/// Rank 1 runs forward_backward but skips finish_step; the others call step(). The loss's own step count and call
+/// kind catch it without an iteration: the others' finish_step meets rank 1's next forward_backward and both are
+/// refused on every rank. Refused calls change nothing, so every rank then finishes the pending step and they go
+/// on together, in lockstep with one process.
+template <class Comm>
+void rank_skipping_finish_step(Comm comm)
+{
+  const int rank = comm.rank(), ranks = comm.size();
+  rank_rows rows(rank, ranks);
+  const auto temp = cl::temperature::learnable(0.07f, cl::optimizer::adam(1e-2f));
+  out_of_step_loss<Comm> dist(comm, temp, {}, 1);
+  cl::loss<float, cl::temperature::learnable> one(temp, {}, 1);
+  const auto q = ct::random_rows<float>(rows.n, rows.dim, 81), k = ct::random_rows<float>(rows.n, rows.dim, 82);
+  std::vector<float> dq1(q.size()), dk1(k.size());
+  cl::step_record rec, r1;
+  ASSERT_TRUE(dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+  ASSERT_TRUE(one.step({q.data(), k.data(), rows.n, rows.n, rows.dim}, dq1.data(), dk1.data(), r1).ok());
+  const std::vector<std::string> where = {"rank 0 at step 1 in finish_step", "rank 1 at step 1 in forward_backward"};
+  if (rank != 1)
+  {
+    const cl::status st = dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec);
+    expect_out_of_step(st, where);
+    EXPECT_TRUE(rec.pending); // its forward_backward went through; the refused finish_step left the record alone
+  }
+  else
+  {
+    ASSERT_TRUE(dist.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+    rank_rows again(rank, ranks);
+    cl::step_record rec2;
+    const cl::status st = dist.forward_backward(again.problem(), again.dq.data(), again.dk.data(), rec2);
+    expect_out_of_step(st, where);
+    EXPECT_TRUE(again.untouched());
+  }
+  EXPECT_EQ(dist.steps(), 1);
+  ASSERT_TRUE(dist.finish_step(rec).ok());
+  ASSERT_TRUE(one.step({q.data(), k.data(), rows.n, rows.n, rows.dim}, dq1.data(), dk1.data(), r1).ok());
+  EXPECT_EQ(dist.steps(), 2);
+  EXPECT_EQ(dist.tau(), one.tau());
+  ASSERT_TRUE(dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+  EXPECT_EQ(rec.step, 2);
+}
+
+/// A rank restored from another checkpoint (its step count differs) is refused on every rank at the next call.
+template <class Comm>
+void rank_restored_elsewhere(Comm comm)
+{
+  const int rank = comm.rank();
+  rank_rows rows(rank, comm.size());
+  out_of_step_loss<Comm> dist(comm, cl::temperature::learnable(0.07f), {}, 1);
+  if (rank == 1)
+  {
+    auto c = dist.save();
+    c.step = 5;
+    ASSERT_TRUE(dist.restore(c).ok());
+  }
+  cl::step_record rec;
+  expect_out_of_step(dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec),
+                     {"rank 0 at step 0 in forward_backward", "rank 1 at step 5 in forward_backward"});
+  EXPECT_TRUE(rows.untouched());
+}
+
+/// step() is forward_backward then finish_step: ranks may mix the two forms in one step.
+template <class Comm>
+void mixed_step_forms(Comm comm)
+{
+  const int rank = comm.rank();
+  rank_rows rows(rank, comm.size());
+  out_of_step_loss<Comm> dist(comm, cl::temperature::learnable(0.07f), {}, 1);
+  cl::step_record rec;
+  for (int it = 0; it < 2; ++it)
+  {
+    if (rank % 2 == 0)
+    {
+      ASSERT_TRUE(dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec, it).ok());
+    }
+    else
+    {
+      ASSERT_TRUE(dist.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec, it).ok());
+      std::vector<float> own(3, 1.0f);
+      ASSERT_TRUE(dist.unscale_and_check(own.data(), own.size(), rec).ok());
+      ASSERT_TRUE(dist.finish_step(rec).ok());
+    }
+  }
+  EXPECT_EQ(dist.steps(), 2);
+  // A negative iteration other than no_iteration is refused on every rank, naming the first rank.
+  rows.reset();
+  const cl::status st = dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec, -2);
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument) << st.message();
+  EXPECT_EQ(st.argument(), "iteration");
+  EXPECT_EQ(st.message().rfind("iteration: rank 0: iteration = -2", 0), 0u) << st.message();
+  EXPECT_TRUE(rows.untouched());
+}
+} // namespace
+
+#if defined(CONTRASTIVE_TEST_MPI)
+// The same cases over MPI ranks (ranks 2 and 4): every rank ends each case in the same call, so the next case (and
+// MPI_Finalize) find them in step.
+TEST(Distributed, OutOfStepRanksAreRefusedOnEveryRank)
+{
+  ASSERT_GE(world_size(), 2);
+  rank_skipping_a_step(comm_t{});
+  rank_skipping_finish_step(comm_t{});
+  rank_restored_elsewhere(comm_t{});
+  mixed_step_forms(comm_t{});
+}
+#else
+// Over 2-4 thread ranks in one process (tests/thread_comm.hpp): a rank that hangs or leaves early makes the others'
+// collectives fail (the thread_world's watchdog) instead of hanging the test.
+TEST(ThreadRanks, OutOfStepRanksAreRefusedOnEveryRank)
+{
+  for (int ranks = 2; ranks <= 4; ++ranks)
+  {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    rank_skipping_a_step(c);
+                  });
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    rank_skipping_finish_step(c);
+                  });
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    rank_restored_elsewhere(c);
+                  });
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    mixed_step_forms(c);
+                  });
+  }
+}
+
+// Without the caller's iteration a rank that skips a whole step is not seen (its next call pairs with the others'
+// current one; docs/distributed.md): the others' extra last step then waits for a rank that has gone. Over MPI that
+// wait is forever; the thread_world reports it, which is what makes the cases above fail instead of hang.
+TEST(ThreadRanks, WithoutAnIterationASkippedWholeStepIsNotSeen)
+{
+  ct::run_ranks(2,
+                [](ct::thread_comm c)
+                {
+                  rank_rows rows(c.rank(), c.size());
+                  out_of_step_loss<ct::thread_comm> dist(c, cl::temperature::learnable(0.07f), {}, 1);
+                  cl::step_record rec;
+                  for (int it = 0; it < 3; ++it)
+                  {
+                    if (c.rank() == 1 && it == 1)
+                    {
+                      continue;
+                    }
+                    const cl::status st = dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec);
+                    if (c.rank() == 0 && it == 2)
+                    {
+                      EXPECT_EQ(st.code(), cl::errc::communication_error) << st.message();
+                      EXPECT_NE(st.message().find("rank 1 has returned"), std::string::npos) << st.message();
+                    }
+                    else
+                    {
+                      EXPECT_TRUE(st.ok()) << st.message();
+                    }
+                  }
+                });
+}
+
+TEST(ThreadRanks, BadInputOnOneRankIsReportedOnAll)
+{
+  for (int ranks = 2; ranks <= 4; ++ranks)
+  {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    bad_input_on_one_rank(c);
+                  });
+  }
+}
+
+TEST(ThreadRanks, MatchOneProcessOnTheConcatenatedBatch)
+{
+  std::uint32_t seed = 900;
+  for (int ranks = 2; ranks <= 4; ++ranks)
+  {
+    seed += 50;
+    ct::run_ranks(ranks,
+                  [seed](ct::thread_comm c)
+                  {
+                    matches_one_process<float, cl::algorithm::fused>(cl::objective::symmetric, false, seed, c);
+                    matches_one_process<float, cl::algorithm::materialized>(cl::objective::info_nce, true, seed + 7, c);
+                    matches_one_process<float, cl::algorithm::chunked>(cl::objective::symmetric, false, seed + 14, c);
+                    matches_one_process<__nv_bfloat16, cl::algorithm::chunked>(
+                        cl::objective::info_nce, false, seed + 21, c);
+                  });
+  }
+}
+
+// An allocation that cannot be had: resource_exhausted with the bytes asked for, on every rank, nothing written.
+TEST(Distributed, MemoryThatCannotBeHadIsAStatusWithItsBytes)
+{
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer aborts on a failed operator new; this test runs in the plain build";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  GTEST_SKIP() << "AddressSanitizer aborts on a failed operator new; this test runs in the plain build";
+#endif
+#endif
+  const std::size_t n = std::size_t(1) << 20, dim = 4;
+  const auto q = ct::random_rows<float>(n, dim, 91), k = ct::random_rows<float>(n, dim, 92);
+  std::vector<float> dq(n * dim, 7.0f), dk(n * dim, 7.0f);
+  cl::distributed::loss<float, cl::temperature::learnable, cl::scaler::static_scale, cl::algorithm::materialized> dist(
+      {}, cl::temperature::learnable(0.07f), {}, 1);
+  cl::step_record rec;
+  const cl::status st = dist.step({q.data(), k.data(), n, n, dim}, dq.data(), dk.data(), rec);
+  ASSERT_EQ(st.code(), cl::errc::resource_exhausted) << st.message();
+  EXPECT_EQ(st.argument(), "memory");
+  // n^2 floats of logits alone: 4 TiB.
+  EXPECT_EQ(st.message().rfind("memory: rank 0: the host engine needs ", 0), 0u) << st.message();
+  EXPECT_NE(st.message().find(" bytes on this rank (n_q = 1048576, global n_k = 1048576, dim = 4, materialized)"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(st.message().find("memory", 8), std::string::npos) << st.message();
+  EXPECT_EQ(dist.steps(), 0);
+  for (float v : dq)
+  {
+    ASSERT_EQ(v, 7.0f);
+  }
+}
+#endif
 
 // save/restore round-trips on every rank: a restored loss continues bit for bit.
 TEST(Distributed, SaveRestoreRoundTrips)

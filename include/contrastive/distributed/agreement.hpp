@@ -2,13 +2,21 @@
 #pragma once
 
 /// \file
-/// How the ranks of a distributed loss agree before any feature moves (host and device losses share this):
-/// every rank all-gathers its shape and the outcome of its own checks, every rank derives the same global facts
-/// (totals, offsets, counts, the first inconsistent rank), and one more all-gather of error codes decides whether the
-/// step goes on; if not, the first failing rank broadcasts its status and every rank returns it, naming that rank.
+/// How the ranks of a distributed loss agree before any feature moves (host and device losses share this).
+///
+/// Every entry point that communicates (`forward_backward`, `finish_step`) starts with the same collective: an
+/// all-gather of one fixed-size `call_msg` per rank, carrying which call the rank is in, the loss's step count, the
+/// caller's iteration (if given), the rank's shape and the outcome of its own checks. Ranks that are in different
+/// calls, or at different steps, therefore meet in that first all-gather whatever they called, see it on every rank,
+/// and all refuse (errc::invalid_argument, "step", naming the ranks and their steps) before anything else moves: an
+/// out-of-step rank is reported at the first wrong call instead of the ranks combining different steps' results.
+/// Then every rank derives the same global facts (totals, offsets, counts, the first inconsistent rank), and one
+/// more all-gather of error codes decides whether the step goes on; if not, the first failing rank broadcasts its
+/// status and every rank returns it, naming that rank.
 /// `Comm` needs `rank()`, `size()`, and host-memory `allgather(mine, bytes, all)` and `broadcast(buf, bytes, root)`.
 
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/distributed/communicator.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
@@ -26,11 +34,96 @@ namespace distributed
 {
 namespace detail
 {
-/// Each rank's shape and the outcome of its own checks.
-struct shape_msg
+/// The entry points that communicate; each starts with the all-gather of a `call_msg`.
+enum class call_kind : std::int64_t
 {
-  std::int64_t n_q, n_k, dim, obj, has_labels, code;
+  forward_backward = 1,
+  finish_step = 2,
 };
+
+/// What each rank says at the start of a call (one fixed size for every call, so ranks in different calls still meet
+/// in the same all-gather).
+struct call_msg
+{
+  std::int64_t kind;                           ///< call_kind
+  std::int64_t step;                           ///< the loss's step count (finished steps)
+  std::int64_t iteration;                      ///< the caller's iteration, or no_iteration
+  std::int64_t n_q, n_k, dim, obj, has_labels; ///< forward_backward: this rank's problem
+  std::int64_t pending, site;                  ///< finish_step: the record's state
+  std::int64_t code;                           ///< the outcome of this rank's own checks (errc)
+};
+
+inline const char* call_name(std::int64_t kind) noexcept
+{
+  return kind == static_cast<std::int64_t>(call_kind::forward_backward) ? "forward_backward"
+         : kind == static_cast<std::int64_t>(call_kind::finish_step)    ? "finish_step"
+                                                                        : "an unknown call";
+}
+
+/// A status's message without its "argument: " prefix (status::message() adds it; re-wrapping would repeat it).
+inline std::string text_of(const status& s)
+{
+  std::string m = s.message();
+  const std::string prefix = s.argument() + ": ";
+  if (!s.argument().empty() && m.compare(0, prefix.size(), prefix) == 0)
+  {
+    m.erase(0, prefix.size());
+  }
+  return m;
+}
+
+/// Ranks in different calls or at different steps (or with different iterations): the refusal every rank returns,
+/// built from the gathered messages alone (identical on every rank); success when all agree.
+inline status check_in_step(const std::vector<call_msg>& all)
+{
+  const call_msg& first = all[0];
+  std::vector<std::size_t> odd;
+  bool mixed_iteration = false;
+  for (std::size_t r = 1; r < all.size(); ++r)
+  {
+    mixed_iteration |= (all[r].iteration == no_iteration) != (first.iteration == no_iteration);
+    if (all[r].kind != first.kind || all[r].step != first.step || all[r].iteration != first.iteration)
+    {
+      odd.push_back(r);
+    }
+  }
+  if (odd.empty())
+  {
+    return {};
+  }
+  const auto where = [&](std::size_t r)
+  {
+    const call_msg& m = all[r];
+    std::string w = "rank " + std::to_string(r) + " at step " + std::to_string(m.step);
+    if (m.iteration != no_iteration)
+    {
+      w += " (iteration " + std::to_string(m.iteration) + ")";
+    }
+    else if (mixed_iteration)
+    {
+      w += " (no iteration)";
+    }
+    return w + " in " + call_name(m.kind);
+  };
+  constexpr std::size_t shown_at_most = 8;
+  const std::size_t shown = std::min(odd.size(), shown_at_most);
+  std::string m = "ranks out of step: " + where(0);
+  for (std::size_t i = 0; i < shown; ++i)
+  {
+    m += ", " + where(odd[i]);
+  }
+  if (odd.size() > shown)
+  {
+    m += ", and " + std::to_string(odd.size() - shown) + " more ranks not where rank 0 is";
+  }
+  else if (odd.size() + 1 < all.size())
+  {
+    m += " (the other ranks where rank 0 is)";
+  }
+  m += "; every rank must make the same calls in the same order (a call refused or skipped on one rank must be "
+       "refused or skipped on all), and give the same iteration";
+  return {errc::invalid_argument, "step", m};
+}
 
 /// A failing rank's status, broadcast to every rank.
 struct status_msg
@@ -51,7 +144,7 @@ struct global_shape
 };
 
 /// The global facts and consistency checks (identical on every rank).
-inline global_shape derive_global(const std::vector<shape_msg>& all, int me)
+inline global_shape derive_global(const std::vector<call_msg>& all, int me)
 {
   global_shape g;
   const std::size_t ranks = all.size();
@@ -61,7 +154,7 @@ inline global_shape derive_global(const std::vector<shape_msg>& all, int me)
   g.dk_counts.assign(ranks, 0);
   for (std::size_t r = 0; r < ranks; ++r)
   {
-    const shape_msg& s = all[r];
+    const call_msg& s = all[r];
     if (r == static_cast<std::size_t>(me))
     {
       g.q_off = nq.value;
@@ -157,7 +250,7 @@ status agree(const Comm& comm, const status& local)
     {
       m.code = static_cast<std::int32_t>(local.code());
       std::strncpy(m.argument, local.argument().c_str(), sizeof m.argument - 1);
-      std::strncpy(m.message, local.message().c_str(), sizeof m.message - 1);
+      std::strncpy(m.message, text_of(local).c_str(), sizeof m.message - 1);
     }
     CONTRASTIVE_RETURN_IF_ERROR(comm.broadcast(&m, sizeof m, r));
     return {static_cast<errc>(m.code), m.argument, "rank " + std::to_string(r) + ": " + std::string(m.message)};
@@ -165,20 +258,55 @@ status agree(const Comm& comm, const status& local)
   return {};
 }
 
-/// Step 1 of a distributed step: all-gathers the shapes with each rank's own verdict (`local`), derives the global
-/// facts into `g`, runs `checks_with_totals(g)` on every rank when nothing failed so far, and agrees.
-template <class Comm, class T, class Checks>
-status
-agree_on_problem(const Comm& comm, const problem<T>& p, status local, global_shape& g, Checks&& checks_with_totals)
+/// This rank's message at the start of a call (`code`: its own checks' outcome).
+inline call_msg make_call(call_kind kind, std::int64_t step, std::int64_t iteration, const status& local) noexcept
 {
-  const shape_msg mine{static_cast<std::int64_t>(p.n_q),
-                       static_cast<std::int64_t>(p.n_k),
-                       static_cast<std::int64_t>(p.dim),
-                       static_cast<std::int64_t>(p.obj),
-                       p.labels != nullptr ? 1 : 0,
-                       static_cast<std::int64_t>(local.code())};
-  std::vector<shape_msg> all(static_cast<std::size_t>(comm.size()));
+  call_msg m;
+  std::memset(&m, 0, sizeof m);
+  m.kind = static_cast<std::int64_t>(kind);
+  m.step = step;
+  m.iteration = iteration;
+  m.code = static_cast<std::int64_t>(local.code());
+  return m;
+}
+
+/// The caller's iteration: a number >= 0, or no_iteration.
+inline status check_iteration(std::int64_t iteration)
+{
+  if (iteration < 0 && iteration != no_iteration)
+  {
+    return {errc::invalid_argument,
+            "iteration",
+            "iteration = " + std::to_string(iteration) + "; give a number >= 0 (the same on every rank), or omit it"};
+  }
+  return {};
+}
+
+/// Step 1 of `forward_backward` (its first collective): all-gathers every rank's call, step, iteration, shape and own
+/// verdict (`local`); refuses on every rank when the ranks are out of step; derives the global facts into `g`, runs
+/// `checks_with_totals(g)` on every rank when nothing failed so far, and agrees.
+template <class Comm, class T, class Checks>
+status agree_on_problem(const Comm& comm,
+                        const problem<T>& p,
+                        std::int64_t step,
+                        std::int64_t iteration,
+                        status local,
+                        global_shape& g,
+                        Checks&& checks_with_totals)
+{
+  if (local.ok())
+  {
+    (void)(local = check_iteration(iteration));
+  }
+  call_msg mine = make_call(call_kind::forward_backward, step, iteration, local);
+  mine.n_q = static_cast<std::int64_t>(p.n_q);
+  mine.n_k = static_cast<std::int64_t>(p.n_k);
+  mine.dim = static_cast<std::int64_t>(p.dim);
+  mine.obj = static_cast<std::int64_t>(p.obj);
+  mine.has_labels = p.labels != nullptr ? 1 : 0;
+  std::vector<call_msg> all(static_cast<std::size_t>(comm.size()));
   CONTRASTIVE_RETURN_IF_ERROR(comm.allgather(&mine, sizeof mine, all.data()));
+  CONTRASTIVE_RETURN_IF_ERROR(check_in_step(all));
   g = derive_global(all, comm.rank());
   if (g.bad_rank == comm.rank() && local.ok())
   {
@@ -189,6 +317,49 @@ agree_on_problem(const Comm& comm, const problem<T>& p, status local, global_sha
     (void)(local = checks_with_totals(g));
   }
   return agree(comm, local);
+}
+
+/// `finish_step`'s agreement (its first collective): the same all-gather (so a rank still in `forward_backward`, or
+/// at another step, is refused on every rank), then every rank must have a step in progress; `site` becomes the
+/// earliest non-finite site over all ranks (nonfinite_site::none if none). `local`: this rank's own failure, if any
+/// (every rank returns it).
+template <class Comm>
+status agree_on_finish(
+    const Comm& comm, std::int64_t step, std::int64_t iteration, bool pending, const status& local, std::int32_t& site)
+{
+  call_msg mine = make_call(call_kind::finish_step, step, iteration, local);
+  mine.pending = pending ? 1 : 0;
+  mine.site = site;
+  std::vector<call_msg> all(static_cast<std::size_t>(comm.size()));
+  CONTRASTIVE_RETURN_IF_ERROR(comm.allgather(&mine, sizeof mine, all.data()));
+  CONTRASTIVE_RETURN_IF_ERROR(check_in_step(all));
+  for (const call_msg& m : all)
+  {
+    if (m.code != 0)
+    {
+      return agree(comm, local); // every rank sees the same codes, so every rank takes part
+    }
+  }
+  constexpr auto none = static_cast<std::int32_t>(nonfinite_site::none);
+  std::int32_t earliest = none;
+  for (std::size_t r = 0; r < all.size(); ++r)
+  {
+    if (all[r].pending == 0)
+    {
+      return {errc::invalid_argument,
+              "rec",
+              "rank " + std::to_string(r) +
+                  ": no step in progress, or finish_step already called for it (finish_step needs a "
+                  "forward_backward on every rank)"};
+    }
+    const auto s = static_cast<std::int32_t>(all[r].site);
+    if (s != none && (earliest == none || s < earliest))
+    {
+      earliest = s;
+    }
+  }
+  site = earliest;
+  return {};
 }
 } // namespace detail
 } // namespace distributed

@@ -20,6 +20,7 @@
 #include <contrastive/status.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -27,6 +28,9 @@ namespace contrastive
 {
 namespace distributed
 {
+/// The distributed losses' `iteration` argument when the caller gives none (it must then be omitted on every rank).
+inline constexpr std::int64_t no_iteration = -1;
+
 /// Reductions `allreduce` offers.
 enum class reduce_op
 {

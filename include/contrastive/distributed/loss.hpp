@@ -6,8 +6,10 @@
 /// (data parallelism), with the same policies as `contrastive::loss` stepping identically on every rank.
 ///
 /// One step on rank r (every rank calls it; every path, errors included, runs the same collectives):
-///   1. agreement: the ranks' shapes are all-gathered; every check runs (shapes, pointers, labels against the global
-///      key count, finiteness, policies, sizes) and a failure on any rank is returned on every rank, naming the rank
+///   1. agreement: the ranks' calls, step counts, iterations and shapes are all-gathered (ranks out of step are
+///      refused on every rank at the first wrong call: distributed/agreement.hpp); every check runs (shapes, pointers,
+///      labels against the global key count, finiteness, policies, sizes) and a failure on any rank is returned on
+///      every rank, naming the rank
 ///      ("rank 2: k[5][0] is not finite"), before any feature moves. Allocation failures are agreed on the same way.
 ///   2. K is all-gathered in the element type (N_k x D; Q is not needed anywhere else).
 ///   3. The rank's block of rows, S_r = s Q_r K^T (n_local x N_k), goes through the single-process engine in block
@@ -159,13 +161,29 @@ public:
   /// Steps 1-3 of a training step over the global batch (collective). `p` is this rank's rows; dq and dk receive the
   /// gradients of loss_scale * (global loss) for them. On error (on any rank) every rank returns an error and no
   /// policy changes; a refused call writes nothing.
-  status forward_backward(const problem_type& p, Element* dq, Element* dk, step_record& rec)
+  ///
+  /// Every rank must make the same calls in the same order. The loss's step count (`steps()`) travels with every
+  /// call, so a rank that is a call behind or ahead (a finish_step skipped, a different checkpoint restored) is
+  /// refused on every rank at the first wrong call (errc::invalid_argument, "step", naming the ranks and their
+  /// steps). A rank that skips a *whole* step is only seen if the caller also gives `iteration` (its own step number,
+  /// e.g. the training loop's index, the same on every rank): the loss cannot know which batch a call is for, and
+  /// without it the skipping rank's next call pairs with the others' current one.
+  status forward_backward(
+      const problem_type& p, Element* dq, Element* dk, step_record& rec, std::int64_t iteration = no_iteration)
   {
-    CONTRASTIVE_RETURN_IF_ERROR(agree_on_problem(p, dq, dk));
+    CONTRASTIVE_RETURN_IF_ERROR(agree_on_problem(p, dq, dk, iteration));
+    iteration_ = iteration;
     const bool sym = p.obj == objective::symmetric;
     const std::size_t d = p.dim;
 
     // Buffers and the gathered keys (allocation failures are agreed on before any collective that needs them).
+    const contrastive::detail::checked_size alloc_bytes =
+        contrastive::detail::checked_size(n_k_total_) * d * sizeof(Element) +
+        contrastive::detail::checked_size(p.n_q) * sizeof(std::int32_t) +
+        (contrastive::detail::checked_size(p.n_q) * d + contrastive::detail::checked_size(n_k_total_) * d +
+         contrastive::detail::checked_size(p.n_k) * d +
+         contrastive::detail::checked_size(sym ? n_k_total_ : 0) * std::size_t(4)) *
+            sizeof(float);
     status alloc = guarded(
         [&]
         {
@@ -178,7 +196,7 @@ public:
           col_b_.resize(sym ? 2 * n_k_total_ : 0);
           col_c_.resize(sym ? n_k_total_ : 0);
         });
-    CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_, alloc));
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_, needs(alloc, "its buffers", alloc_bytes.value, p)));
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, k_rows_.data(), d * sizeof(Element), k_all_.data()));
     for (std::size_t i = 0; i < p.n_q; ++i)
     {
@@ -193,37 +211,43 @@ public:
                                                          0.0f,
                                                          static_cast<float>(1.0 / double(n_q_total_))};
     engine_.set_block(true, gc);
+    const std::size_t engine_bytes = engine_.template bytes_for<Algorithm>(block).value;
     CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_,
-                                              guarded(
-                                                  [&]
-                                                  {
-                                                    engine_.template prepare<Algorithm>(block);
-                                                  })));
+                                              needs(guarded(
+                                                        [&]
+                                                        {
+                                                          engine_.template prepare<Algorithm>(block);
+                                                        }),
+                                                    "the host engine",
+                                                    engine_bytes,
+                                                    p)));
 
     // Forward of the block; the symmetric loss's columns from every rank's partials.
     const float ls = scaler_.loss_scale();
     host::forward_result fr;
-    bool compute_failed = !guarded(
-                               [&]
-                               {
-                                 fr = engine_.template forward<Algorithm>(temperature_.scale());
-                               })
-                               .ok();
+    status compute = guarded(
+        [&]
+        {
+          fr = engine_.template forward<Algorithm>(temperature_.scale());
+        });
     double col_loss_sum = 0.0;
     if (sym)
     {
       CONTRASTIVE_RETURN_IF_ERROR(combine_columns(p.n_q, col_loss_sum));
     }
     host::backward_result br;
-    compute_failed |= !guarded(
-                           [&]
-                           {
-                             br = engine_.template backward<Algorithm>(ls, dq_f_.data(), dk_all_f_.data());
-                           })
-                           .ok();
+    if (compute.ok())
+    {
+      (void)(compute = guarded(
+                 [&]
+                 {
+                   br = engine_.template backward<Algorithm>(ls, dq_f_.data(), dk_all_f_.data());
+                 }));
+    }
 
-    // dK back to its owners, rounded once; dQ is complete here.
+    // dK back to its owners; a failure of the engine's work on any rank is agreed on before anything is written.
     CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(dk_all_f_.data(), dk_counts_.data(), dk_f_.data()));
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_, needs(compute, "the host engine mid-step", engine_bytes, p)));
     const bool dq_bad = round_into(dq_f_.data(), p.n_q * d, dq);
     const bool dk_bad = round_into(dk_f_.data(), p.n_k * d, dk);
 
@@ -238,9 +262,7 @@ public:
                            static_cast<double>(fr.max_logit),
                            fr.logits_nonfinite ? 1.0 : 0.0,
                            dq_bad ? 1.0 : 0.0,
-                           dk_bad ? 1.0 : 0.0,
-                           compute_failed ? 1.0 : 0.0,
-                           0.0};
+                           dk_bad ? 1.0 : 0.0};
     std::vector<rank_result> all(static_cast<std::size_t>(comm_.size()));
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&mine, sizeof mine, all.data()));
     double rows = 0.0, dlogs = 0.0;
@@ -248,12 +270,6 @@ public:
     bool logits_bad = false, any_dq_bad = false, any_dk_bad = false;
     for (std::size_t r = 0; r < all.size(); ++r)
     {
-      if (all[r].failed != 0.0)
-      {
-        return {errc::resource_exhausted,
-                "memory",
-                "rank " + std::to_string(r) + ": the host engine failed to allocate or start its threads mid-step"};
-      }
       rows += all[r].row_loss_sum;
       dlogs += all[r].dlogs;
       max_logit = contrastive::detail::max_nan(max_logit, static_cast<float>(all[r].max_logit));
@@ -281,37 +297,23 @@ public:
 
   /// Step 4 (collective): the ranks agree on the step's first non-finite site (the earliest in step order over all
   /// ranks), then every rank runs the same scaler and temperature update.
+  /// Its first collective is the same as forward_backward's, so a rank still in forward_backward (or at another
+  /// step) is refused on every rank; a refused finish_step changes nothing (the record stays pending).
   status finish_step(step_record& rec)
   {
-    const std::int32_t mine[2] = {rec.pending ? 1 : 0, static_cast<std::int32_t>(rec.first_nonfinite)};
-    std::vector<std::int32_t> all(2 * static_cast<std::size_t>(comm_.size()));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(mine, sizeof mine, all.data()));
-    std::int32_t site = static_cast<std::int32_t>(nonfinite_site::none);
-    for (int r = 0; r < comm_.size(); ++r)
-    {
-      if (all[2 * r] == 0)
-      {
-        return {errc::invalid_argument,
-                "rec",
-                "rank " + std::to_string(r) + ": no step in progress, or finish_step already called for it"};
-      }
-      const std::int32_t s = all[2 * r + 1];
-      if (s != static_cast<std::int32_t>(nonfinite_site::none) &&
-          (site == static_cast<std::int32_t>(nonfinite_site::none) || s < site))
-      {
-        site = s;
-      }
-    }
+    std::int32_t site = static_cast<std::int32_t>(rec.first_nonfinite);
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_finish(comm_, step_, iteration_, rec.pending, status{}, site));
     rec.first_nonfinite = static_cast<nonfinite_site>(site);
     contrastive::detail::finish_step<Element>(temperature_, scaler_, rec);
     ++step_;
     return {};
   }
 
-  /// A whole step whose only gradients are dq and dk (collective).
-  status step(const problem_type& p, Element* dq, Element* dk, step_record& rec)
+  /// A whole step whose only gradients are dq and dk (collective): exactly forward_backward, then finish_step, so
+  /// ranks may mix the two forms within one step.
+  status step(const problem_type& p, Element* dq, Element* dk, step_record& rec, std::int64_t iteration = no_iteration)
   {
-    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, rec));
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, rec, iteration));
     return finish_step(rec);
   }
 
@@ -319,10 +321,10 @@ private:
   /// What each rank contributes to the step record (all-gathered, combined in rank order).
   struct rank_result
   {
-    double row_loss_sum, dlogs, max_logit, logits_bad, dq_bad, dk_bad, failed, pad;
+    double row_loss_sum, dlogs, max_logit, logits_bad, dq_bad, dk_bad;
   };
   /// Step 1: the ranks' shapes, every check, and one agreement (distributed/agreement.hpp).
-  status agree_on_problem(const problem_type& p, Element* dq, Element* dk)
+  status agree_on_problem(const problem_type& p, Element* dq, Element* dk, std::int64_t iteration)
   {
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
     if (local.ok())
@@ -343,6 +345,8 @@ private:
     detail::global_shape g;
     return detail::agree_on_problem(comm_,
                                     p,
+                                    step_,
+                                    iteration,
                                     local,
                                     g,
                                     [&](const detail::global_shape& gs)
@@ -437,6 +441,20 @@ private:
     return poison != 0.0f;
   }
 
+  /// A resource failure of `what` with the bytes it asked for (other statuses unchanged).
+  status needs(const status& st, const char* what, std::size_t bytes, const problem_type& p) const
+  {
+    if (st.code() != errc::resource_exhausted)
+    {
+      return st;
+    }
+    return {errc::resource_exhausted,
+            st.argument(),
+            std::string(what) + " needs " + std::to_string(bytes) +
+                " bytes on this rank (n_q = " + std::to_string(p.n_q) + ", global n_k = " + std::to_string(n_k_total_) +
+                ", dim = " + std::to_string(p.dim) + ", " + Algorithm::name + "): " + detail::text_of(st)};
+  }
+
   /// Runs `f` (allocation or engine work) and turns an exception into a status: nothing escapes to the caller.
   template <class F>
   status guarded(F&& f)
@@ -472,6 +490,7 @@ private:
   Scaler scaler_;
   host::engine<Element, Gemm> engine_;
   std::int64_t step_ = 0;
+  std::int64_t iteration_ = no_iteration; ///< the caller's iteration of the last agreed forward_backward
   std::size_t n_q_total_ = 0, n_k_total_ = 0, q_off_ = 0, k_off_ = 0;
   std::vector<int> k_rows_, dk_counts_;
   std::vector<Element> k_all_;
