@@ -1,13 +1,18 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 //
-// Integration test of the collapse demo: a shortened default run must show what docs/demo.md claims.
-//   - half + learnable (unclamped) + Paddle dygraph scaler collapses: its logits overflow, every later step is skipped
-//     and the loss scale underflows to 0;
-//   - float + learnable does not; half + clamped, half + fused and half + range_guard do not, at comparable accuracy;
-//   - half + scheduled (fixed tau, then unbounded learning) is healthy while tau is frozen and collapses after.
-// The dynamics are chaotic (see docs/demo.md): a change in the library's rounding can move the collapse step or, for
-// the learnable run, make this seed survive. If this test fails after such a change, re-check the claims in
-// docs/demo.md with `collapse_demo --seed N` for a few seeds before editing the expectations.
+// Integration test of the collapse demo: a shortened default run (seed 2, 800 steps) must show what docs/demo.md
+// claims, and only what held for every one of seeds 1-6 on every host ISA (avx512, avx2, portable; measured with
+// scripts/demo_seeds.py, docs/demo.md "Over seeds and ISAs"). The dynamics are chaotic: the micro-kernel's summation
+// order differs per ISA, so one seed's trajectory differs per ISA, and per-seed outcomes (whether half + learnable
+// collapses, the fused run's final accuracy) are not asserted. What is asserted:
+//   - float + learnable and bfloat16 + learnable never collapse and never skip a step;
+//   - half + clamped and half + range_guard stay healthy at high accuracy, with tau bounded as their policies say;
+//   - half + scheduled is healthy while tau is frozen and collapses after unfreezing (18 of 18);
+//   - half + fused never has a non-finite logit and never collapses (it can still degrade: tau is not bounded);
+//   - wherever half + learnable collapses, it does so as the seed describes: logits overflow at 1/tau > 65504, every
+//     later step is skipped with tau frozen, and the Paddle dygraph scale underflows to 0.
+// If this fails after a change in the library's rounding, re-run `python3 scripts/demo_seeds.py` on the ISAs the
+// machine has before editing the expectations or the docs.
 
 #include "collapse/config.hpp"
 #include "collapse/options.hpp"
@@ -69,35 +74,62 @@ static void check_FloatLearnableStaysHealthy()
   const cd::run_result& f = run("float-learnable-materialized");
   expect_healthy(f);
   EXPECT_EQ(f.skipped, 0);
-  EXPECT_GT(f.final_accuracy, 0.9f);
+  EXPECT_GT(f.final_accuracy, 0.75f) << "seeds 1-6 x 3 ISAs: 81.5-100%";
 }
 
-static void check_HalfLearnableCollapses()
+static void check_HalfLearnableCollapsesAsTheSeedDescribes()
 {
   const cd::run_result& h = run("half-learnable-materialized");
   ASSERT_TRUE(h.error.empty()) << h.error;
-  ASSERT_TRUE(h.collapsed()) << "half + learnable did not collapse";
+  // Seeds 1-6 x 3 ISAs at this length: collapsed in 9 of 18 runs (seed 2 on all three). A run that survives must
+  // still be healthy; one that collapses must collapse the seed's way.
+  if (!h.collapsed())
+  {
+    expect_healthy(h);
+    return;
+  }
   EXPECT_EQ(h.collapse_site, cl::nonfinite_site::logits);
   // At collapse 1/tau has left fp16's range: tau < 1/65504.
   EXPECT_LT(h.rows[static_cast<std::size_t>(h.collapse_step)].tau, 1.0f / 65504.0f * 1.01f);
-  EXPECT_EQ(h.final_loss_scale, 0.0f) << "the Paddle dygraph scaler has no floor";
-  EXPECT_EQ(h.min_loss_scale, 0.0f);
-  // Dead: tau frozen and every step after the collapse skipped.
-  for (std::size_t i = static_cast<std::size_t>(h.collapse_step); i < h.rows.size(); ++i)
+  // Dead: tau frozen, every step after the collapse skipped, and the Paddle dygraph scaler (no floor) halving the
+  // scale on each one (powers of two: exact down to the smallest subnormal, then 0), so a collapse more than ~170
+  // steps before the end leaves the scale at exactly 0.
+  const std::size_t c = static_cast<std::size_t>(h.collapse_step);
+  for (std::size_t i = c; i < h.rows.size(); ++i)
   {
     EXPECT_TRUE(h.rows[i].skipped) << "step " << i;
     EXPECT_EQ(h.rows[i].tau, h.final_tau) << "step " << i;
+    if (i > c)
+    {
+      EXPECT_EQ(h.rows[i].loss_scale, h.rows[i - 1].loss_scale * 0.5f) << "step " << i;
+    }
+  }
+  if (h.rows.size() - c > 170)
+  {
+    EXPECT_EQ(h.final_loss_scale, 0.0f) << "the Paddle dygraph scaler has no floor";
+    EXPECT_EQ(h.min_loss_scale, 0.0f);
   }
 }
 
-static void check_RemediesStayHealthyAtComparableAccuracy()
+static void check_RemediesStayHealthy()
 {
-  const float reference = run("float-learnable-materialized").final_accuracy;
-  for (const char* id : {"half-clamped-materialized", "half-learnable-fused", "half-guard-materialized"})
+  // Clamp and guard: healthy at high accuracy in all 18 runs (clamp 100%, guard 97.9-100%).
+  for (const char* id : {"half-clamped-materialized", "half-guard-materialized"})
   {
     const cd::run_result& r = run(id);
     expect_healthy(r);
-    EXPECT_GT(r.final_accuracy, reference - 0.05f) << id;
+    EXPECT_GT(r.final_accuracy, 0.9f) << id;
+  }
+  // Fused: its logits are float, so they never overflow and it never collapses (18 of 18), but tau is not bounded:
+  // in 3 of 18 runs it dived below 1e-5 and the run ended 20-50 points below float (docs/demo.md). No accuracy claim.
+  const cd::run_result& f = run("half-learnable-fused");
+  SCOPED_TRACE(f.config.id());
+  EXPECT_TRUE(f.error.empty()) << f.error;
+  EXPECT_FALSE(f.collapsed());
+  EXPECT_GT(f.final_loss_scale, 0.0f);
+  for (const cd::step_row& row : f.rows)
+  {
+    EXPECT_NE(row.site, cl::nonfinite_site::logits) << "step " << row.step;
   }
 }
 
@@ -145,12 +177,12 @@ TEST(CollapseDemo, ShortenedDefaultRunShowsTheClaims)
     check_FloatLearnableStaysHealthy();
   }
   {
-    SCOPED_TRACE("HalfLearnableCollapses");
-    check_HalfLearnableCollapses();
+    SCOPED_TRACE("HalfLearnableCollapsesAsTheSeedDescribes");
+    check_HalfLearnableCollapsesAsTheSeedDescribes();
   }
   {
-    SCOPED_TRACE("RemediesStayHealthyAtComparableAccuracy");
-    check_RemediesStayHealthyAtComparableAccuracy();
+    SCOPED_TRACE("RemediesStayHealthy");
+    check_RemediesStayHealthy();
   }
   {
     SCOPED_TRACE("ClampAndGuardBoundTau");
