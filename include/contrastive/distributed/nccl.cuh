@@ -8,12 +8,13 @@
 /// (CMake: `contrastive::nccl`). Users of anything else need neither.
 ///
 /// The step is the host distributed loss's (docs/distributed.md), with device buffers:
-///   agreement (shapes and every host-side check, all-gathered through NCCL; errors name the failing rank on every
-///   rank) -> K all-gathered (grouped broadcasts, so ranks may hold unequal rows) -> the rank's block of rows through
-///   the chunked runner with the global coefficients -> symmetric: column partials combined (all-reduce max of N
-///   floats, sum of 2 N) -> backward -> dK partials reduce-scattered (grouped reduces) and rounded -> sums and flags
-///   all-reduced -> the record on every rank. `finish_step` all-reduces the first non-finite site, so a `parameters`
-///   site found by one rank's `unscale_and_check` skips the step on every rank.
+///   agreement (call, step count, the caller's iteration, shapes and every host-side check, all-gathered through
+///   NCCL; ranks out of step and errors are refused on every rank, naming the ranks: distributed/agreement.hpp) -> K
+///   all-gathered (grouped broadcasts, so ranks may hold unequal rows) -> the rank's block of rows through the chunked
+///   runner with the global coefficients -> symmetric: column partials combined (all-reduce max of N floats, sum of 2
+///   N) -> backward -> dK partials reduce-scattered (grouped reduces) and rounded -> sums and flags all-reduced -> the
+///   record on every rank. `finish_step` all-reduces the first non-finite site, so a `parameters` site found by one
+///   rank's `unscale_and_check` skips the step on every rank.
 ///
 /// One rank per GPU and per host thread: set the rank's device (cudaSetDevice) before constructing and calling its
 /// loss (the agreement synchronizes the stream, so one thread cannot drive several ranks), and do not share one
@@ -153,6 +154,13 @@ public:
     const ncclResult_t end = ncclGroupEnd();
     CONTRASTIVE_RETURN_IF_ERROR(check("ncclReduce", err));
     return check("ncclGroupEnd", end);
+  }
+
+  /// Device memory, from `send` into `recv` (not in place: the device loss sends a constant).
+  status allreduce(const float* send, float* recv, std::size_t n, reduce_op op) const
+  {
+    return check("ncclAllReduce",
+                 ncclAllReduce(send, recv, n, ncclFloat32, op == reduce_op::sum ? ncclSum : ncclMax, comm_, stream_));
   }
 
   /// Device memory, in place.
@@ -332,10 +340,15 @@ public:
   device_loss(comm::nccl comm, cublasHandle_t handle, chunk_options opts = {})
       : comm_(std::move(comm)), handle_(handle), opts_(opts)
   {
-    if (cudaMalloc(&site_, 2 * sizeof(std::int32_t)) != cudaSuccess)
+    // Its own small buffer, written once here: every call's collectives need it, so a rank without it says so in
+    // the agreement (every rank refuses) instead of leaving the others in a collective.
+    const small_buffer init{{0.0f, 1.0f}, {0, 0}};
+    if (cudaMalloc(&small_, sizeof(small_buffer)) != cudaSuccess ||
+        cudaMemcpy(small_, &init, sizeof init, cudaMemcpyHostToDevice) != cudaSuccess)
     {
       cudaGetLastError();
-      site_ = nullptr; // finish_step reports it
+      cudaFree(small_);
+      small_ = nullptr;
     }
   }
   device_loss(const device_loss&) = delete;
@@ -343,7 +356,7 @@ public:
   ~device_loss()
   {
     cudaFree(ws_);
-    cudaFree(site_);
+    cudaFree(small_);
   }
 
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)
@@ -362,15 +375,32 @@ public:
   {
     return g_.n_k_total;
   }
+  /// Steps this loss has finished (agreed on every rank; what the agreement compares, with the caller's iteration).
+  std::int64_t steps() const noexcept
+  {
+    return steps_;
+  }
 
   /// Steps 1-3 over the global batch (collective): `p` holds this rank's rows (device pointers; info_nce labels are
   /// global key indices); dq/dk receive the gradients of loss_scale * (global loss) for them; the pending record is
-  /// in d_state on every rank.
-  status forward_backward(
-      const problem<Element>& p, Element* dq, Element* dk, state_type* d_state, cudaStream_t stream = nullptr)
+  /// in d_state on every rank. Ranks out of step (another call or step count, or another `iteration`: the
+  /// caller's own step number, optional, as on the host) are refused on every rank at the first wrong call.
+  status forward_backward(const problem<Element>& p,
+                          Element* dq,
+                          Element* dk,
+                          state_type* d_state,
+                          cudaStream_t stream = nullptr,
+                          std::int64_t iteration = no_iteration)
   {
     comm_.set_stream(stream);
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
+    if (local.ok() && small_ == nullptr)
+    {
+      (void)(local = status{errc::resource_exhausted,
+                            "memory",
+                            "the loss's " + std::to_string(sizeof(small_buffer)) +
+                                "-byte device buffer could not be allocated at construction"});
+    }
     if (local.ok() && (d_state == nullptr || handle_ == nullptr))
     {
       (void)(local = status{
@@ -382,12 +412,15 @@ public:
     }
     CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_problem(comm_,
                                                          p,
+                                                         steps_,
+                                                         iteration,
                                                          local,
                                                          g_,
                                                          [&](const detail::global_shape& g)
                                                          {
                                                            return size_workspace(p, g);
                                                          }));
+    iteration_ = iteration;
     const bool sym = p.obj == objective::symmetric;
     const std::size_t n = g_.n_k_total, d = p.dim;
     const unsigned blocks = 1024;
@@ -484,14 +517,15 @@ public:
       device_detail::pack_results<><<<1, 1, 0, stream>>>(run.sums(), run.flags(), red);
       note(cudaPeekAtLastError());
     }
-    const float failed = local_err == cudaSuccess ? 0.0f : 1.0f; // pageable: copied before cudaMemcpyAsync returns
-    if (const cudaError_t e = cudaMemcpyAsync(red + 5, &failed, sizeof failed, cudaMemcpyHostToDevice, stream);
-        e != cudaSuccess)
-    {
-      return cuda(e); // cannot even tell the others: a broken device
-    }
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red, 6, reduce_op::sum));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(red + 6, 1, reduce_op::max));
+    // The failure flag is sent from the constant 0 or 1 in small_ (no copy that could fail first), and all three
+    // reductions are enqueued whatever one of them returns, so this rank never leaves the others in one.
+    const float* failed = small_flags() + (local_err == cudaSuccess ? 0 : 1);
+    const status sums = comm_.allreduce(red, 5, reduce_op::sum);
+    const status fails = comm_.allreduce(failed, red + 5, 1, reduce_op::sum);
+    const status maxes = comm_.allreduce(red + 6, 1, reduce_op::max);
+    CONTRASTIVE_RETURN_IF_ERROR(sums);
+    CONTRASTIVE_RETURN_IF_ERROR(fails);
+    CONTRASTIVE_RETURN_IF_ERROR(maxes);
     float any_failed = 0.0f;
     CONTRASTIVE_RETURN_IF_ERROR(
         cuda(cudaMemcpyAsync(&any_failed, red + 5, sizeof any_failed, cudaMemcpyDeviceToHost, stream)));
@@ -524,50 +558,91 @@ public:
   }
 
   /// Step 4 (collective): every rank takes the earliest non-finite site over all ranks, then steps its policies.
-  /// If any rank has no pending step, every rank returns invalid_argument and none steps.
+  /// Its first collective is forward_backward's (the agreement's all-gather), so a rank in another call or at another
+  /// step is refused on every rank. If any rank has no pending step (or no state, or its device failed reading it),
+  /// every rank returns an error and none steps.
   status finish_step(state_type* d_state, cudaStream_t stream = nullptr)
   {
     comm_.set_stream(stream);
-    if (site_ == nullptr)
+    constexpr auto none = static_cast<std::int32_t>(nonfinite_site::none);
+    constexpr std::int32_t none_on_device = 1 << 30; // site_out's "none" (so that a minimum finds the earliest)
+    status local;
+    bool pending = false;
+    std::int32_t site = none;
+    if (small_ == nullptr)
     {
-      return {errc::resource_exhausted, "memory", "the loss's 8-byte agreement buffer could not be allocated"};
+      (void)(local = status{errc::resource_exhausted,
+                            "memory",
+                            "the loss's " + std::to_string(sizeof(small_buffer)) +
+                                "-byte device buffer could not be allocated at construction"});
     }
-    std::int32_t mine_ok = d_state != nullptr ? 1 : 0;
-    if (d_state != nullptr)
+    else if (d_state == nullptr)
     {
-      device_detail::site_out<state_type><<<1, 1, 0, stream>>>(d_state, site_);
-      if (cudaPeekAtLastError() != cudaSuccess)
+      (void)(local = status{errc::null_pointer, "d_state", "null device state"});
+    }
+    else
+    {
+      std::int32_t mine[2] = {none_on_device, -1};
+      device_detail::site_out<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
+      cudaError_t e = cudaPeekAtLastError();
+      if (e == cudaSuccess)
       {
-        mine_ok = 0;
+        e = cudaMemcpyAsync(mine, small_site(), sizeof mine, cudaMemcpyDeviceToHost, stream);
+      }
+      if (e == cudaSuccess)
+      {
+        e = cudaStreamSynchronize(stream);
+      }
+      if (e != cudaSuccess)
+      {
+        (void)(local = cuda(e));
+      }
+      else
+      {
+        pending = mine[1] == 0;
+        site = mine[0] == none_on_device ? none : mine[0];
       }
     }
-    if (mine_ok == 0)
-    {
-      const std::int32_t none[2] = {1 << 30, -1}; // "not pending": every rank refuses
-      CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(site_, none, sizeof none, cudaMemcpyHostToDevice, stream)));
-    }
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce_min(site_, 2));
-    std::int32_t agreed[2] = {0, 0};
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(agreed, site_, sizeof agreed, cudaMemcpyDeviceToHost, stream)));
-    CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(stream)));
-    if (agreed[1] < 0)
-    {
-      return {errc::invalid_argument,
-              "d_state",
-              "a rank has no step in progress (or no state): finish_step needs a forward_backward on every rank"};
-    }
-    device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, site_);
+    // Every rank reaches this collective, whatever failed above.
+    CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_finish(comm_, steps_, iteration_, pending, local, site));
+    const std::int32_t agreed[2] = {site == none ? none_on_device : site, 0}; // pageable: copied before return
+    CONTRASTIVE_RETURN_IF_ERROR(
+        cuda(cudaMemcpyAsync(small_site(), agreed, sizeof agreed, cudaMemcpyHostToDevice, stream)));
+    device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
     CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
-    return cuda(single::finish_step(d_state, stream));
+    CONTRASTIVE_RETURN_IF_ERROR(cuda(single::finish_step(d_state, stream)));
+    ++steps_; // a rank whose device failed above does not count the step: its next call is refused on every rank
+    return {};
   }
 
-  status step(const problem<Element>& p, Element* dq, Element* dk, state_type* d_state, cudaStream_t stream = nullptr)
+  status step(const problem<Element>& p,
+              Element* dq,
+              Element* dk,
+              state_type* d_state,
+              cudaStream_t stream = nullptr,
+              std::int64_t iteration = no_iteration)
   {
-    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, d_state, stream));
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, d_state, stream, iteration));
     return finish_step(d_state, stream);
   }
 
 private:
+  /// The loss's own device constants and finish_step's agreement buffer (allocated and written at construction).
+  struct small_buffer
+  {
+    float flag[2];        ///< 0 and 1: the failure flag forward_backward sends
+    std::int32_t site[2]; ///< finish_step: this rank's first non-finite site and pending flag, then the agreed site
+  };
+
+  const float* small_flags() const noexcept
+  {
+    return reinterpret_cast<const float*>(reinterpret_cast<const char*>(small_) + offsetof(small_buffer, flag));
+  }
+  std::int32_t* small_site() const noexcept
+  {
+    return reinterpret_cast<std::int32_t*>(reinterpret_cast<char*>(small_) + offsetof(small_buffer, site));
+  }
+
   /// The distributed buffers after the chunked runner's (byte offsets).
   struct extras
   {
@@ -625,7 +700,9 @@ private:
   extras x_{};
   void* ws_ = nullptr;
   std::size_t ws_bytes_ = 0;
-  std::int32_t* site_ = nullptr; ///< finish_step's agreement (its own buffer: it must exist on every rank)
+  small_buffer* small_ = nullptr;         ///< null if its allocation failed (every call then refused on every rank)
+  std::int64_t steps_ = 0;                ///< finished steps (agreed)
+  std::int64_t iteration_ = no_iteration; ///< the caller's iteration of the last agreed forward_backward
 };
 } // namespace distributed
 } // namespace contrastive
