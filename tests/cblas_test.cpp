@@ -7,9 +7,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace cl = contrastive;
@@ -94,4 +97,66 @@ TEST(CblasBackend, BackwardRefusesOverlappingOutputs)
       cl::loss<float, tp::fixed, sc::static_scale, cl::algorithm::chunked, cl::gemm::cblas>>();
   ct::check_backward_refuses_aliases<
       cl::loss<__half, tp::fixed, sc::static_scale, cl::algorithm::materialized, cl::gemm::cblas>>();
+}
+
+// cblas_sgemm takes int sizes: a dim it cannot represent is refused (size_overflow "dim") before anything is read or
+// written, where it used to run sgemm calls that rejected their arguments and return a wrong loss. The claimed dim
+// is far beyond the buffers: the refusal must come before any read (AddressSanitizer would see one).
+template <class T, class Algo>
+void check_dim_refused()
+{
+  using L = cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algo, cl::gemm::cblas>;
+  const std::vector<T> q(64), k(64);
+  std::vector<T> dq(64), dk(64);
+  L l(cl::temperature::fixed(0.1f), cl::scaler::static_scale(), 2);
+  const std::size_t max_dim = cl::host::engine<T, cl::gemm::cblas>::max_dim;
+  for (const std::size_t dim : {std::size_t(1) << 31, max_dim + 1, std::size_t(1) << 40})
+  {
+    SCOPED_TRACE(std::string(Algo::name) + " dim " + std::to_string(dim));
+    const cl::problem<T> p{q.data(), k.data(), 1, 1, dim};
+    float value = 0.0f;
+    const cl::status f = l.forward(p, value);
+    EXPECT_EQ(f.code(), cl::errc::size_overflow) << f.message();
+    EXPECT_EQ(f.argument(), "dim") << f.message();
+    // step: its outputs, claimed 1 x dim each, are refused either as overlapping or for dim; never run.
+    cl::step_record rec;
+    EXPECT_FALSE(l.step(p, dq.data(), dk.data(), rec).ok());
+  }
+  EXPECT_EQ(l.steps(), 0);
+}
+
+TEST(CblasBackend, DimBeyondItsIntArgumentsIsRefused)
+{
+  constexpr std::size_t max_dim = cl::host::engine<float, cl::gemm::cblas>::max_dim;
+  static_assert(cl::host::round_up(max_dim, cl::host::kernel_nr) <= std::size_t(std::numeric_limits<int>::max()),
+                "dim rounded up to NR (an accumulator's leading dimension) still fits an int");
+  check_dim_refused<float, cl::algorithm::fused>();
+  check_dim_refused<float, cl::algorithm::chunked>();
+  check_dim_refused<__half, cl::algorithm::materialized>();
+  check_dim_refused<__nv_bfloat16, cl::algorithm::fused>();
+}
+
+// The loss never runs more sgemm callers at once than there are cores, whatever its thread count (a CBLAS's
+// per-thread buffers are a fixed table), and such a loss still computes the same loss as one thread.
+TEST(CblasBackend, ConcurrentCallersAreBoundedByTheCores)
+{
+  cl::host::cblas_single_threaded();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t n = 5000, d = 4;
+  const auto q = ct::random_rows<float>(n, d, 31), k = ct::random_rows<float>(n, d, 32);
+  const cl::problem<float> p{q.data(), k.data(), n, n, d};
+  cl::host::engine<float, cl::gemm::cblas> e(cl::host::max_threads);
+  EXPECT_EQ(e.threads(), cl::host::max_threads);
+  EXPECT_LE(e.workers_for(p), cores);
+  cl::host::engine<float> builtin(cl::host::max_threads);
+  EXPECT_EQ(builtin.workers_for(p), std::min<std::size_t>(n, cl::host::max_threads)) << "builtin: not bounded";
+
+  using L = cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused, cl::gemm::cblas>;
+  L many(cl::temperature::fixed(0.1f), {}, cl::host::max_threads), one(cl::temperature::fixed(0.1f), {}, 1);
+  std::vector<float> dq(n * d), dk(n * d), dq1(n * d), dk1(n * d);
+  cl::step_record r, r1;
+  ASSERT_TRUE(many.step(p, dq.data(), dk.data(), r).ok());
+  ASSERT_TRUE(one.step(p, dq1.data(), dk1.data(), r1).ok());
+  EXPECT_NEAR(r.loss, r1.loss, 1e-5 * r1.loss);
+  EXPECT_LE(ct::rel_diff(dq, dq1), 1e-5);
 }

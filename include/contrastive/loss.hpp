@@ -331,6 +331,13 @@ private:
   status validate(const problem_type& p, const void* dq, const void* dk, bool need_grads)
   {
     CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, need_grads));
+    if (p.dim > engine_type::max_dim)
+    {
+      return {errc::size_overflow,
+              "dim",
+              "dim = " + std::to_string(p.dim) + " exceeds the largest the " + Gemm::name + " GEMM backend can pass, " +
+                  std::to_string(engine_type::max_dim)};
+    }
     if (const char* why = temperature_.validate(); why[0] != '\0')
     {
       return {errc::invalid_temperature, "temperature", why};
@@ -376,7 +383,8 @@ private:
 
   Temperature temperature_;
   Scaler scaler_;
-  host::engine<Element, Gemm> engine_;
+  using engine_type = host::engine<Element, Gemm>;
+  engine_type engine_;
   std::int64_t step_ = 0;
   bool forward_ready_ = false;
   problem_type forward_problem_{}; // the problem of the forward a backward finishes (its outputs' shapes and inputs)

@@ -83,6 +83,15 @@ struct gemm_backend<gemm::builtin, T>
   std::vector<float> k_rows;  // materialized: K as b_panels over keys [dp / NR][nk_pad][NR]     (dQ = dA K)
   std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR]  (dK = dA^T Q)
 
+  /// The largest dim the backend can represent (the packed kernel indexes with size_t: no limit of its own).
+  static constexpr std::size_t max_dim = static_cast<std::size_t>(-1) / 2;
+
+  /// Workers that may run its products at once: as many as the loss has (its scratch is the engine's).
+  static unsigned max_workers() noexcept
+  {
+    return max_threads;
+  }
+
   /// Floats held for the keys (and queries): fused keeps one packed copy of K (the logits' operand; the dQ operand
   /// is packed one tile at a time into worker scratch), materialized also K and Q for its two whole-matrix products.
   static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept

@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +52,23 @@ struct gemm_backend<gemm::cblas, T>
   const float* kf = nullptr; // row-major float keys (float: the caller's k; 16-bit: k_copy)
   const T* q = nullptr;
   std::vector<float> k_copy, q_copy;
+
+  /// The largest dim the backend can represent: cblas_sgemm takes int dimensions and leading dimensions, and dim is
+  /// one of them (and, rounded up to the kernel's NR, the accumulators' leading dimension). Rows and columns of one
+  /// product are at most a row block or key tile. Larger problems are refused (size_overflow "dim") before any call,
+  /// instead of an sgemm that rejects its arguments and leaves the tile as it was.
+  static constexpr std::size_t max_dim =
+      static_cast<std::size_t>(std::numeric_limits<int>::max()) / kernel_nr * kernel_nr;
+
+  /// Workers that may call cblas_sgemm at once: the cores. A CBLAS keeps per-thread work buffers (OpenBLAS: a table
+  /// of 2 x its build's thread count, tens of MiB each), and a caller that finds none free waits for one; a loss
+  /// with thousands of threads made ~60 callers retry forever when memory was short. More callers than cores are no
+  /// faster, so the loss runs min(threads, cores) workers with this backend.
+  static unsigned max_workers() noexcept
+  {
+    const unsigned cores = std::thread::hardware_concurrency();
+    return cores == 0 ? 1 : cores;
+  }
 
   static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept
   {

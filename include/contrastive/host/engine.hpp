@@ -50,6 +50,9 @@ public:
     return st_.threads;
   }
 
+  /// The largest embedding dimension the GEMM backend can represent (gemm::cblas: its int arguments).
+  static constexpr std::size_t max_dim = backend::max_dim;
+
   /// Chunk size of algorithm::chunked (used from the next `prepare`).
   void set_chunk(const chunk_options& o) noexcept
   {
@@ -68,11 +71,12 @@ public:
   }
 
   /// Workers a problem uses: never more than its row count (a loss built with many threads holds scratch only for
-  /// the workers that run).
+  /// the workers that run), nor than the GEMM backend lets call it at once (gemm::cblas: the cores).
   template <class Problem>
   unsigned workers_for(const Problem& p) const noexcept
   {
-    return static_cast<unsigned>(std::min<std::size_t>(st_.threads, std::max<std::size_t>(1, p.n_q)));
+    const std::size_t w = std::min<std::size_t>(st_.threads, std::max<std::size_t>(1, p.n_q));
+    return static_cast<unsigned>(std::min<std::size_t>(w, backend::max_workers()));
   }
 
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
@@ -341,6 +345,10 @@ private:
   template <class Problem>
   static bool shape_of(const Problem& p, gemm_shape& sh) noexcept
   {
+    if (p.dim > backend::max_dim)
+    {
+      return false; // not representable by the GEMM backend (loss::validate names it first)
+    }
     const detail::checked_size dp = detail::round_up(detail::checked_size(p.dim), kernel_nr);
     const detail::checked_size nq_pad = detail::round_up(detail::checked_size(p.n_q), block_m);
     const detail::checked_size nk_pad = detail::round_up(detail::checked_size(p.n_k), block_n);
