@@ -5,8 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
+#include <new>
 #include <type_traits>
+#include <vector>
 
 namespace cl = contrastive;
 namespace ct = contrastive_test;
@@ -351,4 +355,348 @@ TEST(Checkpoint, SaveRestoreRoundTripsBitExactly)
   EXPECT_EQ(st.argument(), "checkpoint.scaler");
   const loss_t::checkpoint unchanged = l.save();
   EXPECT_EQ(std::memcmp(&unchanged, &after, sizeof(after)), 0);
+}
+
+// ---- Issue 18: counters at their maximum, save() padding, trajectories that leave the domain ----
+
+namespace
+{
+constexpr std::int64_t int64_max = std::numeric_limits<std::int64_t>::max();
+constexpr std::int32_t int32_max = std::numeric_limits<std::int32_t>::max();
+
+/// The smallest and the largest float tau that `valid_tau` accepts (the domain's edges as the code computes them).
+float smallest_valid_tau()
+{
+  float t = std::exp(-cl::temperature::theta_limit) * 0.99f;
+  while (!cl::temperature::valid_tau(t))
+  {
+    t = std::nextafter(t, 1.0f);
+  }
+  return t;
+}
+float largest_valid_tau()
+{
+  float t = std::exp(cl::temperature::theta_limit) * 1.01f;
+  while (!cl::temperature::valid_tau(t))
+  {
+    t = std::nextafter(t, 1.0f);
+  }
+  return t;
+}
+
+/// Drives a policy with gradients that push theta hard both ways and, for range_guard, overflow events; it must stay
+/// in its domain at every step.
+template <class P>
+void expect_trajectory_stays_inside(P p, const char* what)
+{
+  ASSERT_STREQ(p.validate(), "") << what;
+  const float grads[] = {-1e30f, 1e30f, -3.0e38f, 3.0e38f, 0.0f, -1.0f, 1.0f};
+  for (int i = 0; i < 400; ++i)
+  {
+    p.advance(grads[i % 7] * (i % 3 == 0 ? -1.0f : 1.0f));
+    if constexpr (cl::temperature::has_observe_v<P>)
+    {
+      cl::step_record rec;
+      rec.loss_scale = 1.0f;
+      rec.next_loss_scale = i % 2 == 0 ? 0.5f : 1.0f;
+      rec.skipped = i % 2 == 0;
+      rec.first_nonfinite = i % 2 == 0 ? cl::nonfinite_site::logits : cl::nonfinite_site::none;
+      p.observe(rec, i % 4 == 0 ? 65504.0f : 3.4e38f);
+    }
+    ASSERT_STREQ(p.validate(), "") << what << " after step " << i;
+    ASSERT_TRUE(std::isfinite(p.tau()) && p.tau() > 0.0f) << what << " after step " << i;
+    ASSERT_TRUE(std::isfinite(p.scale()) && p.scale() > 0.0f) << what << " after step " << i;
+  }
+}
+} // namespace
+
+// A restored counter at its maximum saturates instead of overflowing (UBSan: signed overflow) on the next step.
+TEST(Checkpoint, CountersAtTheirMaximumSaturate)
+{
+  cl::temperature::learnable l(0.07f, cl::optimizer::adam(1e-3f));
+  l.steps = int64_max;
+  l.opt_state.t = int64_max;
+  ASSERT_STREQ(l.validate(), "");
+  l.advance(0.5f);
+  EXPECT_EQ(l.steps, int64_max);
+  EXPECT_EQ(l.opt_state.t, int64_max);
+  EXPECT_STREQ(l.validate(), "");
+
+  cl::temperature::learnable s(0.07f, cl::optimizer::sgd(1e-3f, 0.5f));
+  s.opt_state.t = int64_max;
+  s.advance(0.5f);
+  EXPECT_EQ(s.opt_state.t, int64_max);
+
+  cl::temperature::freeze_then_learn f(0.07f, int64_max, cl::optimizer::sgd(1e-3f));
+  f.steps = int64_max - 1;
+  f.advance(0.5f); // the last frozen step
+  EXPECT_EQ(f.steps, int64_max);
+  EXPECT_TRUE(f.wants_gradient());
+  f.advance(0.5f);
+  EXPECT_EQ(f.steps, int64_max);
+
+  cl::temperature::schedule sch(cl::temperature::schedule_kind::linear, 0.1f, 0.02f, 10);
+  sch.steps = int64_max;
+  sch.advance(0.0f);
+  EXPECT_EQ(sch.steps, int64_max);
+  EXPECT_EQ(sch.theta, cl::temperature::logit_scale_of(0.02f));
+
+  cl::temperature::range_guard g(0.07f);
+  g.events = int32_max;
+  cl::step_record overflow;
+  overflow.loss_scale = overflow.next_loss_scale = 1.0f;
+  overflow.skipped = true;
+  overflow.first_nonfinite = cl::nonfinite_site::logits;
+  g.observe(overflow, 65504.0f);
+  EXPECT_EQ(g.events, int32_max);
+  EXPECT_STREQ(g.validate(), "");
+}
+
+// The same through a loss: restore a checkpoint whose counters are at their maximum, then step. The loss's own step
+// count is refused above the largest a run can reach (it is incremented on every step).
+TEST(Checkpoint, RestoredCountersAtTheirMaximumKeepStepping)
+{
+  const std::size_t n = 12, dim = 8;
+  const auto q = ct::random_rows<float>(n, dim, 61);
+  const auto k = ct::random_rows<float>(n, dim, 62);
+  const cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  std::vector<float> dq(n * dim), dk(n * dim);
+  cl::step_record rec;
+  {
+    using L = cl::loss<float, cl::temperature::learnable, cl::scaler::dynamic>;
+    L l(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch());
+    L::checkpoint c = l.save();
+    c.temperature.steps = int64_max;
+    c.temperature.opt_state.t = int64_max;
+    c.step = cl::detail::max_checkpoint_step;
+    ASSERT_TRUE(l.restore(c).ok());
+    ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+    EXPECT_FALSE(rec.skipped);
+    EXPECT_EQ(l.temperature().steps, int64_max);
+    EXPECT_EQ(l.temperature().opt_state.t, int64_max);
+    EXPECT_EQ(l.steps(), cl::detail::max_checkpoint_step + 1);
+    const L::checkpoint before = l.save();
+    for (std::int64_t step : {cl::detail::max_checkpoint_step + 1, int64_max})
+    {
+      c.step = step;
+      const cl::status st = l.restore(c);
+      EXPECT_EQ(st.code(), cl::errc::invalid_argument) << step;
+      EXPECT_EQ(st.argument(), "checkpoint.step");
+      const L::checkpoint after = l.save();
+      EXPECT_EQ(std::memcmp(&before, &after, sizeof before), 0) << "a refused restore changed the state";
+    }
+  }
+  {
+    using L = cl::loss<float, cl::temperature::schedule, cl::scaler::static_scale>;
+    L l(cl::temperature::schedule(cl::temperature::schedule_kind::cosine, 0.1f, 0.05f, 3));
+    L::checkpoint c = l.save();
+    c.temperature.steps = int64_max;
+    ASSERT_TRUE(l.restore(c).ok());
+    ASSERT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+    EXPECT_EQ(l.temperature().steps, int64_max);
+    EXPECT_EQ(l.tau(), static_cast<float>(std::exp(-static_cast<double>(cl::temperature::logit_scale_of(0.05f)))));
+  }
+}
+
+namespace
+{
+/// A value of P built in memory filled with `garbage` (so any byte its constructor does not write holds `garbage`).
+template <class P, class Make>
+P* build_in(unsigned char* buffer, unsigned char garbage, Make&& make)
+{
+  std::memset(buffer, garbage, sizeof(P));
+  return new (buffer) P(make());
+}
+
+/// Two losses of the same state, each built (policies and loss) in differently garbaged memory, save equal bytes;
+/// so do two saves of one, before and after steps, and save() after restore().
+template <class T, class Make, class MakeScaler>
+void expect_save_is_byte_deterministic(Make make_t, MakeScaler make_s, const char* what)
+{
+  using L = cl::loss<float, T, typename std::invoke_result_t<MakeScaler>>;
+  using S = typename L::scaler_type;
+  alignas(T) unsigned char tb[2][sizeof(T)];
+  alignas(S) unsigned char sb[2][sizeof(S)];
+  alignas(L) unsigned char lb[2][sizeof(L)];
+  const unsigned char garbage[2] = {0xAB, 0x5C};
+  L* l[2];
+  for (int i = 0; i < 2; ++i)
+  {
+    const T* t = build_in<T>(tb[i], garbage[i], make_t);
+    const S* s = build_in<S>(sb[i], garbage[i], make_s);
+    std::memset(lb[i], garbage[i], sizeof(L));
+    l[i] = new (lb[i]) L(*t, *s, 1);
+  }
+  const std::size_t n = 10, dim = 8;
+  const auto q = ct::random_rows<float>(n, dim, 71);
+  const auto k = ct::random_rows<float>(n, dim, 72);
+  const cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  std::vector<float> dq(n * dim), dk(n * dim);
+  for (int steps = 0; steps < 3; ++steps)
+  {
+    const typename L::checkpoint a = l[0]->save(), b = l[1]->save(), a2 = l[0]->save();
+    EXPECT_EQ(std::memcmp(&a, &a2, sizeof a), 0) << what << ": two saves of one loss differ";
+    EXPECT_EQ(std::memcmp(&a, &b, sizeof a), 0) << what << ": saves of one state differ (step " << steps << ")";
+    ASSERT_TRUE(l[1]->restore(a).ok());
+    const typename L::checkpoint r = l[1]->save();
+    EXPECT_EQ(std::memcmp(&a, &r, sizeof a), 0) << what << ": save() after restore() differs";
+    cl::step_record rec;
+    for (L* x : l)
+    {
+      ASSERT_TRUE(x->step(p, dq.data(), dk.data(), rec).ok()) << what;
+    }
+  }
+  for (L* x : l)
+  {
+    x->~L();
+  }
+}
+} // namespace
+
+TEST(Checkpoint, SaveIsByteDeterministicWhateverTheMemoryHeld)
+{
+  namespace tp = cl::temperature;
+  auto torch = []
+  {
+    return cl::scaler::dynamic::torch();
+  };
+  auto dygraph = []
+  {
+    return cl::scaler::dynamic::paddle_dygraph(1024.0f);
+  };
+  auto paddle_static = []
+  {
+    return cl::scaler::dynamic::paddle_static();
+  };
+  auto one = []
+  {
+    return cl::scaler::static_scale(2.0f);
+  };
+  auto fixed = []
+  {
+    return tp::fixed(0.1f);
+  };
+  auto learnable = []
+  {
+    return tp::learnable(0.1f, cl::optimizer::adam(0.01f));
+  };
+  auto clamped = []
+  {
+    return tp::clamped(0.1f, 0.01f, 1.0f, cl::optimizer::sgd(0.1f, 0.9f));
+  };
+  auto freeze = []
+  {
+    return tp::freeze_then_learn(0.1f, 1, cl::optimizer::adam(0.01f), 0.02f, 1.0f);
+  };
+  auto scheduled = []
+  {
+    return tp::scheduled::freeze_then_learn(0.1f, 1);
+  };
+  auto schedule = []
+  {
+    return tp::schedule(tp::schedule_kind::linear, 0.1f, 0.05f, 4);
+  };
+  auto guard = []
+  {
+    return tp::range_guard(0.1f);
+  };
+  expect_save_is_byte_deterministic<tp::fixed>(fixed, torch, "fixed + dynamic");
+  expect_save_is_byte_deterministic<tp::fixed>(fixed, one, "fixed + static");
+  expect_save_is_byte_deterministic<tp::learnable>(learnable, torch, "learnable + dynamic");
+  expect_save_is_byte_deterministic<tp::learnable>(learnable, dygraph, "learnable + paddle_dygraph");
+  expect_save_is_byte_deterministic<tp::clamped>(clamped, one, "clamped + static");
+  expect_save_is_byte_deterministic<tp::clamped>(clamped, paddle_static, "clamped + paddle_static");
+  expect_save_is_byte_deterministic<tp::freeze_then_learn>(freeze, torch, "freeze_then_learn + dynamic");
+  expect_save_is_byte_deterministic<tp::scheduled>(scheduled, one, "scheduled + static");
+  expect_save_is_byte_deterministic<tp::schedule>(schedule, one, "schedule + static");
+  expect_save_is_byte_deterministic<tp::schedule>(schedule, torch, "schedule + dynamic");
+  expect_save_is_byte_deterministic<tp::range_guard>(guard, torch, "range_guard + dynamic");
+  expect_save_is_byte_deterministic<tp::range_guard>(guard, one, "range_guard + static");
+}
+
+// A policy whose settings let a finite step move tau out of the domain is refused when it is built (every call
+// validates it) or restored, instead of being accepted and then refusing every later call.
+TEST(Temperature, BoundsOutsideTheDomainAreRefused)
+{
+  namespace tp = cl::temperature;
+  const float inf = std::numeric_limits<float>::infinity();
+  const auto sgd = cl::optimizer::sgd(1.0f);
+  struct bounds
+  {
+    float tau, tau_min, tau_max;
+  };
+  for (const bounds b : {bounds{0.07f, inf, inf},
+                         bounds{0.07f, 0.0f, 0.0f},
+                         bounds{0.07f, 1e-38f, 1e-38f},
+                         bounds{0.07f, 1e36f, 1e37f},
+                         bounds{0.07f, 1e-37f, 1e-36f},
+                         bounds{0.07f, 0.01f, 1e36f},
+                         bounds{0.07f, 1e-37f, 1.0f},
+                         bounds{0.07f, 0.0f, 1e36f},
+                         bounds{0.07f, 1e-37f, inf}})
+  {
+    const tp::freeze_then_learn f(b.tau, 0, sgd, b.tau_min, b.tau_max);
+    EXPECT_STRNE(f.validate(), "") << "freeze_then_learn [" << b.tau_min << ", " << b.tau_max << "]";
+    if (b.tau_min != inf && b.tau_max != 0.0f)
+    {
+      const tp::clamped c(b.tau, b.tau_min, b.tau_max, sgd);
+      EXPECT_STRNE(c.validate(), "") << "clamped [" << b.tau_min << ", " << b.tau_max << "]";
+    }
+  }
+  // restore() of clamped bounds outside the domain (theta in [85, 85]) is refused, naming the checkpoint.
+  using L = cl::loss<float, tp::clamped, cl::scaler::static_scale>;
+  L l(tp::clamped(0.07f, 0.01f, 1.0f));
+  L::checkpoint c = l.save();
+  c.temperature.min_theta = c.temperature.max_theta = tp::theta_limit + 5.0f;
+  c.temperature.theta = tp::theta_limit;
+  const cl::status st = l.restore(c);
+  EXPECT_EQ(st.code(), cl::errc::invalid_temperature);
+  EXPECT_EQ(st.argument(), "checkpoint.temperature");
+  // range_guard: a tau_max outside the domain (its ceiling could retreat below -80) is refused; inf is no bound.
+  EXPECT_STRNE(tp::range_guard(0.07f, sgd, 16.0f, 0.5f, 1.0f, 1e36f).validate(), "");
+  EXPECT_STRNE(tp::range_guard(0.07f, sgd, 16.0f, 0.5f, 1.0f, 0.0f).validate(), "");
+  EXPECT_STREQ(tp::range_guard(0.07f, sgd, 16.0f, 0.5f, 1.0f, inf).validate(), "");
+  tp::range_guard g(0.07f);
+  g.ceiling = -tp::theta_limit - 1.0f;
+  g.min_theta = -inf;
+  EXPECT_STRNE(g.validate(), "");
+}
+
+// Every setting a policy accepts keeps tau inside the domain whatever finite gradients and overflow events it sees,
+// up to the domain's edges as the code computes them.
+TEST(Temperature, AcceptedPoliciesNeverLeaveTheDomain)
+{
+  namespace tp = cl::temperature;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float lo = smallest_valid_tau(), hi = largest_valid_tau();
+  ASSERT_FALSE(tp::valid_tau(std::nextafter(lo, 0.0f)));
+  ASSERT_FALSE(tp::valid_tau(std::nextafter(hi, inf)));
+  for (const auto& opt : {cl::optimizer::sgd(1e29f), cl::optimizer::sgd(1.0f, 0.9f), cl::optimizer::adam(50.0f)})
+  {
+    expect_trajectory_stays_inside(tp::learnable(lo, opt), "learnable at the lowest tau");
+    expect_trajectory_stays_inside(tp::learnable(hi, opt), "learnable at the highest tau");
+    expect_trajectory_stays_inside(tp::clamped(0.07f, lo, hi, opt), "clamped to the whole domain");
+    expect_trajectory_stays_inside(tp::clamped(lo, lo, lo, opt), "clamped to the lowest tau");
+    expect_trajectory_stays_inside(tp::clamped(hi, hi, hi, opt), "clamped to the highest tau");
+    expect_trajectory_stays_inside(tp::clamped(0.07f, 0.0f, inf, opt), "clamped without bounds");
+    expect_trajectory_stays_inside(tp::freeze_then_learn(lo, 0, opt), "freeze_then_learn without bounds");
+    expect_trajectory_stays_inside(tp::freeze_then_learn(hi, 2, opt, lo, hi), "freeze_then_learn over the domain");
+    expect_trajectory_stays_inside(tp::freeze_then_learn(0.07f, 1, opt, hi, hi), "freeze_then_learn at the top");
+    expect_trajectory_stays_inside(tp::range_guard(0.07f, opt, 16.0f, 0.5f, 1.0f, inf), "range_guard, no tau_max");
+    expect_trajectory_stays_inside(tp::range_guard(hi, opt, 16.0f, 79.0f, 1.0f, hi), "range_guard at the top");
+    expect_trajectory_stays_inside(tp::range_guard(lo, opt, 1.0f, 0.5f, 1.0f, 1.0f), "range_guard at the bottom");
+  }
+  for (const auto kind : {tp::schedule_kind::linear, tp::schedule_kind::cosine})
+  {
+    expect_trajectory_stays_inside(tp::schedule(kind, 5e34f, 1.9e-35f, 7), "schedule 5e34 -> 1.9e-35");
+    expect_trajectory_stays_inside(tp::schedule(kind, hi, lo, 1000), "schedule over the whole domain, down");
+    expect_trajectory_stays_inside(tp::schedule(kind, lo, hi, 3), "schedule over the whole domain, up");
+    expect_trajectory_stays_inside(tp::schedule(kind, hi, hi, 3), "constant schedule at the top");
+    tp::schedule s(kind, hi, lo, 5);
+    for (int i = 0; i < 5; ++i)
+    {
+      s.advance(0.0f);
+    }
+    EXPECT_EQ(s.theta, tp::logit_scale_of(lo)) << "a schedule ends exactly at tau_end";
+  }
 }

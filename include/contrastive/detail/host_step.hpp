@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace contrastive
 {
@@ -40,8 +42,25 @@ struct checkpoint
   std::int64_t step;
 };
 
-/// Byte-deterministic (padding zeroed, members copied as bytes): two saves of the same state compare equal with
-/// memcmp, so a checkpoint can be checksummed or compared as a blob.
+/// The largest step count `restore` accepts: 2^62 steps is more than any run makes (146 years at 10^9 steps a
+/// second), and the count, incremented once per step, then cannot overflow in the steps that remain.
+inline constexpr std::int64_t max_checkpoint_step = std::int64_t(1) << 62;
+
+/// Whether a policy has explicit padding members that its `clear_padding()` zeroes (the library's policies).
+template <class P, class = void>
+struct has_clear_padding : std::false_type
+{
+};
+template <class P>
+struct has_clear_padding<P, std::void_t<decltype(std::declval<P&>().clear_padding())>> : std::true_type
+{
+};
+
+/// Byte-deterministic: the checkpoint's own padding is zeroed, the policies are copied as bytes and their explicit
+/// padding members zeroed (the library's policies have no implicit padding, which the compiler would not copy
+/// reliably, nor zero in memory a policy was built in), so two saves of the same state compare equal with memcmp
+/// and a checkpoint can be checksummed or compared as a blob. A custom policy with implicit padding has to name it
+/// as members and zero them in a `clear_padding()` for the same guarantee.
 template <class Temperature, class Scaler>
 checkpoint<Temperature, Scaler> save_checkpoint(const Temperature& t, const Scaler& s, std::int64_t step) noexcept
 {
@@ -49,12 +68,21 @@ checkpoint<Temperature, Scaler> save_checkpoint(const Temperature& t, const Scal
   std::memset(static_cast<void*>(&c), 0, sizeof c);
   std::memcpy(static_cast<void*>(&c.temperature), &t, sizeof t);
   std::memcpy(static_cast<void*>(&c.scaler), &s, sizeof s);
+  if constexpr (has_clear_padding<Temperature>::value)
+  {
+    c.temperature.clear_padding();
+  }
+  if constexpr (has_clear_padding<Scaler>::value)
+  {
+    c.scaler.clear_padding();
+  }
   c.step = step;
   return c;
 }
 
-/// Validates `c`, then copies it in as bytes (padding included, so save() after restore() reproduces it exactly);
-/// on error nothing changes.
+/// Validates `c`, then copies it in as bytes (so save() after restore() of a saved checkpoint reproduces it exactly);
+/// on error nothing changes. The policies' counters saturate; the step count, which the losses increment, is
+/// refused above max_checkpoint_step.
 template <class Temperature, class Scaler>
 status restore_checkpoint(const checkpoint<Temperature, Scaler>& c, Temperature& t, Scaler& s, std::int64_t& step)
 {
@@ -69,6 +97,13 @@ status restore_checkpoint(const checkpoint<Temperature, Scaler>& c, Temperature&
   if (c.step < 0)
   {
     return {errc::invalid_argument, "checkpoint.step", "negative step count"};
+  }
+  if (c.step > max_checkpoint_step)
+  {
+    return {errc::invalid_argument,
+            "checkpoint.step",
+            "step count " + std::to_string(c.step) + " is above " + std::to_string(max_checkpoint_step) +
+                " (2^62), more than any run makes"};
   }
   std::memcpy(static_cast<void*>(&t), &c.temperature, sizeof t);
   std::memcpy(static_cast<void*>(&s), &c.scaler, sizeof s);

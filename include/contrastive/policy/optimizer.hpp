@@ -16,6 +16,20 @@
 
 namespace contrastive
 {
+namespace detail
+{
+/// `c + 1`, or `c` when that would overflow: the policies' step and event counters saturate at their maximum (a
+/// restored checkpoint may hold it) instead of overflowing.
+CONTRASTIVE_HOST_DEVICE inline std::int64_t saturating_increment(std::int64_t c) noexcept
+{
+  return c < INT64_MAX ? c + 1 : c;
+}
+CONTRASTIVE_HOST_DEVICE inline std::int32_t saturating_increment(std::int32_t c) noexcept
+{
+  return c < INT32_MAX ? c + 1 : c;
+}
+} // namespace detail
+
 enum class optimizer_kind : std::int32_t
 {
   sgd = 0,
@@ -55,7 +69,11 @@ struct optimizer
   }
 };
 
-/// Optimiser state: momentum buffer / first moment, second moment, and the number of updates applied.
+// No implicit padding, so that copying a policy that holds these copies every byte (checkpoints compare with memcmp).
+static_assert(sizeof(optimizer) == sizeof(optimizer_kind) + 5 * sizeof(float), "optimizer must have no padding");
+
+/// Optimiser state: momentum buffer / first moment, second moment, and the number of updates applied (saturating at
+/// INT64_MAX, where Adam's bias corrections are 1).
 struct optimizer_state
 {
   double m = 0.0;
@@ -68,13 +86,15 @@ struct optimizer_state
     return m - m == 0.0 && v >= 0.0 && v < 1.0e300 && t >= 0;
   }
 };
+static_assert(sizeof(optimizer_state) == 2 * sizeof(double) + sizeof(std::int64_t),
+              "optimizer_state must have no padding");
 
 /// Applies one update to `theta` with gradient `g`; returns the new theta.
 CONTRASTIVE_HOST_DEVICE inline float
 apply_update(const optimizer& opt, optimizer_state& st, float theta, float g) noexcept
 {
   const double gd = static_cast<double>(g);
-  st.t += 1;
+  st.t = detail::saturating_increment(st.t);
   if (opt.kind == optimizer_kind::sgd)
   {
     st.m = st.t == 1 ? gd : static_cast<double>(opt.momentum) * st.m + gd;

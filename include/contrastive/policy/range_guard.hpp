@@ -51,7 +51,7 @@ struct range_guard : learnable
   float scale_floor = 1.0f; ///< a back-off that leaves the loss scale below this is an overflow event
   float min_theta = 0.0f;   ///< log(1/tau_max): theta never goes below it (tau <= tau_max)
   float ceiling = __builtin_huge_valf(); ///< theta's upper bound now: the range bound, lowered by each retreat
-  std::int32_t events = 0;               ///< overflow events seen (each one retreated)
+  std::int32_t events = 0;               ///< overflow events seen (each one retreated; saturates at INT32_MAX)
 
   range_guard() noexcept : range_guard(0.07f) {}
 
@@ -96,7 +96,7 @@ struct range_guard : learnable
     {
       lower_ceiling(theta - retreat);
       opt_state.m = 0.0;
-      ++events;
+      events = detail::saturating_increment(events);
     }
     theta = clamp(theta);
   }
@@ -119,22 +119,30 @@ struct range_guard : learnable
     {
       return "events must be >= 0";
     }
-    if (!(min_theta <= ceiling))
+    if (!valid_theta_bound(min_theta, -__builtin_huge_valf()))
     {
-      return "tau_max must be finite and > 0, and the ceiling not below log(1/tau_max)";
+      return "tau_max must be a tau with |log(1/tau)| <= 80, or inf for no bound";
+    }
+    if (!(min_theta <= ceiling) || !(ceiling >= -theta_limit))
+    {
+      return "the ceiling must not be below log(1/tau_max) nor below -80";
     }
     return learnable::validate();
   }
 
 private:
-  /// The ceiling only ever comes down, and never below min_theta.
+  /// The ceiling only ever comes down, and never below min_theta nor below the domain's edge (with tau_max = inf,
+  /// retreats would otherwise take it, and theta, below -theta_limit).
   CONTRASTIVE_HOST_DEVICE void lower_ceiling(float bound) noexcept
   {
+    const float floor = min_theta > -theta_limit ? min_theta : -theta_limit;
     if (bound < ceiling)
     {
-      ceiling = bound < min_theta ? min_theta : bound;
+      ceiling = bound < floor ? floor : bound;
     }
   }
 };
+static_assert(sizeof(range_guard) == sizeof(learnable) + 5 * sizeof(float) + sizeof(std::int32_t),
+              "range_guard must have no padding");
 } // namespace temperature
 } // namespace contrastive

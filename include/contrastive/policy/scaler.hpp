@@ -55,6 +55,7 @@ struct dynamic
   static constexpr const char* name = "dynamic";
 
   float scale = 65536.0f;
+  std::uint32_t padding0 = 0; ///< explicit padding, always 0: no implicit padding, so save() is byte-deterministic
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   std::int32_t growth_interval = 2000;
@@ -62,8 +63,10 @@ struct dynamic
   float min_scale = 0.0f;                  ///< floor after a back-off; 0 = none
   float max_scale = __builtin_huge_valf(); ///< cap after a growth; inf = none
   bool refuse_nonfinite_growth = true;     ///< a growth that would overflow float is refused
+  std::uint8_t padding1[3] = {0, 0, 0};    ///< explicit padding, always 0
   std::int32_t good = 0;
   std::int32_t bad = 0;
+  std::uint32_t padding2 = 0; ///< explicit padding, always 0
 
   /// `torch.amp.GradScaler()` defaults: 2^16, x2 every 2000 finite steps, x0.5 on every non-finite step, no floor,
   /// growth to inf refused (aten `_amp_update_scale_`).
@@ -144,6 +147,14 @@ struct dynamic
     }
   }
 
+  /// Zeroes the explicit padding (`save()` calls it on the copy it returns).
+  CONTRASTIVE_HOST_DEVICE void clear_padding() noexcept
+  {
+    padding0 = 0;
+    padding1[0] = padding1[1] = padding1[2] = 0;
+    padding2 = 0;
+  }
+
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     // 0 and +inf are reachable states (no floor / unchecked growth) and must keep stepping, so only NaN and negative
@@ -172,6 +183,10 @@ struct dynamic
     return "";
   }
 };
+
+static_assert(sizeof(dynamic) == 3 * sizeof(float) + 2 * sizeof(double) + 4 * sizeof(std::int32_t) + sizeof(bool) +
+                                     3 * sizeof(std::uint8_t) + 2 * sizeof(std::uint32_t),
+              "dynamic must have no padding");
 
 template <class P, class = void>
 struct is_scaler_policy : std::false_type

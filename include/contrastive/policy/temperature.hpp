@@ -12,7 +12,10 @@
 ///   `advance(g)`         called once per *finite* step with the unscaled gradient; updates theta and the step count;
 ///   `validate()`         empty string when the settings are in their domain, else what is wrong.
 /// A skipped step never calls `advance`: theta, the optimiser state and the step count stay exactly as they were.
-/// Policies are trivially copyable: copying one saves it, assigning a copy back restores it.
+/// Policies are trivially copyable: copying one saves it, assigning a copy back restores it. They have no implicit
+/// padding (where the ABI would put some, an explicit `padding` member, always 0, takes its place; `clear_padding()`
+/// zeroes them), so `loss::save()` is byte-deterministic whatever memory a policy was built in.
+/// Step counters saturate at INT64_MAX instead of overflowing.
 
 #include <contrastive/detail/config.hpp>
 #include <contrastive/policy/optimizer.hpp>
@@ -51,6 +54,19 @@ CONTRASTIVE_HOST_DEVICE inline bool valid_tau(float tau) noexcept
 CONTRASTIVE_HOST_DEVICE inline bool valid_theta(float theta) noexcept
 {
   return theta >= -theta_limit && theta <= theta_limit;
+}
+
+/// theta kept inside the domain (NaN is left as it is).
+CONTRASTIVE_HOST_DEVICE inline float clamp_theta(float theta) noexcept
+{
+  return theta < -theta_limit ? -theta_limit : (theta > theta_limit ? theta_limit : theta);
+}
+
+/// Whether a clamp bound keeps every theta it clamps inside the domain: a theta inside it, or `none`, the infinity
+/// that stands for no bound on that side (-inf for the lower bound, +inf for the upper one).
+CONTRASTIVE_HOST_DEVICE inline bool valid_theta_bound(float bound, float none) noexcept
+{
+  return bound == none || valid_theta(bound);
 }
 
 /// tau never changes and no gradient is used. State: tau.
@@ -96,6 +112,7 @@ struct learnable
 
   float theta = 2.65926003693f; ///< log(1/0.07)
   contrastive::optimizer opt = contrastive::optimizer::adam(1e-3f);
+  std::uint32_t padding = 0; ///< explicit padding before opt_state, always 0 (see the file comment)
   optimizer_state opt_state{};
   std::int64_t steps = 0;
 
@@ -127,8 +144,13 @@ struct learnable
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
   {
     const float next = apply_update(opt, opt_state, theta, grad_theta);
-    theta = next != next ? theta : (next < -theta_limit ? -theta_limit : (next > theta_limit ? theta_limit : next));
-    ++steps;
+    theta = next != next ? theta : clamp_theta(next);
+    steps = detail::saturating_increment(steps);
+  }
+  /// Zeroes the explicit padding (`save()` calls it on the copy it returns).
+  CONTRASTIVE_HOST_DEVICE void clear_padding() noexcept
+  {
+    padding = 0;
   }
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
@@ -184,11 +206,17 @@ struct clamped : learnable
     learnable::advance(grad_theta);
     theta = clamp(theta);
   }
+  /// Besides learnable's checks: each bound is a tau inside the domain, or none (tau_min = 0: max_theta = +inf;
+  /// tau_max = inf: min_theta = -inf), so that clamping can never move theta out of the domain.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (!(min_theta <= max_theta))
     {
       return "tau_min must be <= tau_max, both finite and > 0";
+    }
+    if (!valid_theta_bound(min_theta, -__builtin_huge_valf()) || !valid_theta_bound(max_theta, __builtin_huge_valf()))
+    {
+      return "tau_min and tau_max must each be a tau with |log(1/tau)| <= 80 (tau_min = 0, tau_max = inf: no bound)";
     }
     return learnable::validate();
   }
@@ -231,7 +259,7 @@ struct freeze_then_learn : clamped
       clamped::advance(grad_theta);
       return;
     }
-    ++steps;
+    steps = detail::saturating_increment(steps);
   }
 
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
@@ -283,8 +311,10 @@ struct schedule
   schedule_kind kind = schedule_kind::cosine;
   float tau_start = 0.07f;
   float tau_end = 0.07f;
+  std::uint32_t padding0 = 0; ///< explicit padding before duration, always 0 (see the file comment)
   std::int64_t duration = 1000;
   float theta = 2.65926003693f; ///< log(1/tau) now: log(1/tau_start) at step 0
+  std::uint32_t padding1 = 0;   ///< explicit padding before steps, always 0
   std::int64_t steps = 0;
 
   constexpr schedule() = default;
@@ -310,22 +340,31 @@ struct schedule
   {
     return false;
   }
+  /// The next step's theta. tau_at stays between tau_start and tau_end, both inside the domain; the clamp only
+  /// guards against a log that rounds differently from the one `validate` used (the device's, say).
   CONTRASTIVE_HOST_DEVICE void advance(float) noexcept
   {
-    ++steps;
-    theta = logit_scale_of(tau_at(steps));
+    steps = detail::saturating_increment(steps);
+    theta = clamp_theta(logit_scale_of(tau_at(steps)));
+  }
+  CONTRASTIVE_HOST_DEVICE void clear_padding() noexcept
+  {
+    padding0 = 0;
+    padding1 = 0;
   }
 
-  /// tau after `step` finite steps.
+  /// tau after `step` finite steps: tau_start (1 - f) + tau_end f with f in [0, 1], a weighted mean of two positive
+  /// values, so it stays between them (tau_start + (tau_end - tau_start) f cancels to 0 when tau_end << tau_start)
+  /// and is exactly tau_end from `duration` on.
   CONTRASTIVE_HOST_DEVICE float tau_at(std::int64_t step) const noexcept
   {
-    if (duration <= 0)
+    if (duration <= 0 || step >= duration)
     {
       return tau_end;
     }
-    const double x = step >= duration ? 1.0 : static_cast<double>(step) / static_cast<double>(duration);
+    const double x = static_cast<double>(step) / static_cast<double>(duration);
     const double f = kind == schedule_kind::linear ? x : 0.5 * (1.0 - ::cos(3.14159265358979323846 * x));
-    return static_cast<float>(tau_start + (static_cast<double>(tau_end) - tau_start) * f);
+    return static_cast<float>(static_cast<double>(tau_start) * (1.0 - f) + static_cast<double>(tau_end) * f);
   }
 
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
@@ -345,6 +384,19 @@ struct schedule
     return valid_theta(theta) ? "" : "tau must be finite and > 0 (logit scale log(1/tau) outside [-80, 80])";
   }
 };
+
+// No implicit padding in any policy (a member added where the ABI pads needs an explicit padding member next to it).
+static_assert(sizeof(fixed) == sizeof(float), "fixed must have no padding");
+static_assert(sizeof(learnable) == sizeof(float) + sizeof(contrastive::optimizer) + sizeof(std::uint32_t) +
+                                       sizeof(optimizer_state) + sizeof(std::int64_t),
+              "learnable must have no padding");
+static_assert(sizeof(clamped) == sizeof(learnable) + 2 * sizeof(float), "clamped must have no padding");
+static_assert(sizeof(freeze_then_learn) == sizeof(clamped) + sizeof(std::int64_t),
+              "freeze_then_learn must have no padding");
+static_assert(sizeof(scheduled) == sizeof(freeze_then_learn), "scheduled must have no padding");
+static_assert(sizeof(schedule) ==
+                  sizeof(schedule_kind) + 3 * sizeof(float) + 2 * sizeof(std::uint32_t) + 2 * sizeof(std::int64_t),
+              "schedule must have no padding");
 
 /// Requirements of a temperature policy, checked once by the owning template.
 template <class P, class = void>
