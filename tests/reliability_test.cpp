@@ -140,6 +140,7 @@ TEST(Resources, MemoryThatCannotBeHadIsAStatus)
   EXPECT_EQ(st.argument(), "memory");
   // n^2 floats of logits alone: 4 TiB; the message gives the whole request in bytes.
   EXPECT_NE(st.message().find("bytes"), std::string::npos) << st.message();
+  EXPECT_EQ(st.message().find("memory", 1), std::string::npos) << "the argument once: " << st.message();
   EXPECT_TRUE(same_state(before, l.save()));
   EXPECT_TRUE(all_equal(dq, 7.0f));
   EXPECT_LT(l.bytes_held(), std::size_t(1) << 20) << "a failed prepare must not keep its partial buffers";

@@ -376,7 +376,7 @@ private:
               "memory",
               "the host engine needs " + std::to_string(bytes.value) + " bytes for n_q = " + std::to_string(p.n_q) +
                   ", n_k = " + std::to_string(p.n_k) + ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name +
-                  "): " + st.message()};
+                  "): " + st.reason()};
     }
     return {};
   }

@@ -97,6 +97,11 @@ public:
   {
     return ok() ? std::string("success") : argument_ + ": " + message_;
   }
+  /// The message without the argument's name (for a caller that wraps this status in its own).
+  const std::string& reason() const noexcept
+  {
+    return message_;
+  }
 
 private:
   errc code_ = errc::success;
