@@ -245,6 +245,39 @@ TEST(BadInput, InvalidPolicySettings)
   EXPECT_TRUE(untouched(d.dq));
 }
 
+// A dynamic scaler state its rule cannot reach (a start at +inf where growth to inf is refused, or outside
+// [min_scale, max_scale]) is refused by every call, naming the scaler and the field, and changes nothing.
+TEST(BadInput, DynamicScalerOutsideItsReachIsRefused)
+{
+  fixture_data d;
+  cl::step_record rec;
+  auto at_inf = cl::scaler::dynamic::torch();
+  at_inf.scale = INFINITY;
+  auto below_floor = cl::scaler::dynamic::paddle_static(0.5f);
+  auto above_cap = cl::scaler::dynamic::torch();
+  above_cap.max_scale = 1024.0f;
+  for (const cl::scaler::dynamic& s : {at_inf, below_floor, above_cap})
+  {
+    half_loss l(cl::temperature::learnable(0.1f), s);
+    const half_loss::checkpoint before = l.save();
+    const cl::status st = l.step(d.problem(), d.dq.data(), d.dk.data(), rec);
+    EXPECT_EQ(st.code(), cl::errc::invalid_scaler) << s.scale;
+    EXPECT_EQ(st.argument(), "scaler");
+    EXPECT_NE(st.message().find(": scale must be"), std::string::npos) << st.message();
+    expect_unchanged(l, before);
+    EXPECT_EQ(l.steps(), 0);
+  }
+  EXPECT_TRUE(untouched(d.dq));
+  EXPECT_TRUE(untouched(d.dk));
+  // 0 is where a torch run without a floor ends: it is accepted and every step is skipped, as in PyTorch.
+  auto collapsed = cl::scaler::dynamic::torch();
+  collapsed.scale = 0.0f;
+  half_loss l(cl::temperature::learnable(0.1f), collapsed);
+  ASSERT_TRUE(l.step(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(l.loss_scale(), 0.0f);
+}
+
 TEST(BadInput, StepProtocolMisuse)
 {
   fixture_data d;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -698,5 +699,76 @@ TEST(Temperature, AcceptedPoliciesNeverLeaveTheDomain)
       s.advance(0.0f);
     }
     EXPECT_EQ(s.theta, tp::logit_scale_of(lo)) << "a schedule ends exactly at tau_end";
+  }
+}
+
+// The dynamic scaler accepts exactly the states its rule can be in: a scale outside [min_scale, max_scale], +inf
+// where growth to inf is refused, and a non-finite floor or a cap <= 0 are refused, each naming the field.
+TEST(DynamicScaler, RefusesStatesItsRuleCannotReach)
+{
+  const float inf = std::numeric_limits<float>::infinity();
+  struct refusal
+  {
+    cl::scaler::dynamic d;
+    const char* field;
+  };
+  std::vector<refusal> cases;
+  auto d = cl::scaler::dynamic::torch();
+  d.scale = inf; // torch refuses growth to inf: no run gets there
+  cases.push_back({d, "scale"});
+  d = cl::scaler::dynamic::paddle_static(0.5f); // below its floor of 1: a back-off would raise it
+  cases.push_back({d, "scale"});
+  d = cl::scaler::dynamic::paddle_static(0.0f);
+  cases.push_back({d, "scale"});
+  d = cl::scaler::dynamic::torch();
+  d.max_scale = 1024.0f; // above the cap
+  cases.push_back({d, "scale"});
+  d = cl::scaler::dynamic::torch();
+  d.min_scale = inf;
+  d.scale = inf;
+  cases.push_back({d, "min_scale"});
+  d = cl::scaler::dynamic::torch();
+  d.min_scale = std::numeric_limits<float>::quiet_NaN();
+  cases.push_back({d, "min_scale"});
+  d = cl::scaler::dynamic::paddle_dygraph(0.0f);
+  d.max_scale = 0.0f;
+  cases.push_back({d, "max_scale"});
+  d = cl::scaler::dynamic::torch();
+  d.min_scale = 4.0f;
+  d.max_scale = 2.0f;
+  cases.push_back({d, "max_scale"});
+  for (const refusal& r : cases)
+  {
+    const std::string why = r.d.validate();
+    EXPECT_EQ(why.rfind(r.field, 0), 0u) << "scale " << r.d.scale << ": '" << why << "' should name " << r.field;
+  }
+  // What the presets' rules reach stays accepted: 0 after 166 back-offs without a floor, +inf after unchecked
+  // growth, the floor and the cap.
+  auto torch = cl::scaler::dynamic::torch();
+  auto dygraph = cl::scaler::dynamic::paddle_dygraph(std::ldexp(1.0f, 120), 2.0f, 0.5f, 1, 1);
+  auto paddle_static = cl::scaler::dynamic::paddle_static(4.0f, 2.0f, 0.8f, 1, 1);
+  auto capped = cl::scaler::dynamic::torch();
+  capped.max_scale = 70000.0f;
+  capped.growth_interval = 1;
+  for (int i = 0; i < 200; ++i)
+  {
+    torch.update(true);
+    dygraph.update(false);
+    paddle_static.update(true);
+    capped.update(false);
+    ASSERT_STREQ(torch.validate(), "") << i;
+    ASSERT_STREQ(dygraph.validate(), "") << i;
+    ASSERT_STREQ(paddle_static.validate(), "") << i;
+    ASSERT_STREQ(capped.validate(), "") << i;
+  }
+  EXPECT_EQ(torch.scale, 0.0f);
+  EXPECT_EQ(dygraph.scale, inf);
+  EXPECT_EQ(paddle_static.scale, paddle_static.min_scale);
+  EXPECT_EQ(capped.scale, capped.max_scale);
+  for (int i = 0; i < 5; ++i)
+  {
+    dygraph.update(true); // inf * 0.5 = inf: a dead end, as in Paddle
+    EXPECT_EQ(dygraph.scale, inf);
+    EXPECT_STREQ(dygraph.validate(), "");
   }
 }

@@ -49,6 +49,13 @@ struct static_scale
 };
 
 /// Dynamic loss scaling. State: scale, good (consecutive finite steps), bad (consecutive non-finite steps).
+///
+/// Accepted states (`validate`) are those the rule can be in: min_scale <= scale <= max_scale (a back-off never goes
+/// below min_scale, a growth never above max_scale), with 0 < max_scale and a finite min_scale; scale = 0 only
+/// without a floor (min_scale = 0: where 166 back-offs from 2^16 end, as in PyTorch) and scale = +inf only when
+/// growth is unchecked (refuse_nonfinite_growth false, max_scale = inf: Paddle dygraph). Both are dead ends the
+/// frameworks reach and keep (0 * growth = 0, inf * backoff = inf: every step is skipped), accepted so that such a
+/// run resumes bit-exactly; start a run from a finite scale > 0.
 struct dynamic
 {
   static constexpr bool is_dynamic = true;
@@ -157,11 +164,27 @@ struct dynamic
 
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
-    // 0 and +inf are reachable states (no floor / unchecked growth) and must keep stepping, so only NaN and negative
-    // values are rejected.
     if (!(scale >= 0.0f))
     {
-      return "loss scale must be >= 0 (not NaN)";
+      return "scale must be >= 0 (not NaN)";
+    }
+    if (!(min_scale >= 0.0f && min_scale - min_scale == 0.0f))
+    {
+      return "min_scale must be finite and >= 0";
+    }
+    if (!(max_scale > 0.0f) || !(max_scale >= min_scale))
+    {
+      return "max_scale must be > 0 and >= min_scale";
+    }
+    // 0 (no floor) and +inf (unchecked growth, no cap) are states the rule reaches and must keep stepping from; a
+    // state the rule cannot reach is refused (see the struct comment).
+    if (scale < min_scale || scale > max_scale)
+    {
+      return "scale must be within [min_scale, max_scale]";
+    }
+    if (refuse_nonfinite_growth && !(scale - scale == 0.0f))
+    {
+      return "scale must be finite (refuse_nonfinite_growth: no step grows it to inf)";
     }
     // As torch.amp.GradScaler: growth must grow and back-off must shrink (a constant scale is static_scale).
     if (!(growth_factor > 1.0 && growth_factor < 1e30) || !(backoff_factor > 0.0 && backoff_factor < 1.0))
@@ -171,10 +194,6 @@ struct dynamic
     if (growth_interval < 1 || backoff_interval < 1)
     {
       return "growth_interval and backoff_interval must be >= 1";
-    }
-    if (!(min_scale >= 0.0f) || !(max_scale >= min_scale))
-    {
-      return "need 0 <= min_scale <= max_scale";
     }
     if (good < 0 || good >= growth_interval || bad < 0 || bad >= backoff_interval)
     {
