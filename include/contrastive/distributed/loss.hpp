@@ -233,7 +233,7 @@ public:
     double col_loss_sum = 0.0;
     if (sym)
     {
-      CONTRASTIVE_RETURN_IF_ERROR(combine_columns(p.n_q, col_loss_sum));
+      CONTRASTIVE_RETURN_IF_ERROR(combine_columns(p.n_q, compute, col_loss_sum));
     }
     host::backward_result br;
     if (compute.ok())
@@ -394,28 +394,43 @@ private:
 
   /// The symmetric loss's columns: each rank's partial column states over its rows, combined (max, then the
   /// rescaled sums and the positives); returns the sum of the global column losses (identical on every rank).
-  status combine_columns(std::size_t n_local, double& col_loss_sum)
+  /// If this rank's forward failed (`compute`; its engine may be released) it still takes part in both reductions,
+  /// with neutral partials, so the others are not left waiting; the step is refused on every rank afterwards.
+  status combine_columns(std::size_t n_local, status& compute, double& col_loss_sum)
   {
     const std::size_t n = n_k_total_;
     const std::vector<float>& part_max = engine_.block_column_max();
     const std::vector<float>& part_sum = engine_.block_column_sum();
-    std::copy(part_max.begin(), part_max.end(), col_a_.begin());
+    if (compute.ok() && (part_max.size() < n || part_sum.size() < n || engine_.positives().size() < n_local))
+    {
+      (void)(compute = status{errc::invalid_argument, "engine", "the engine's column partials are missing"});
+    }
+    const bool local_ok = compute.ok();
+    for (std::size_t j = 0; j < n; ++j)
+    {
+      col_a_[j] = local_ok ? part_max[j] : -contrastive::detail::infinity_f;
+    }
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(col_a_.data(), n, reduce_op::max));
     float* sums = col_b_.data();
     float* pos = col_b_.data() + n;
     for (std::size_t j = 0; j < n; ++j)
     {
-      online_lse s{part_max[j], part_sum[j]};
+      online_lse s{local_ok ? part_max[j] : -contrastive::detail::infinity_f, local_ok ? part_sum[j] : 0.0f};
       s.rebase(col_a_[j] == -contrastive::detail::infinity_f ? s.max : col_a_[j]);
       sums[j] = s.max == -contrastive::detail::infinity_f ? 0.0f : s.sum;
       pos[j] = 0.0f;
     }
     // Column j's positive is global query j: owned by the rank whose queries start at q_off_.
-    for (std::size_t i = 0; i < n_local; ++i)
+    for (std::size_t i = 0; local_ok && i < n_local; ++i)
     {
       pos[q_off_ + i] = engine_.positives()[i];
     }
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(col_b_.data(), 2 * n, reduce_op::sum));
+    if (!local_ok)
+    {
+      col_loss_sum = 0.0;
+      return {};
+    }
     col_loss_sum = 0.0;
     for (std::size_t j = 0; j < n; ++j)
     {
