@@ -60,18 +60,6 @@ inline const char* call_name(std::int64_t kind) noexcept
                                                                         : "an unknown call";
 }
 
-/// A status's message without its "argument: " prefix (status::message() adds it; re-wrapping would repeat it).
-inline std::string text_of(const status& s)
-{
-  std::string m = s.message();
-  const std::string prefix = s.argument() + ": ";
-  if (!s.argument().empty() && m.compare(0, prefix.size(), prefix) == 0)
-  {
-    m.erase(0, prefix.size());
-  }
-  return m;
-}
-
 /// Ranks in different calls or at different steps (or with different iterations): the refusal every rank returns,
 /// built from the gathered messages alone (identical on every rank); success when all agree.
 inline status check_in_step(const std::vector<call_msg>& all)
@@ -250,7 +238,7 @@ status agree(const Comm& comm, const status& local)
     {
       m.code = static_cast<std::int32_t>(local.code());
       std::strncpy(m.argument, local.argument().c_str(), sizeof m.argument - 1);
-      std::strncpy(m.message, text_of(local).c_str(), sizeof m.message - 1);
+      std::strncpy(m.message, local.reason().c_str(), sizeof m.message - 1);
     }
     CONTRASTIVE_RETURN_IF_ERROR(comm.broadcast(&m, sizeof m, r));
     return {static_cast<errc>(m.code), m.argument, "rank " + std::to_string(r) + ": " + std::string(m.message)};

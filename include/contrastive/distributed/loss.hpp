@@ -467,7 +467,7 @@ private:
             st.argument(),
             std::string(what) + " needs " + std::to_string(bytes) +
                 " bytes on this rank (n_q = " + std::to_string(p.n_q) + ", global n_k = " + std::to_string(n_k_total_) +
-                ", dim = " + std::to_string(p.dim) + ", " + Algorithm::name + "): " + detail::text_of(st)};
+                ", dim = " + std::to_string(p.dim) + ", " + Algorithm::name + "): " + st.reason()};
   }
 
   /// Runs `f` (allocation or engine work) and turns an exception into a status: nothing escapes to the caller.
