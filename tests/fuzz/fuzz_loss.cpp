@@ -1,6 +1,8 @@
 // Fuzz target over the host API: shapes, values, labels, policy settings and call sequences come from the input
 // bytes. It asserts what the README promises: every call returns a status; a refused call writes nothing and changes
-// no state; an accepted step either is diagnosed non-finite or has a finite loss and finite gradients. Under
+// no state; an accepted step either is diagnosed non-finite or has a finite loss and finite gradients; save() is
+// byte-deterministic (policies built in differently garbaged memory save equal bytes); a policy accepted once stays
+// in its domain whatever steps follow (settings, counters and taus are drawn near the domain's edges too). Under
 // AddressSanitizer/UndefinedBehaviorSanitizer any memory error is a crash, so "a status or a finite result, never a
 // sanitizer report" is checked on every input.
 //
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -96,6 +99,9 @@ public:
     }
     return value();
   }
+  /// A tau at or near an edge of the temperature domain (just inside, on, or just outside it), the values that mean
+  /// "no bound" (0, inf), or an ordinary setting.
+  float edge_tau();
 
 private:
   const std::uint8_t* data_;
@@ -110,6 +116,124 @@ void require(bool ok, const char* what, const cl::status& st = {})
   {
     std::fprintf(stderr, "fuzz_loss: violated: %s (status: %s)\n", what, st.message().c_str());
     std::abort();
+  }
+}
+
+bool valid(const char* why)
+{
+  return why[0] == '\0';
+}
+
+/// The smallest (upper = false) or largest float tau that `valid_tau` accepts: the domain's edges as the code sees
+/// them.
+float domain_edge(bool upper)
+{
+  const float limit = cl::temperature::theta_limit;
+  float t = upper ? std::exp(limit) * 1.01f : std::exp(-limit) * 0.99f;
+  while (!cl::temperature::valid_tau(t))
+  {
+    t = std::nextafter(t, 1.0f);
+  }
+  return t;
+}
+
+float byte_reader::edge_tau()
+{
+  static const float lo = domain_edge(false), hi = domain_edge(true);
+  const float inf = std::numeric_limits<float>::infinity();
+  switch (byte() % 12)
+  {
+  case 0:
+    return lo;
+  case 1:
+    return hi;
+  case 2:
+    return std::nextafter(lo, 0.0f);
+  case 3:
+    return std::nextafter(hi, inf);
+  case 4:
+    return lo * (1.0f + static_cast<float>(byte()) / 16.0f);
+  case 5:
+    return hi / (1.0f + static_cast<float>(byte()) / 16.0f);
+  case 6:
+    return 0.0f;
+  case 7:
+    return inf;
+  case 8:
+    return byte() % 2 ? 1e-38f : 1e-36f;
+  case 9:
+    return byte() % 2 ? 1e36f : 1e37f;
+  default:
+    return setting(0.07f);
+  }
+}
+
+/// A copy of `make()` built in memory filled with `garbage`, so any byte its constructor leaves alone holds it.
+template <class P, class Make>
+const P& build_in(unsigned char* buffer, unsigned char garbage, Make&& make)
+{
+  std::memset(buffer, garbage, sizeof(P));
+  return *new (buffer) P(make());
+}
+
+template <class C>
+bool same_bytes(const C& a, const C& b)
+{
+  return std::memcmp(&a, &b, sizeof(C)) == 0;
+}
+
+/// Counters (policy steps, optimiser steps, range_guard events) moved to a few steps below their maximum, so that
+/// the calls that follow run them into it.
+template <class P>
+void near_max_counters(P& p, std::int64_t below)
+{
+  if constexpr (std::is_base_of_v<cl::temperature::learnable, P>)
+  {
+    p.steps = std::numeric_limits<std::int64_t>::max() - below;
+    p.opt_state.t = std::numeric_limits<std::int64_t>::max() - below;
+  }
+  if constexpr (std::is_same_v<P, cl::temperature::schedule>)
+  {
+    p.steps = std::numeric_limits<std::int64_t>::max() - below;
+  }
+  if constexpr (std::is_same_v<P, cl::temperature::range_guard>)
+  {
+    p.events = std::numeric_limits<std::int32_t>::max() - static_cast<std::int32_t>(below);
+  }
+}
+
+/// Policy trajectories without a loss (cheap, so long): the policies, as built twice in differently garbaged memory,
+/// go through the same finish_step sequence (finite or not, gradients from the input, edges included; range_guard
+/// observes). A policy that was accepted must stay accepted with a finite tau and scale > 0, and the two copies must
+/// save equal bytes after every step.
+template <class Element, class Temperature, class Scaler>
+void check_trajectory(byte_reader& in, Temperature t, Scaler s, Temperature t2, Scaler s2)
+{
+  const bool t_ok = valid(t.validate()), s_ok = valid(s.validate());
+  const int steps = static_cast<int>(in.below(64));
+  for (int i = 0; i < steps; ++i)
+  {
+    cl::step_record rec{};
+    rec.pending = true;
+    rec.loss_scale = s.loss_scale();
+    rec.grad_logit_scale = in.value();
+    if (!std::isfinite(rec.grad_logit_scale))
+    {
+      rec.grad_logit_scale = std::signbit(rec.grad_logit_scale) ? -3.0e38f : 3.0e38f;
+    }
+    if (in.byte() % 3 == 0)
+    {
+      rec.first_nonfinite = static_cast<cl::nonfinite_site>(1 + in.below(6));
+    }
+    cl::step_record rec2 = rec;
+    cl::detail::finish_step<Element>(t, s, rec);
+    cl::detail::finish_step<Element>(t2, s2, rec2);
+    require(!t_ok || valid(t.validate()), "an accepted temperature policy left its domain");
+    require(!t_ok || (std::isfinite(t.tau()) && t.tau() > 0.0f && std::isfinite(t.scale()) && t.scale() > 0.0f),
+            "an accepted temperature policy has a tau or scale that is not finite and > 0");
+    require(!s_ok || valid(s.validate()), "an accepted scaler left the states its rule can reach");
+    require(same_bytes(cl::detail::save_checkpoint(t, s, i), cl::detail::save_checkpoint(t2, s2, i)),
+            "two saves of one policy state differ");
   }
 }
 
@@ -176,13 +300,30 @@ struct fuzz_problem
 };
 
 template <class T, class Temperature, class Scaler, class Algorithm>
-void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
+void run(byte_reader& in, const Temperature& temp, const Scaler& scal, const Temperature& temp2, const Scaler& scal2)
 {
   using L = cl::loss<T, Temperature, Scaler, Algorithm>;
+  check_trajectory<T>(in, temp, scal, temp2, scal2);
   const fuzz_problem<T> in_p(in, 34, 40, 40);
   const std::size_t n_q = in_p.n_q, n_k = in_p.n_k, dim = in_p.dim;
   const unsigned threads = 1 + static_cast<unsigned>(in.below(3));
   L loss(temp, scal, threads);
+  require(same_bytes(loss.save(), cl::detail::save_checkpoint(temp2, scal2, 0)),
+          "saves of one state (policies built in differently garbaged memory) differ");
+  if (in.byte() % 4 == 0)
+  {
+    // Counters a few steps below their maximum (restore accepts them; the calls below run the policies' into it).
+    // The loss's own step count goes just below the largest restore accepts, so that what the (at most 4) calls
+    // leave is still a checkpoint restore accepts.
+    typename L::checkpoint c = loss.save();
+    near_max_counters(c.temperature, static_cast<std::int64_t>(in.below(3)));
+    c.step = cl::detail::max_checkpoint_step - 4;
+    const cl::status st = loss.restore(c);
+    require(st.ok() == (valid(temp.validate()) && valid(scal.validate())), "restore of near-maximum counters", st);
+  }
+  // A policy accepted now must stay accepted after any sequence of calls: no finite step may move it out of its
+  // domain.
+  const bool temp_ok = valid(temp.validate()), scal_ok = valid(scal.validate());
   if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
   {
     // 0: the default budget (usually one chunk); otherwise 1 to 3 row blocks per chunk, or a tiny byte budget.
@@ -201,6 +342,7 @@ void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
   {
     std::vector<T> dq(n_q * dim + 1, seven), dk(n_k * dim + 1, seven);
     const typename L::checkpoint before = loss.save();
+    require(same_bytes(before, loss.save()), "two saves of one state differ");
     cl::step_record rec;
     switch (in.byte() % 3)
     {
@@ -213,6 +355,10 @@ void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
         require(std::memcmp(&before, &after, sizeof before) == 0, "a refused step changed the state", st);
         require(all_sentinel(dq) && all_sentinel(dk), "a refused step wrote an output", st);
         require(!st.argument().empty() && !st.message().empty(), "an error without argument or message");
+        require(!(temp_ok && st.code() == cl::errc::invalid_temperature) &&
+                    !(scal_ok && st.code() == cl::errc::invalid_scaler),
+                "a policy accepted before refuses a later step",
+                st);
       }
       else
       {
@@ -264,18 +410,34 @@ void run(byte_reader& in, const Temperature& temp, const Scaler& scal)
       break;
     }
     }
+    require(!temp_ok || valid(loss.temperature().validate()), "an accepted temperature policy left its domain");
+    require(!scal_ok || valid(loss.scaler().validate()), "an accepted scaler left the states its rule can reach");
   }
+  // save() after restore() of a save reproduces it.
+  const typename L::checkpoint last = loss.save();
+  const cl::status restored = loss.restore(last);
+  require(restored.ok() || !temp_ok || !scal_ok, "a saved state does not restore", restored);
+  require(same_bytes(last, loss.save()), "save() after restore() differs");
 }
 
 template <class T, class Algorithm>
 void with_policies(byte_reader& in)
 {
-  const float tau = in.setting(0.07f);
-  const float lr = in.setting(1e-3f);
+  namespace tp = cl::temperature;
+  // One input in three draws its taus and bounds near the domain's edges, with learning rates that can reach them.
+  const bool edges = in.byte() % 3 == 0;
+  auto tau_setting = [&](float typical)
+  {
+    return edges ? in.edge_tau() : in.setting(typical);
+  };
+  const float tau = tau_setting(0.07f);
+  const float lr = in.setting(1e-3f) * (edges && in.byte() % 2 ? 1e20f : 1.0f);
   const cl::optimizer opt =
       in.byte() % 2 == 0 ? cl::optimizer::adam(lr, 0.9f, in.byte() % 2 ? 0.999f : in.setting(0.5f), in.setting(1e-8f))
                          : cl::optimizer::sgd(lr, in.byte() % 2 ? 0.0f : in.setting(0.5f));
-  cl::scaler::dynamic dyn = cl::scaler::dynamic::torch();
+  cl::scaler::dynamic dyn = in.byte() % 3 == 0   ? cl::scaler::dynamic::paddle_dygraph()
+                            : in.byte() % 2 == 0 ? cl::scaler::dynamic::paddle_static()
+                                                 : cl::scaler::dynamic::torch();
   dyn.scale = in.setting(65536.0f);
   dyn.growth_interval = static_cast<std::int32_t>(in.below(5));
   dyn.backoff_interval = 1 + static_cast<std::int32_t>(in.below(3));
@@ -284,31 +446,107 @@ void with_policies(byte_reader& in)
     dyn.growth_factor = in.setting(2.0f);
     dyn.backoff_factor = in.setting(0.5f);
   }
+  if (edges)
+  {
+    // Scales at the ends of what the rule reaches (0, subnormal, 2^127, inf) and floors / caps around them.
+    const float scales[] = {0.0f, std::ldexp(1.0f, -149), std::ldexp(1.0f, 127), INFINITY, 1.0f};
+    dyn.scale = scales[in.below(5)];
+    if (in.byte() % 2)
+    {
+      dyn.min_scale = scales[in.below(5)];
+      dyn.max_scale = scales[in.below(5)];
+    }
+  }
   const cl::scaler::static_scale fixed_scale(in.setting(1.0f));
+  // Each policy is built twice, in memory filled with two different bytes: their saves must be equal. (The make
+  // functions read no input: both copies get the same settings.)
+  alignas(64) unsigned char tb[2][512], sb[2][128];
+  const unsigned char garbage[2] = {in.byte(), static_cast<unsigned char>(~in.byte())};
+  auto go = [&](auto make_t, auto make_s)
+  {
+    using Temp = decltype(make_t());
+    using Scal = decltype(make_s());
+    static_assert(sizeof(Temp) <= sizeof(tb[0]) && sizeof(Scal) <= sizeof(sb[0]));
+    const Temp& t1 = build_in<Temp>(tb[0], garbage[0], make_t);
+    const Temp& t2 = build_in<Temp>(tb[1], garbage[1], make_t);
+    const Scal& s1 = build_in<Scal>(sb[0], garbage[0], make_s);
+    const Scal& s2 = build_in<Scal>(sb[1], garbage[1], make_s);
+    run<T, Temp, Scal, Algorithm>(in, t1, s1, t2, s2);
+  };
+  auto dynamic = [&]
+  {
+    return dyn;
+  };
+  auto constant = [&]
+  {
+    return fixed_scale;
+  };
   switch (in.byte() % 6)
   {
   case 0:
-    run<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>(in, cl::temperature::fixed(tau), fixed_scale);
+  {
+    auto make = [&]
+    {
+      return tp::fixed(tau);
+    };
+    go(make, constant);
     break;
+  }
   case 1:
-    run<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>(in, cl::temperature::learnable(tau, opt), dyn);
+  {
+    auto make = [&]
+    {
+      return tp::learnable(tau, opt);
+    };
+    go(make, dynamic);
     break;
+  }
   case 2:
-    run<T, cl::temperature::clamped, cl::scaler::dynamic, Algorithm>(
-        in, cl::temperature::clamped(tau, in.setting(0.01f), in.setting(1.0f), opt), dyn);
+  {
+    const float tau_min = tau_setting(0.01f), tau_max = tau_setting(1.0f);
+    auto make = [&]
+    {
+      return tp::clamped(tau, tau_min, tau_max, opt);
+    };
+    go(make, dynamic);
     break;
+  }
   case 3:
-    run<T, cl::temperature::freeze_then_learn, cl::scaler::dynamic, Algorithm>(
-        in, cl::temperature::freeze_then_learn(tau, static_cast<std::int64_t>(in.below(3)), opt), dyn);
+  {
+    const auto unfreeze = static_cast<std::int64_t>(in.below(3));
+    const bool bounded = in.byte() % 2 == 0;
+    const float tau_min = bounded ? tau_setting(0.01f) : 0.0f;
+    const float tau_max = bounded ? tau_setting(1.0f) : std::numeric_limits<float>::infinity();
+    auto make = [&]
+    {
+      return tp::freeze_then_learn(tau, unfreeze, opt, tau_min, tau_max);
+    };
+    go(make, dynamic);
     break;
+  }
   case 4:
-    run<T, cl::temperature::schedule, cl::scaler::static_scale, Algorithm>(
-        in, cl::temperature::schedule(cl::temperature::schedule_kind::cosine, tau, in.setting(0.01f), 3), fixed_scale);
+  {
+    const auto kind = in.byte() % 2 ? tp::schedule_kind::linear : tp::schedule_kind::cosine;
+    const float tau_end = tau_setting(0.01f);
+    const auto duration = static_cast<std::int64_t>(in.below(8));
+    auto make = [&]
+    {
+      return tp::schedule(kind, tau, tau_end, duration);
+    };
+    go(make, constant);
     break;
+  }
   default:
-    run<T, cl::temperature::range_guard, cl::scaler::dynamic, Algorithm>(
-        in, cl::temperature::range_guard(tau, opt, in.setting(16.0f)), dyn);
+  {
+    const float headroom = in.setting(16.0f), retreat = in.setting(0.5f);
+    const float tau_max = edges ? tau_setting(1.0f) : 1.0f;
+    auto make = [&]
+    {
+      return tp::range_guard(tau, opt, headroom, retreat, 1.0f, tau_max);
+    };
+    go(make, dynamic);
     break;
+  }
   }
 }
 } // namespace
