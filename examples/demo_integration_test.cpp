@@ -81,30 +81,43 @@ static void check_HalfLearnableCollapsesAsTheSeedDescribes()
 {
   const cd::run_result& h = run("half-learnable-materialized");
   ASSERT_TRUE(h.error.empty()) << h.error;
-  // Seeds 1-6 x 3 ISAs at this length: collapsed in 9 of 18 runs (seed 2 on all three). A run that survives must
-  // still be healthy; one that collapses must collapse the seed's way.
-  if (!h.collapsed())
+  // Seeds 1-6 x 3 ISAs at this length: collapsed in about half the runs (docs/demo.md), and a run can also be in the
+  // middle of collapsing at its last step. A run whose logits never overflowed must be healthy; from its first logit
+  // overflow on, a run must die the seed's way.
+  std::size_t first = h.rows.size();
+  for (std::size_t i = 0; i < h.rows.size(); ++i)
+  {
+    if (h.rows[i].site == cl::nonfinite_site::logits)
+    {
+      first = i;
+      break;
+    }
+  }
+  if (first == h.rows.size())
   {
     expect_healthy(h);
     return;
   }
-  EXPECT_EQ(h.collapse_site, cl::nonfinite_site::logits);
-  // At collapse 1/tau has left fp16's range: tau < 1/65504.
-  EXPECT_LT(h.rows[static_cast<std::size_t>(h.collapse_step)].tau, 1.0f / 65504.0f * 1.01f);
-  // Dead: tau frozen, every step after the collapse skipped, and the Paddle dygraph scaler (no floor) halving the
-  // scale on each one (powers of two: exact down to the smallest subnormal, then 0), so a collapse more than ~170
-  // steps before the end leaves the scale at exactly 0.
-  const std::size_t c = static_cast<std::size_t>(h.collapse_step);
-  for (std::size_t i = c; i < h.rows.size(); ++i)
+  if (h.collapsed())
+  {
+    EXPECT_EQ(h.collapse_site, cl::nonfinite_site::logits);
+  }
+  // At the overflow 1/tau has left fp16's range: tau < 1/65504.
+  EXPECT_LT(h.rows[first].tau, 1.0f / 65504.0f * 1.01f);
+  // Dead: every later step skipped (non-finite whatever the loss scale), tau frozen, and the Paddle dygraph scaler
+  // (no floor) halving the scale on each one (powers of two: exact down to the smallest subnormal, then 0), so an
+  // overflow more than ~170 steps before the end leaves the scale at exactly 0.
+  for (std::size_t i = first; i < h.rows.size(); ++i)
   {
     EXPECT_TRUE(h.rows[i].skipped) << "step " << i;
-    EXPECT_EQ(h.rows[i].tau, h.final_tau) << "step " << i;
-    if (i > c)
+    EXPECT_EQ(h.rows[i].site, cl::nonfinite_site::logits) << "step " << i;
+    EXPECT_EQ(h.rows[i].tau, h.rows[first].tau) << "step " << i;
+    if (i > first)
     {
       EXPECT_EQ(h.rows[i].loss_scale, h.rows[i - 1].loss_scale * 0.5f) << "step " << i;
     }
   }
-  if (h.rows.size() - c > 170)
+  if (h.rows.size() - first > 170)
   {
     EXPECT_EQ(h.final_loss_scale, 0.0f) << "the Paddle dygraph scaler has no floor";
     EXPECT_EQ(h.min_loss_scale, 0.0f);

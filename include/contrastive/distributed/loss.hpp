@@ -142,8 +142,7 @@ public:
   std::size_t bytes_held() const noexcept
   {
     return engine_.bytes_held() + k_all_.capacity() * sizeof(Element) + labels_.capacity() * sizeof(std::int32_t) +
-           (dq_f_.capacity() + dk_all_f_.capacity() + dk_f_.capacity() + col_a_.capacity() + col_b_.capacity() +
-            col_c_.capacity()) *
+           (dq_f_.capacity() + dk_all_f_.capacity() + dk_f_.capacity() + col_a_.capacity() + col_b_.capacity()) *
                sizeof(float);
   }
 
@@ -194,7 +193,6 @@ public:
           dk_f_.resize(p.n_k * d);
           col_a_.resize(sym ? n_k_total_ : 0);
           col_b_.resize(sym ? 2 * n_k_total_ : 0);
-          col_c_.resize(sym ? n_k_total_ : 0);
         });
     CONTRASTIVE_RETURN_IF_ERROR(detail::agree(comm_, needs(alloc, "its buffers", alloc_bytes.value, p)));
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, k_rows_.data(), d * sizeof(Element), k_all_.data()));
@@ -435,11 +433,9 @@ private:
     for (std::size_t j = 0; j < n; ++j)
     {
       const contrastive::row_loss rl = finish_row(online_lse{col_a_[j], sums[j]}, pos[j]);
-      col_a_[j] = rl.lse;
-      col_c_[j] = rl.loss;
+      engine_.set_column(j, rl); // lse, loss and its shift + log_sum split, as the one-process forward keeps them
       col_loss_sum += static_cast<double>(rl.loss);
     }
-    engine_.set_columns(col_a_.data(), col_c_.data());
     return {};
   }
 
@@ -510,7 +506,7 @@ private:
   std::vector<int> k_rows_, dk_counts_;
   std::vector<Element> k_all_;
   std::vector<std::int32_t> labels_;
-  std::vector<float> dq_f_, dk_all_f_, dk_f_, col_a_, col_b_, col_c_;
+  std::vector<float> dq_f_, dk_all_f_, dk_f_, col_a_, col_b_;
 };
 } // namespace distributed
 } // namespace contrastive

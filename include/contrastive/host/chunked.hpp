@@ -93,10 +93,7 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                                       {
                                         return detail::exp_approx(x[j] - shift);
                                       });
-                   const contrastive::row_loss rl = finish_row(neg, st.pos[i]);
-                   st.row_lse[i] = rl.lse;
-                   st.row_loss[i] = rl.loss;
-                   st.row_max[i] = neg.max;
+                   st.set_row(i, finish_row(neg, st.pos[i]), neg.max);
                  }
                });
   if (!st.symmetric())

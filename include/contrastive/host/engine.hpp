@@ -83,7 +83,8 @@ public:
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
   ///   keys        builtin: nk_pad d (K packed for S = Q K^T); cblas: n_k d for 16-bit, 0 for float
-  ///   statistics  4 n_q [+ 2 n_k symmetric]          row lse, loss, max, positive; column lse, loss
+  ///   statistics  6 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, shift, log_sum; column lse,
+  ///                                                  loss, shift, log_sum
   ///   scratch     W (query block and key tile [builtin block_m d + (block_m + MR) dp, fused + block_n dp;
   ///               cblas 16-bit block_m d]
   ///               + 3 block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
@@ -108,7 +109,7 @@ public:
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
-    const checked_size stats = checked_size(4) * checked_size(p.n_q) + checked_size(sym ? 2 : 0) * p.n_k;
+    const checked_size stats = checked_size(6) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
     checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(3 * block_m * block_n);
     if (materialized)
     {
@@ -176,8 +177,12 @@ public:
     s.row_loss.resize(s.n_q);
     s.row_max.resize(s.n_q);
     s.pos.resize(s.n_q);
+    s.row_shift.resize(s.n_q);
+    s.row_log_sum.resize(s.n_q);
     s.col_lse.resize(sym ? s.n_k : 0);
     s.col_loss.resize(sym ? s.n_k : 0);
+    s.col_shift.resize(sym ? s.n_k : 0);
+    s.col_log_sum.resize(sym ? s.n_k : 0);
     s.chunk_cached = false;
     if constexpr (chunked)
     {
@@ -267,8 +272,8 @@ public:
   /// Block mode, for the distributed loss: the engine's problem is a block of rows of a larger one (labels give each
   /// row's positive as a global column index), `gc` holds the global gradient coefficients, and for the symmetric
   /// objective the column statistics are finished outside: after `forward`, `block_column_max/sum` hold each column's
-  /// negatives over this block's rows and `positives()` each row's positive logit; `set_columns` then takes the
-  /// global column log-sum-exps and losses before `backward`. The forward's loss covers this block's rows only.
+  /// negatives over this block's rows and `positives()` each row's positive logit; `set_column` then takes each
+  /// global column's statistics before `backward`. The forward's loss covers this block's rows only.
   void set_block(bool on, const grad_coefficients& gc = {}) noexcept
   {
     st_.block = on;
@@ -290,10 +295,11 @@ public:
   {
     return st_.row_loss;
   }
-  void set_columns(const float* lse, const float* loss) noexcept
+  /// Column j's global statistics (`finish_row` of its negatives over every block and its positive), before
+  /// `backward`.
+  void set_column(std::size_t j, const contrastive::row_loss& rl) noexcept
   {
-    std::copy(lse, lse + st_.col_lse.size(), st_.col_lse.begin());
-    std::copy(loss, loss + st_.col_loss.size(), st_.col_loss.begin());
+    st_.set_column(j, rl);
   }
   const std::vector<float>& col_lse() const noexcept
   {
@@ -306,7 +312,8 @@ public:
   {
     const engine_state<T, Gemm>& s = st_;
     std::size_t b = (s.row_lse.capacity() + s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() +
-                     s.col_lse.capacity() + s.col_loss.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity() +
+                     s.row_shift.capacity() + s.row_log_sum.capacity() + s.col_lse.capacity() + s.col_loss.capacity() +
+                     s.col_shift.capacity() + s.col_log_sum.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity() +
                      s.chunk.capacity() + s.col_run_max.capacity() + s.col_run_sum.capacity()) *
                         sizeof(float) +
                     s.logits.capacity() * sizeof(T) + s.mm.bytes();
@@ -325,8 +332,12 @@ public:
                     &s.row_loss,
                     &s.row_max,
                     &s.pos,
+                    &s.row_shift,
+                    &s.row_log_sum,
                     &s.col_lse,
                     &s.col_loss,
+                    &s.col_shift,
+                    &s.col_log_sum,
                     &s.dq_acc,
                     &s.dk_acc,
                     &s.chunk,

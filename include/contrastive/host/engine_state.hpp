@@ -86,12 +86,14 @@ struct engine_state
 
   gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
   std::vector<float> row_lse, row_loss, row_max, pos, col_lse, col_loss;
+  // Each log-sum-exp as shift + log_sum (row_loss::shift, log_sum), which the backward's softmax reads.
+  std::vector<float> row_shift, row_log_sum, col_shift, col_log_sum;
   std::vector<T> logits;             // materialized: n_q x n_k
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place; chunked: dk_acc
   std::vector<worker_scratch> scratch;
 
   // Block mode (the distributed loss): this engine holds a block of rows of a larger problem. The gradient
-  // coefficients are the global ones, and (symmetric) the column statistics come from outside (`set_columns`) after
+  // coefficients are the global ones, and (symmetric) the column statistics come from outside (`set_column`) after
   // `forward` left each column's partial state over this block's rows in `column_partials`.
   bool block = false;
   grad_coefficients block_coef{};
@@ -266,10 +268,7 @@ struct engine_state
     }
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
-      const contrastive::row_loss rl = finish_row(row_state[ii], pos[i0 + ii]);
-      row_lse[i0 + ii] = rl.lse;
-      row_loss[i0 + ii] = rl.loss;
-      row_max[i0 + ii] = row_state[ii].max;
+      set_row(i0 + ii, finish_row(row_state[ii], pos[i0 + ii]), row_state[ii].max);
     }
     return bad;
   }
@@ -294,11 +293,22 @@ struct engine_state
         std::fill(g, g + block_n, 0.0f);
         continue;
       }
-      const float lr = row_lse[i0 + ii];
-      const float* lc = sym ? &col_lse[j0] : &row_lse[i0 + ii];
-      for (std::size_t jj = 0; jj < cols; ++jj)
+      const float rs = row_shift[i0 + ii], rl = row_log_sum[i0 + ii];
+      if (sym)
       {
-        g[jj] = logit_gradient(g[jj], lr, sym ? lc[jj] : 0.0f, gc, sym);
+        const float* cs = &col_shift[j0];
+        const float* cl = &col_log_sum[j0];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          g[jj] = logit_gradient(g[jj], rs, rl, cs[jj], cl[jj], gc, true);
+        }
+      }
+      else
+      {
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          g[jj] = logit_gradient(g[jj], rs, rl, 0.0f, 0.0f, gc, false);
+        }
       }
       std::fill(g + cols, g + block_n, 0.0f);
       const std::size_t p = positive_of(i0 + ii);
@@ -308,6 +318,24 @@ struct engine_state
                                    : positive_gradient(g[p - j0], gc);
       }
     }
+  }
+
+  /// Row i's finished statistics (`negatives_max`: the largest negative logit, for the max-logit diagnosis).
+  void set_row(std::size_t i, const contrastive::row_loss& rl, float negatives_max) noexcept
+  {
+    row_lse[i] = rl.lse;
+    row_loss[i] = rl.loss;
+    row_shift[i] = rl.shift;
+    row_log_sum[i] = rl.log_sum;
+    row_max[i] = negatives_max;
+  }
+  /// Column j's finished statistics.
+  void set_column(std::size_t j, const contrastive::row_loss& rl) noexcept
+  {
+    col_lse[j] = rl.lse;
+    col_loss[j] = rl.loss;
+    col_shift[j] = rl.shift;
+    col_log_sum[j] = rl.log_sum;
   }
 
   /// Forward over all row blocks; fills the statistics and returns the loss, max logit and non-finite flag.
@@ -366,7 +394,7 @@ struct engine_state
     if (sym && block)
     {
       // The block's partial column states (negatives over this block's rows), parked in col_lse (max) and col_loss
-      // (sum) until the caller combines every block's and calls set_columns. The loss covers the rows only.
+      // (sum) until the caller combines every block's and calls set_column. The loss covers the rows only.
       for (std::size_t j = 0; j < n_k; ++j)
       {
         const online_lse c = col_state(j);
@@ -380,8 +408,7 @@ struct engine_state
       for (std::size_t j = 0; j < n_k; ++j)
       {
         const contrastive::row_loss rl = finish_row(col_state(j), pos[j]);
-        col_lse[j] = rl.lse;
-        col_loss[j] = rl.loss;
+        set_column(j, rl);
         col_sum += rl.loss;
       }
       total = 0.5 * (total + col_sum / static_cast<double>(n_k));

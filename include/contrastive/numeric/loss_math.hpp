@@ -47,6 +47,21 @@ logit_gradient(float x, float row_lse, float col_lse, const grad_coefficients& g
   return symmetric ? row + gc.col_coef * detail::exp_approx(x - col_lse) : row;
 }
 
+/// The same G_ij from each log-sum-exp split as shift + log_sum (`row_loss`): exp((x - shift) - log_sum) keeps the
+/// softmax to a few float eps at any logit magnitude, where exp(x - lse) inherits lse's absolute rounding (~eps |lse|).
+/// The host engine uses this form.
+CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float logit_gradient(float x,
+                                                                     float row_shift,
+                                                                     float row_log_sum,
+                                                                     float col_shift,
+                                                                     float col_log_sum,
+                                                                     const grad_coefficients& gc,
+                                                                     bool symmetric) noexcept
+{
+  const float row = gc.row_coef * detail::exp_approx((x - row_shift) - row_log_sum);
+  return symmetric ? row + gc.col_coef * detail::exp_approx((x - col_shift) - col_log_sum) : row;
+}
+
 /// The positive's term: G_pp = logit_gradient(S_pp, ...) - pos_coef.
 CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float positive_gradient(float g, const grad_coefficients& gc) noexcept
 {

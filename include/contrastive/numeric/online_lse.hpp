@@ -101,6 +101,12 @@ struct row_loss
 {
   float lse;  ///< log sum_j exp(S_j), the positive included
   float loss; ///< lse - S_p, computed without cancellation
+  /// lse as shift + log_sum, both exact inputs of a softmax: shift is the row's largest logit (a logit value, so
+  /// S_j - shift is exact when S_j is within a factor 2 of it) and log_sum = log sum_j exp(S_j - shift) is small
+  /// (<= log n). P_j = exp((S_j - shift) - log_sum) then carries a few float eps of error, where exp(S_j - lse)
+  /// carries lse's own rounding, about eps |lse| absolute: ~100 eps at logits of 100 (open_clip's clamp).
+  float shift;
+  float log_sum;
 };
 
 CONTRASTIVE_HOST_DEVICE inline row_loss finish_row(online_lse negatives, float positive) noexcept
@@ -108,22 +114,23 @@ CONTRASTIVE_HOST_DEVICE inline row_loss finish_row(online_lse negatives, float p
   if (positive != positive || negatives.max != negatives.max)
   {
     const float nan = positive + negatives.max + detail::infinity_f * 0.0f;
-    return {nan, nan};
+    return {nan, nan, nan, nan};
   }
   if (negatives.max == -detail::infinity_f) // only the positive: loss 0
   {
-    return {positive, 0.0f};
+    return {positive, 0.0f, positive, 0.0f};
   }
   if (positive >= negatives.max)
   {
     // rest = sum_{j != p} exp(S_j - S_p) <= number of negatives; the loss is log1p(rest) exactly.
     const float rest = negatives.sum * detail::exp_approx(negatives.max - positive);
     const float l = ::log1pf(rest);
-    return {positive + l, l};
+    return {positive + l, l, positive, l};
   }
   // The positive is not the largest logit, so the loss is at least log 2 and the plain difference keeps its digits.
   const float m = negatives.max;
-  const float lse = m + ::logf(negatives.sum + detail::exp_approx(positive - m));
-  return {lse, lse - positive};
+  const float log_sum = ::logf(negatives.sum + detail::exp_approx(positive - m));
+  const float lse = m + log_sum;
+  return {lse, lse - positive, m, log_sum};
 }
 } // namespace contrastive
