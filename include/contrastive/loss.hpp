@@ -279,7 +279,7 @@ public:
       return {errc::invalid_argument, "rec", "no step in progress, or finish_step already called for it"};
     }
     detail::finish_step<Element>(temperature_, scaler_, rec);
-    ++step_;
+    step_ = detail::saturating_increment(step_);
     return {};
   }
 

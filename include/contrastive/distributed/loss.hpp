@@ -303,7 +303,7 @@ public:
     CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_finish(comm_, step_, iteration_, rec.pending, status{}, site));
     rec.first_nonfinite = static_cast<nonfinite_site>(site);
     contrastive::detail::finish_step<Element>(temperature_, scaler_, rec);
-    ++step_;
+    step_ = contrastive::detail::saturating_increment(step_);
     return {};
   }
 

@@ -12,6 +12,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace contrastive
 {
@@ -126,12 +131,48 @@ std::ptrdiff_t scan_nonfinite(thread_pool& pool, const T* src, std::size_t rows,
   return bad;
 }
 
+/// Elements converted per segment by the packing functions: a 16-bit row is converted into a contiguous float buffer
+/// first (a vectorisable loop, F16C for half where the compiler targets it), then scattered into its panel as a float
+/// row is, so the packed layouts cost 16-bit types what they cost float, one conversion per element.
+inline constexpr std::size_t pack_segment = 256;
+static_assert(pack_segment % 32 == 0, "segments hold whole NR-wide column panels");
+
+/// n elements of src as float: src itself for float, else converted into buf (n <= pack_segment).
+template <class T>
+CONTRASTIVE_FORCEINLINE const float* float_row(const T* src, std::size_t n, float* buf) noexcept
+{
+  if constexpr (std::is_same_v<T, float>)
+  {
+    (void)n;
+    (void)buf;
+    return src;
+  }
+  else
+  {
+    std::size_t e = 0;
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<T, __half>)
+    {
+      for (; e + 8 <= n; e += 8)
+      {
+        _mm256_storeu_ps(buf + e, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e))));
+      }
+    }
+#endif
+    for (; e < n; ++e)
+    {
+      buf[e] = element_traits<T>::to_float(src[e]);
+    }
+    return buf;
+  }
+}
+
 /// Rows [r0, r0 + rows) of src (row-major, d columns, element T) as the B operand of the logits product, "columns"
 /// being rows: b_panels [rows_pad / NR][d][NR], zero beyond `rows`. Used for K (S = Q K^T) once per call.
 template <class T>
 void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
 {
-  using traits = element_traits<T>;
+  float buf[pack_segment];
   for (std::size_t c = 0; c < rows_pad; c += kernel_nr)
   {
     float* panel = dst + c * d;
@@ -141,9 +182,14 @@ void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t
       if (r < rows)
       {
         const T* row = src + (r0 + r) * d;
-        for (std::size_t p = 0; p < d; ++p)
+        for (std::size_t p0 = 0; p0 < d; p0 += pack_segment)
         {
-          panel[p * kernel_nr + jj] = traits::to_float(row[p]);
+          const std::size_t len = std::min(pack_segment, d - p0);
+          const float* x = float_row(row + p0, len, buf);
+          for (std::size_t p = 0; p < len; ++p)
+          {
+            panel[(p0 + p) * kernel_nr + jj] = x[p];
+          }
         }
       }
       else
@@ -170,17 +216,23 @@ void pack_rows_over_rows(const T* src,
                          std::size_t ld_rows,
                          float* dst)
 {
-  using traits = element_traits<T>;
+  float buf[pack_segment];
   for (std::size_t r = 0; r < rows_pad; ++r)
   {
     const T* row = r < rows ? src + (r0 + r) * d : src;
-    for (std::size_t c = 0; c < dp; c += kernel_nr)
+    for (std::size_t c0 = 0; c0 < dp; c0 += pack_segment)
     {
-      float* out = dst + c * ld_rows + r * kernel_nr;
-      for (int jj = 0; jj < kernel_nr; ++jj)
+      const std::size_t width = std::min(pack_segment, dp - c0); // a multiple of NR
+      const std::size_t have = r < rows && c0 < d ? std::min(width, d - c0) : 0;
+      const float* x = have != 0 ? float_row(row + c0, have, buf) : buf;
+      for (std::size_t c = 0; c < width; c += kernel_nr)
       {
-        const std::size_t col = c + static_cast<std::size_t>(jj);
-        out[jj] = (r < rows && col < d) ? traits::to_float(row[col]) : 0.0f;
+        float* out = dst + (c0 + c) * ld_rows + r * kernel_nr;
+        for (int jj = 0; jj < kernel_nr; ++jj)
+        {
+          const std::size_t col = c + static_cast<std::size_t>(jj);
+          out[jj] = col < have ? x[col] : 0.0f;
+        }
       }
     }
   }
@@ -191,7 +243,7 @@ void pack_rows_over_rows(const T* src,
 template <class T>
 void pack_rows_as_a(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
 {
-  using traits = element_traits<T>;
+  float buf[pack_segment];
   for (std::size_t c = 0; c < rows_pad; c += kernel_mr)
   {
     float* panel = dst + c * d;
@@ -201,9 +253,14 @@ void pack_rows_as_a(const T* src, std::size_t d, std::size_t r0, std::size_t row
       if (r < rows)
       {
         const T* row = src + (r0 + r) * d;
-        for (std::size_t p = 0; p < d; ++p)
+        for (std::size_t p0 = 0; p0 < d; p0 += pack_segment)
         {
-          panel[p * kernel_mr + ii] = traits::to_float(row[p]);
+          const std::size_t len = std::min(pack_segment, d - p0);
+          const float* x = float_row(row + p0, len, buf);
+          for (std::size_t p = 0; p < len; ++p)
+          {
+            panel[(p0 + p) * kernel_mr + ii] = x[p];
+          }
         }
       }
       else
