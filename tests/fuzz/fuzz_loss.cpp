@@ -383,6 +383,38 @@ void run(byte_reader& in, const Temperature& temp, const Scaler& scal, const Tem
       std::vector<float> row(n_q + 1), col(n_k + 1);
       if (loss.forward(p, value, row.data(), col.data()).ok())
       {
+        if (in.byte() % 2 == 0)
+        {
+          // Outputs that overlap each other or an input: refused, nothing written, the forward still ready.
+          std::vector<T> buf((n_q + n_k) * dim + 1, seven);
+          const std::vector<T> q_before = in_p.q, k_before = in_p.k;
+          T* const q_mut = const_cast<T*>(p.q);
+          T* const k_mut = const_cast<T*>(p.k);
+          T* a = buf.data();
+          T* b = buf.data();
+          switch (in.byte() % 4)
+          {
+          case 0:
+            b = buf.data() + in.below(n_q * dim); // dk starts inside dq
+            break;
+          case 1:
+            a = q_mut + in.below(n_q * dim); // dq inside q
+            break;
+          case 2:
+            b = k_mut + in.below(n_k * dim); // dk inside k
+            break;
+          default:
+            a = k_mut; // dq over k
+            break;
+          }
+          const cl::status st = loss.backward(a, b, g);
+          require(st.code() == cl::errc::invalid_argument, "backward accepted overlapping outputs", st);
+          require(all_sentinel(buf), "a refused backward wrote an output", st);
+          require(std::memcmp(in_p.q.data(), q_before.data(), q_before.size() * sizeof(T)) == 0 &&
+                      std::memcmp(in_p.k.data(), k_before.data(), k_before.size() * sizeof(T)) == 0,
+                  "a refused backward wrote an input",
+                  st);
+        }
         require(loss.backward(dq.data(), dk.data(), g).ok(), "backward after a successful forward failed");
       }
       else
