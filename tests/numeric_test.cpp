@@ -254,3 +254,53 @@ TEST(HostIsa, KernelIsTheConfiguredOne)
   EXPECT_EQ(h::block_n % h::kernel_mr, 0u);
   EXPECT_EQ(h::kernel_nr % h::vector_floats, 0);
 }
+
+// The host's vectorised half stores (F16C vcvtps2ph, round to nearest even) give the scalar conversion's bits for every
+// non-NaN float: all exponents and signs, mantissas around every rounding boundary, and random bit patterns.
+TEST(ElementTraits, VectorHalfStoresMatchTheScalarConversion)
+{
+#if !defined(__F16C__)
+  GTEST_SKIP() << "this build does not target F16C: every half store is the scalar conversion";
+#else
+  using traits = element_traits<__half>;
+  std::vector<float> in;
+  for (std::uint32_t e = 0; e < 256; ++e)
+  {
+    for (std::uint32_t m : {0u, 1u, 0xfffu, 0x1000u, 0x1001u, 0x1fffu, 0x2000u, 0x3fffffu, 0x400000u, 0x7fffffu})
+    {
+      for (std::uint32_t sign : {0u, 0x80000000u})
+      {
+        const float x = float_of(sign | e << 23 | m);
+        if (!std::isnan(x))
+        {
+          in.push_back(x);
+        }
+      }
+    }
+  }
+  std::mt19937 rng(77);
+  while (in.size() % 8 != 0 || in.size() < (1u << 20))
+  {
+    const float x = float_of(static_cast<std::uint32_t>(rng()));
+    if (!std::isnan(x))
+    {
+      in.push_back(x);
+    }
+  }
+  std::vector<__half> vec(in.size());
+  const bool poisoned = contrastive::host::store_scaled_row(in.data(), 1.0f, vec.data(), in.size());
+  EXPECT_TRUE(poisoned) << "infinities (and overflows to them) are in the input";
+  for (std::size_t i = 0; i < in.size(); ++i)
+  {
+    ASSERT_EQ(traits::bits(vec[i]), traits::bits(traits::from_float(in[i]))) << "x = " << in[i];
+  }
+  // A finite row that stays finite is not poisoned; a NaN anywhere is, and keeps the scalar NaN bits.
+  std::vector<float> row(37, 0.25f);
+  std::vector<__half> out(row.size());
+  EXPECT_FALSE(contrastive::host::store_scaled_row(row.data(), 2.0f, out.data(), row.size()));
+  row[9] = NAN;
+  EXPECT_TRUE(contrastive::host::store_scaled_row(row.data(), 2.0f, out.data(), row.size()));
+  EXPECT_EQ(traits::bits(out[9]), traits::bits(traits::from_float(NAN)));
+  EXPECT_EQ(traits::to_float(out[0]), 0.5f);
+#endif
+}

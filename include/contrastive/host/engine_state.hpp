@@ -422,15 +422,7 @@ struct engine_state
   template <class Out>
   bool store_row(const float* acc, float factor, Out* out) const noexcept
   {
-    using out_traits = element_traits<Out>;
-    float poison = 0.0f;
-    for (std::size_t c = 0; c < d; ++c)
-    {
-      const Out v = out_traits::from_float(factor * acc[c]);
-      poison += out_traits::to_float(v) * 0.0f;
-      out[c] = v;
-    }
-    return poison != 0.0f;
+    return store_scaled_row(acc, factor, out, d);
   }
 
   /// sum_c acc[c] * q_i[c] over d elements.

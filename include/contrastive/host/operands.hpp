@@ -167,6 +167,44 @@ CONTRASTIVE_FORCEINLINE const float* float_row(const T* src, std::size_t n, floa
   }
 }
 
+/// out[0, d) = round_Out(factor * acc[c]); returns whether any stored value is not finite. For half with F16C, eight
+/// at a time with vcvtps2ph (round to nearest even: IEEE's rounding, the same bits as the scalar conversion for every
+/// non-NaN float, numeric_test checks it); a block holding a NaN goes through the scalar conversion, which keeps
+/// cuda_fp16.h's NaN bits.
+template <class Out>
+bool store_scaled_row(const float* acc, float factor, Out* out, std::size_t d) noexcept
+{
+  using out_traits = element_traits<Out>;
+  float poison = 0.0f;
+  std::size_t c = 0;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<Out, __half>)
+  {
+    const __m256 f = _mm256_set1_ps(factor);
+    __m256 bad = _mm256_setzero_ps();
+    for (; c + 8 <= d; c += 8)
+    {
+      const __m256 x = _mm256_mul_ps(f, _mm256_loadu_ps(acc + c));
+      if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0)
+      {
+        break;
+      }
+      const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c), h);
+      bad = _mm256_add_ps(bad, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_setzero_ps()));
+    }
+    poison = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) != 0 ? 1.0f : 0.0f;
+  }
+#endif
+  for (; c < d; ++c)
+  {
+    const Out v = out_traits::from_float(factor * acc[c]);
+    poison += out_traits::to_float(v) * 0.0f;
+    out[c] = v;
+  }
+  return poison != 0.0f;
+}
+
 /// Rows [r0, r0 + rows) of src (row-major, d columns, element T) as the B operand of the logits product, "columns"
 /// being rows: b_panels [rows_pad / NR][d][NR], zero beyond `rows`. Used for K (S = Q K^T) once per call.
 template <class T>
