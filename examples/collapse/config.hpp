@@ -78,7 +78,10 @@ struct settings
   std::size_t input_dim = 64; ///< each view's dimension
   std::size_t latent = 8;     ///< shared latent factors
   float noise = 0.05f;        ///< per-coordinate noise std of each view (signal std is 1)
-  std::uint64_t seed = 2;
+  /// Seed of data, weights and batches. Chosen (docs/demo.md, "Over seeds and ISAs"): half + learnable collapses
+  /// in about half of all seeds, and seed 19 is one where it collapses on the AVX-512, AVX2 and portable kernels alike,
+  /// so the default table shows the seed's failure on any CPU.
+  std::uint64_t seed = 19;
   float lr = 2e-3f;       ///< Adam learning rate of the encoders
   double beta2 = 0.999;   ///< Adam beta2 of the encoders (beta1 0.9, eps 1e-8; double: its powers are taken in double)
   float tau_lr = 1.0f;    ///< Adam learning rate of theta = log(1/tau): deliberately aggressive (docs/demo.md)
