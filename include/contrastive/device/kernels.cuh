@@ -93,6 +93,22 @@ struct nan_max
   }
 };
 
+/// A float as a shared-memory stage element (T for the tensor-core types, float otherwise) through element_traits,
+/// never an implicit conversion: PyTorch's extension builder compiles with -D__CUDA_NO_HALF_CONVERSIONS__ (and its
+/// bfloat16 sibling), under which __half(float) does not exist.
+template <class S>
+__device__ CONTRASTIVE_FORCEINLINE S to_stage(float x) noexcept
+{
+  if constexpr (std::is_same_v<S, float>)
+  {
+    return x;
+  }
+  else
+  {
+    return element_traits<S>::from_float(x);
+  }
+}
+
 template <class T>
 struct shared_tiles
 {
@@ -417,7 +433,7 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
 #pragma unroll
       for (int t = 0; t < bn / 4; ++t)
       {
-        sm.v.g[r][sub + 4 * t] = stage_t(gv[t]);
+        sm.v.g[r][sub + 4 * t] = to_stage<stage_t>(gv[t]);
       }
     }
     else
