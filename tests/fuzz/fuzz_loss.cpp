@@ -13,6 +13,9 @@
 #include <contrastive/distributed/loss.hpp>
 #include <contrastive/policy/range_guard.hpp>
 
+#include "../thread_comm.hpp"
+
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -624,12 +628,115 @@ static void run_distributed(byte_reader& in)
           "distributed and one process moved tau differently");
 }
 
+/// Ranks out of step over 2-3 thread ranks (tests/thread_comm.hpp): one rank skips a whole step or one finish_step at
+/// an input-chosen step, with or without the caller's iteration. No rank may hang (the thread world's watchdog names a
+/// hang), and every rank's first failure must be what docs/distributed.md says: a refusal naming "step" on every rank
+/// when the mismatch is detectable (a skipped finish_step; a skipped step with an iteration) and a later call exists,
+/// or, when the skipping rank has simply finished first, the others' "has returned" (over MPI: a wait).
+static void run_out_of_step(byte_reader& in)
+{
+  using L = cl::distributed::loss<float,
+                                  cl::temperature::learnable,
+                                  cl::scaler::static_scale,
+                                  cl::algorithm::fused,
+                                  contrastive_test::thread_comm>;
+  const int ranks = 2 + static_cast<int>(in.below(2));
+  const std::size_t rows = 1 + in.below(6), dim = 1 + in.below(8);
+  const int steps = 2 + static_cast<int>(in.below(3));
+  const bool with_iteration = in.byte() % 2 == 0;
+  const int skipper = static_cast<int>(in.below(static_cast<std::size_t>(ranks)));
+  const int skip_at = static_cast<int>(in.below(static_cast<std::size_t>(steps)));
+  const int kind = static_cast<int>(in.below(3)); // 0: no skip, 1: a whole step, 2: one finish_step
+  std::vector<std::vector<float>> q(static_cast<std::size_t>(ranks)), k(q.size());
+  for (std::size_t r = 0; r < q.size(); ++r)
+  {
+    for (auto* v : {&q[r], &k[r]})
+    {
+      v->resize(rows * dim);
+      for (float& x : *v)
+      {
+        const float y = in.value();
+        x = std::isfinite(y) && std::fabs(y) < 4.0f ? y : 0.5f;
+      }
+    }
+  }
+  std::vector<std::vector<cl::status>> got(q.size());
+  contrastive_test::run_ranks(
+      ranks,
+      [&](contrastive_test::thread_comm c)
+      {
+        const std::size_t r = static_cast<std::size_t>(c.rank());
+        L dist(c, cl::temperature::learnable(0.07f), {}, 1);
+        std::vector<float> dq(rows * dim), dk(rows * dim);
+        const cl::problem<float> p{q[r].data(), k[r].data(), rows, rows, dim};
+        for (int it = 0; it < steps; ++it)
+        {
+          const bool skip = c.rank() == skipper && it == skip_at;
+          if (skip && kind == 1)
+          {
+            continue;
+          }
+          cl::step_record rec;
+          got[r].push_back(
+              dist.forward_backward(p, dq.data(), dk.data(), rec, with_iteration ? it : cl::distributed::no_iteration));
+          if (!got[r].back().ok())
+          {
+            return;
+          }
+          if (skip && kind == 2)
+          {
+            continue;
+          }
+          got[r].push_back(dist.finish_step(rec));
+          if (!got[r].back().ok())
+          {
+            return;
+          }
+        }
+      },
+      std::chrono::seconds(60));
+  const bool last = skip_at == steps - 1;
+  const bool detectable = kind == 2 || (kind == 1 && with_iteration);
+  for (std::size_t r = 0; r < got.size(); ++r)
+  {
+    const cl::status* first = nullptr;
+    for (const cl::status& st : got[r])
+    {
+      require(st.message().find("a hang") == std::string::npos, "out of step: a rank hung", st);
+      if (!st.ok() && first == nullptr)
+      {
+        first = &st;
+      }
+    }
+    if (kind == 0)
+    {
+      require(first == nullptr, "ranks in step refused a call", first != nullptr ? *first : cl::status{});
+      continue;
+    }
+    if (first == nullptr)
+    {
+      // Only the undetectable case may pass everything, on the rank that skipped (its later calls paired with the
+      // others' earlier ones) or when its skip came last (nothing after it).
+      require(!detectable || (last && static_cast<int>(r) == skipper), "out of step: a mismatch was not refused");
+      continue;
+    }
+    const bool refused = first->code() == cl::errc::invalid_argument && first->argument() == "step";
+    const bool returned =
+        first->code() == cl::errc::communication_error && first->message().find("has returned") != std::string::npos;
+    require(refused || returned, "out of step: a first failure that is neither a refusal nor a returned rank", *first);
+    require(!(detectable && !last) || refused, "out of step: a detectable mismatch was not refused", *first);
+  }
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size)
 {
   byte_reader in(data, size);
   in.allow_edges(in.byte() % 4 == 0);
-  switch (in.byte() % 10)
+  switch (in.byte() % 11)
   {
+  case 10:
+    run_out_of_step(in);
+    break;
   case 8:
     run_distributed<float, cl::algorithm::fused>(in);
     break;
