@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
 """One table from a GPU check: contrastive_device_bench's JSON (Google Benchmark) and torch_reference.py's output.
 
-    python3 scripts/gpu_table.py build-gpu/device_bench.json [build-gpu/torch.log]
+    python3 scripts/gpu_table.py gpu-out/bench.json [gpu-out/torch.log]
 
-Rows: N; columns: median time, useful TFLOP/s (6 N^2 D) and memory (GiB) of each algorithm, the cuBLAS three-GEMM
-baseline and PyTorch's ClipLoss pattern; then chunked's time and memory relative to the baseline.
+Rows: N; columns: time, useful TFLOP/s (6 N^2 D) and memory (GiB) of each algorithm, the cuBLAS three-GEMM baseline
+and PyTorch's ClipLoss pattern; then chunked's time and memory relative to the baseline, and the measured ceilings.
+
+The JSON may hold several Google Benchmark documents one after another (gpu-bundle/run.sh appends one per benchmark
+step) and the last may be cut off (a run killed at its time limit): every complete benchmark entry is read. A time
+is the median over repetitions where the JSON has repetitions ("med/5": median of 5), else the one run's time
+("1 run"; Google Benchmark's time for a run is the mean over its iterations).
 Standard library only (the GPU machine's python may lack everything else).
 """
 import json
 import re
+import statistics
 import sys
 
 COLUMNS = [
@@ -18,25 +24,108 @@ COLUMNS = [
     ("materialized", "step/bf16/materialized"),
     ("cuBLAS 3-GEMM", "baseline/cublas_bf16_3gemm"),
 ]
+# Google Benchmark's name suffixes that are not arguments: /iterations:N, /repeats:N, /threads:N, /min_time:X,
+# /min_warmup_time:X, /manual_time, /real_time, /process_time.
+SUFFIX = re.compile(r"/(?:iterations|repeats|threads|min_time|min_warmup_time):[^/]+|/(?:manual|real|process)_time")
+AGGREGATE = re.compile(r"_(?:mean|median|stddev|cv|BigO|RMS)$")
+UNIT = {"s": 1e3, "ms": 1.0, "us": 1e-3, "ns": 1e-6}
+
+
+def split_name(name):
+    """('step/bf16/chunked', 1048576) for 'step/bf16/chunked/1048576/512/iterations:1/manual_time'; the first
+    argument is N. Names without numeric arguments (the rooflines) give (base, None)."""
+    base = AGGREGATE.sub("", SUFFIX.sub("", name))
+    m = re.match(r"(.+?)((?:/\d+)+)$", base)
+    if not m:
+        return base, None
+    return m.group(1), int(m.group(2).split("/")[1])
+
+
+def repair(text):
+    """Parse one Google Benchmark JSON document, or what a killed run left of one: cut after the last complete
+    benchmark entry and close the list and the object."""
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except ValueError:
+        pass
+    start = text.find('"benchmarks"')
+    if start < 0:
+        return {"context": {}, "benchmarks": [], "truncated": True}
+    # Entries are indented objects, '    {' ... '    }' on their own lines (Google Benchmark's JSON reporter); try the
+    # candidate ends from the last one backwards.
+    ends = [m.end() for m in re.finditer(r"\n    \}", text[start:])]
+    for end in reversed(ends):
+        try:
+            data = json.loads(text[: start + end] + "\n  ]\n}")
+            data["truncated"] = True
+            return data
+        except ValueError:
+            continue
+    try:
+        data = json.loads(text[:start] + '"benchmarks": []\n}')
+    except ValueError:
+        data = {"context": {}, "benchmarks": []}
+    data["truncated"] = True
+    return data
+
+
+def load_documents(text):
+    """Every JSON document in the text (one per benchmark process), each parsed or repaired."""
+    starts = [m.start() for m in re.finditer(r'(?m)^\{\s*\n\s*"context"', text)]
+    if not starts:
+        starts = [text.find("{")] if "{" in text else []
+    return [repair(text[a:b]) for a, b in zip(starts, starts[1:] + [len(text)])]
 
 
 def load_bench(path):
+    """{(name, N): row}, the context, and whether a document was cut off. A row holds ms (median of repetitions, or
+    the single run), the number of runs, FLOP/s (recomputed from the chosen time when the JSON's counter is a rate)
+    and mem_bytes; or an error."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return {}, {}, False
+    runs, aggregates, errors, context, truncated = {}, {}, {}, {}, False
+    for doc in load_documents(text):
+        context = context or doc.get("context", {})
+        truncated = truncated or doc.get("truncated", False)
+        for b in doc.get("benchmarks", []):
+            key = split_name(b.get("run_name") or b.get("name", ""))
+            if b.get("error_occurred"):
+                errors[key] = b.get("error_message", "error")
+                continue
+            if "real_time" not in b:
+                continue
+            entry = dict(b, ms=b["real_time"] * UNIT.get(b.get("time_unit", "ns"), 1e-6))
+            if b.get("run_type") == "aggregate":
+                aggregates.setdefault(key, {})[b.get("aggregate_name", "")] = entry
+            else:
+                runs.setdefault(key, []).append(entry)
     rows = {}
-    with open(path) as f:
-        data = json.load(f)
-    for b in data.get("benchmarks", []):
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+    for key in set(runs) | set(aggregates) | set(errors):
+        if key in errors and key not in runs:
+            rows[key] = {"error": errors[key]}
             continue
-        m = re.match(r"(.+?)/(\d+)/(\d+)/manual_time", b["name"])
-        if not m:
+        reps = runs.get(key, [])
+        if len(reps) >= 2:
+            ms = statistics.median(r["ms"] for r in reps)
+            row = {"ms": ms, "runs": len(reps), "ref": reps[0]}
+        elif "median" in aggregates.get(key, {}):
+            med = aggregates[key]["median"]
+            row = {"ms": med["ms"], "runs": int(med.get("repetitions", 0)) or None, "ref": med}
+        elif reps:
+            row = {"ms": reps[0]["ms"], "runs": 1, "ref": reps[0]}
+        else:
             continue
-        key = (m.group(1), int(m.group(2)))
-        if "error_occurred" in b and b["error_occurred"]:
-            rows[key] = {"error": b.get("error_message", "error")}
-            continue
-        scale = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b.get("time_unit", "ms")]
-        rows[key] = {"ms": b["real_time"] * scale, "flops": b.get("FLOP/s", 0.0), "mem": b.get("mem_bytes", 0.0)}
-    return rows, data.get("context", {})
+        ref = row.pop("ref")
+        flops = ref.get("FLOP/s", 0.0)
+        # FLOP/s is an iteration-invariant rate over the entry's own time: rescale it to the chosen time.
+        if flops and ref["ms"] > 0:
+            flops *= ref["ms"] / row["ms"]
+        row.update(flops=flops, mem=ref.get("mem_bytes", 0.0), bytes_rate=ref.get("bytes/s", 0.0))
+        rows[key] = row
+    return rows, context, truncated
 
 
 def load_torch(path):
@@ -47,7 +136,7 @@ def load_torch(path):
                 m = re.match(r"torch/bfloat16/N=(\d+)/D=512: ([\d.]+) ms\s+([\d.]+) TFLOP/s\s+peak mem ([\d.]+) GiB", line)
                 if m:
                     out[int(m.group(1))] = {"ms": float(m.group(2)), "flops": float(m.group(3)) * 1e12,
-                                            "mem": float(m.group(4)) * 2**30}
+                                            "mem": float(m.group(4)) * 2**30, "runs": None, "label": "median"}
                 m = re.match(r"torch/bfloat16/N=(\d+)/D=512: out of memory", line)
                 if m:
                     out[int(m.group(1))] = {"error": "out of memory"}
@@ -56,40 +145,66 @@ def load_torch(path):
     return out
 
 
+def stat_label(r):
+    if r.get("label"):
+        return r["label"]
+    if r.get("runs") == 1:
+        return "1 run"
+    if r.get("runs"):
+        return f"med/{r['runs']}"
+    return "median"
+
+
 def cell(r):
     if r is None:
         return "-"
     if "error" in r:
-        return r["error"][:24]
-    return f"{r['ms']:9.2f} ms {r['flops'] * 1e-12:6.1f} TF {r['mem'] / 2**30:7.2f} GiB"
+        return r["error"][:30]
+    return f"{r['ms']:9.2f} ms {stat_label(r):>6} {r['flops'] * 1e-12:6.1f} TF {r['mem'] / 2**30:7.2f} GiB"
 
 
-def main():
-    bench, ctx = load_bench(sys.argv[1])
-    torch = load_torch(sys.argv[2]) if len(sys.argv) > 2 else {}
-    sizes = sorted({n for (_, n) in bench})
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    bench, ctx, truncated = load_bench(argv[1])
+    torch = load_torch(argv[2]) if len(argv) > 2 else {}
+    sizes = sorted({n for (_, n) in bench if n is not None} | set(torch))
     names = [c for c, _ in COLUMNS] + ["PyTorch ClipLoss"]
-    print("bf16, symmetric, forward+backward, D = 512; median time, useful TFLOP/s (6 N^2 D), memory held")
-    print(f"{'N':>8} | " + " | ".join(f"{n:^33}" for n in names))
+    width = 40
+    print("bf16, symmetric, forward+backward, D = 512; time (med/k: median of k repetitions; 1 run: one run, the mean "
+          "of its iterations), useful TFLOP/s (6 N^2 D), memory held")
+    if truncated:
+        print("(the benchmark JSON was cut off: a step ran out of time; complete entries only)")
+    print(f"{'N':>8} | " + " | ".join(f"{n:^{width}}" for n in names))
     for n in sizes:
         cells = [cell(bench.get((key, n))) for _, key in COLUMNS] + [cell(torch.get(n))]
-        print(f"{n:>8} | " + " | ".join(f"{c:>33}" for c in cells))
+        print(f"{n:>8} | " + " | ".join(f"{c:>{width}}" for c in cells))
     print()
     for n in sizes:
         b = bench.get(("baseline/cublas_bf16_3gemm", n))
         for label, key in (("chunked", "step/bf16/chunked"), ("chunked fused_tiles", "step/bf16/chunked_tiles")):
             c = bench.get((key, n))
-            if c and b and "ms" in c and "ms" in b:
-                print(f"N = {n}: {label} / cuBLAS baseline: time {c['ms'] / b['ms']:.2f}x, "
-                      f"memory {c['mem'] / b['mem']:.1%}")
+            if c and b and "ms" in c and "ms" in b and b["ms"] > 0:
+                mem = f", memory {c['mem'] / b['mem']:.1%}" if b.get("mem") else ""
+                print(f"N = {n}: {label} / cuBLAS baseline: time {c['ms'] / b['ms']:.2f}x{mem}")
     for typ in ("half", "float"):
         for n in sizes:
             r = bench.get((f"step/{typ}/chunked", n))
             if r:
                 print(f"{typ} chunked N = {n}: {cell(r)}")
+    for (name, n), r in sorted(bench.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        if name.startswith("roofline/"):
+            if "error" in r:
+                print(f"{name}: {r['error']}")
+            elif r.get("flops"):
+                print(f"{name}: {r['flops'] * 1e-12:.1f} TFLOP/s ({r['ms']:.2f} ms, {stat_label(r)})")
+            else:
+                print(f"{name}: {r['bytes_rate'] * 1e-12:.2f} TB/s ({r['ms']:.2f} ms, {stat_label(r)})")
     if ctx:
         print(f"\nhost: {ctx.get('host_name', '?')}, {ctx.get('num_cpus', '?')} CPUs")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv))
