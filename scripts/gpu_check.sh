@@ -7,7 +7,7 @@
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # OUT_DIR: the argument, else $OUT, else ./gpu-out
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 out=${1:-${OUT:-./gpu-out}}
 if [ "${REBUILD:-0}" = 1 ] || [ ! -x gpu-bundle/run.sh ]; then
   bash scripts/gpu_bundle.sh || exit 1
