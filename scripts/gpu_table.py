@@ -188,6 +188,13 @@ def main(argv):
             if c and b and "ms" in c and "ms" in b and b["ms"] > 0:
                 mem = f", memory {c['mem'] / b['mem']:.1%}" if b.get("mem") else ""
                 print(f"N = {n}: {label} / cuBLAS baseline: time {c['ms'] / b['ms']:.2f}x{mem}")
+    peak = bench.get(("roofline/cublas_bf16_matmul_8192", None), {}).get("flops", 0.0)
+    if peak:
+        for n in sizes:
+            fracs = [f"{label} {bench[(key, n)]['flops'] / peak:.0%}" for label, key in COLUMNS
+                     if bench.get((key, n), {}).get("flops")]
+            if fracs:
+                print(f"N = {n}: fraction of the measured bf16 GEMM rate ({peak * 1e-12:.0f} TFLOP/s): " + ", ".join(fracs))
     for typ in ("half", "float"):
         for n in sizes:
             r = bench.get((f"step/{typ}/chunked", n))

@@ -86,6 +86,8 @@ def main():
     expect("cut off" in out, "the table does not say the JSON was cut off")
     expect("N = 16384: chunked / cuBLAS baseline: time 1.20x" in out, "chunked/baseline ratio from medians")
     expect("roofline/cublas_bf16_matmul_8192" in out, "the matmul roofline is missing")
+    expect("N = 16384: fraction of the measured bf16 GEMM rate (785 TFLOP/s): chunked 35%, cuBLAS 3-GEMM 42%" in out,
+           "fractions of the measured GEMM rate")
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     print("gpu_table.truncated_json:", "FAILED" if failures else "passed")
