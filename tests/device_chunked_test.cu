@@ -291,9 +291,11 @@ TEST(DeviceChunked, GraphReplayEqualsEagerSteps)
 
     auto run = [&](bool graph)
     {
-      cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice);
       cudaStream_t s;
       cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      // On the step's own stream: a non-blocking stream is not ordered after a legacy-stream cudaMemcpy, whose
+      // pageable-memory DMA may still be in flight when it returns.
+      cudaMemcpyAsync(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice, s);
       if (graph)
       {
         cudaGraph_t g;

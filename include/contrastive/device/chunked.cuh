@@ -382,8 +382,12 @@ struct handle_guard
   cublasHandle_t h;
   cudaStream_t old_stream = nullptr;
   cublasPointerMode_t old_mode = CUBLAS_POINTER_MODE_HOST;
-  bool active = false;
+  bool set_stream = false; // changed by enter, so restored on exit
+  bool set_mode = false;
 
+  /// Sets the stream and host pointer mode only where the handle differs: cublasSetStream also resets the handle's
+  /// workspace to the default pool, which would drop a workspace the caller attached (PyTorch attaches its own to
+  /// the handle it hands out, already on its current stream).
   cublasStatus_t enter(cudaStream_t stream) noexcept
   {
     cublasStatus_t st = cublasGetStream(h, &old_stream);
@@ -391,22 +395,26 @@ struct handle_guard
     {
       st = cublasGetPointerMode(h, &old_mode);
     }
-    if (st == CUBLAS_STATUS_SUCCESS)
+    if (st == CUBLAS_STATUS_SUCCESS && old_stream != stream)
     {
-      active = true;
       st = cublasSetStream(h, stream);
+      set_stream = st == CUBLAS_STATUS_SUCCESS;
     }
-    if (st == CUBLAS_STATUS_SUCCESS)
+    if (st == CUBLAS_STATUS_SUCCESS && old_mode != CUBLAS_POINTER_MODE_HOST)
     {
       st = cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST);
+      set_mode = st == CUBLAS_STATUS_SUCCESS;
     }
     return st;
   }
   ~handle_guard()
   {
-    if (active)
+    if (set_mode)
     {
       cublasSetPointerMode(h, old_mode);
+    }
+    if (set_stream)
+    {
       cublasSetStream(h, old_stream);
     }
   }
