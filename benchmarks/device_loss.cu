@@ -8,7 +8,6 @@
 // GPU's measured bf16 matmul rate and copy bandwidth (the roofline benchmarks in this file measure both with cuBLAS
 // and cudaMemcpy).
 
-#include "random_rows.hpp"
 #include <contrastive/device/chunked.cuh>
 #include <contrastive/device/loss.cuh>
 
@@ -52,16 +51,68 @@ struct events
   }
 };
 
+/// A standard normal draw from a counter (seed, element index): splitmix64 of the index, two 24-bit uniforms,
+/// Box-Muller. The same numbers for the same arguments, with no state: every thread draws its own elements.
+__device__ inline float counter_normal(unsigned seed, unsigned long long index)
+{
+  unsigned long long z = index + 0x9e3779b97f4a7c15ull * (static_cast<unsigned long long>(seed) + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  const float u1 = (static_cast<float>(z >> 40) + 1.0f) * (1.0f / 16777216.0f); // (0, 1]
+  const float u2 = static_cast<float>((z >> 16) & 0xffffffu) * (1.0f / 16777216.0f);
+  return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+}
+
+/// rows x dim random L2-normalised rows in T, one block per row (grid-stride over rows for grids beyond the limit).
+template <class T>
+__global__ void random_rows_kernel(T* out, std::size_t rows, std::size_t dim, unsigned seed)
+{
+  __shared__ float partial[256];
+  for (std::size_t r = blockIdx.x; r < rows; r += gridDim.x)
+  {
+    float ss = 0.0f;
+    for (std::size_t c = threadIdx.x; c < dim; c += blockDim.x)
+    {
+      const float x = counter_normal(seed, r * dim + c);
+      ss += x * x;
+    }
+    partial[threadIdx.x] = ss;
+    __syncthreads();
+    for (unsigned w = blockDim.x / 2; w > 0; w /= 2)
+    {
+      if (threadIdx.x < w)
+      {
+        partial[threadIdx.x] += partial[threadIdx.x + w];
+      }
+      __syncthreads();
+    }
+    const float inv = rsqrtf(fmaxf(partial[0], 1e-30f));
+    __syncthreads(); // partial[0] read by every thread before the next row overwrites it
+    for (std::size_t c = threadIdx.x; c < dim; c += blockDim.x)
+    {
+      out[r * dim + c] = contrastive::element_traits<T>::from_float(counter_normal(seed, r * dim + c) * inv);
+    }
+  }
+}
+
+/// Benchmark inputs drawn on the device (random L2-normalised rows, as the tests' random_rows draws on the host):
+/// the host generator took ~1 s per 65536 x 512 matrix and ~30 s at N = 2^20, out of a GPU run's few minutes.
 template <class T>
 T* random_device_rows(std::size_t rows, std::size_t dim, unsigned seed)
 {
-  const std::vector<T> h = contrastive_test::random_rows<T>(rows, dim, seed);
   T* d = nullptr;
-  if (cudaMalloc(&d, h.size() * sizeof(T)) != cudaSuccess)
+  if (cudaMalloc(&d, rows * dim * sizeof(T)) != cudaSuccess)
   {
     return nullptr;
   }
-  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(rows, 65535u * 32u));
+  random_rows_kernel<T><<<blocks, 256>>>(d, rows, dim, seed);
+  if (cudaDeviceSynchronize() != cudaSuccess)
+  {
+    cudaFree(d);
+    return nullptr;
+  }
   return d;
 }
 

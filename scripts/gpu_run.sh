@@ -237,8 +237,8 @@ gtest_step device_test 60 "$out/tests.log" device_test
 gtest_step chunked_test 60 "$out/tests.log" device_chunked_test --gtest_filter='-*LargeN*'
 
 # ---- benchmarks: JSON to stdout, line-buffered (stdbuf), appended to bench.json, so a step killed at its limit
-# leaves every finished entry (gpu_table.py reads a cut-off document). Setup draws the inputs on the host (mt19937):
-# about 1 s per 65536 x 512 matrix, on every call of a benchmark function.
+# leaves every finished entry (gpu_table.py reads a cut-off document). Setup draws the inputs on the device (a
+# counter-based generator kernel, benchmarks/device_loss.cu), on every call of a benchmark function.
 sb=()
 command -v stdbuf >/dev/null 2>&1 && sb=(stdbuf -oL -eL)
 bench_step() { # name limit args...
