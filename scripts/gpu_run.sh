@@ -204,18 +204,23 @@ gtest_result() { # log: "P passed, F failed (names), S skipped" or how it stoppe
     echo "$passed passed, ${skipped:-0} skipped, failed: ${failed:-none}"
   fi
 }
+preflight() { # name limit binary: prints the step's timeout, or notes SKIP and fails (binary missing, no time left)
+  local name=$1 lim
+  if [ ! -x "$3" ]; then
+    note "$name" SKIP 0 "$(basename "$3") not in the bundle" >&2 # stdout is the timeout
+    return 1
+  fi
+  lim=$(limit_for "$2")
+  if [ "$lim" -lt 5 ]; then
+    note "$name" SKIP 0 "no time left in the ${budget}s budget" >&2
+    return 1
+  fi
+  echo "$lim"
+}
 gtest_step() { # name limit log binary args...
   local name=$1 lim=$2 log=$3 b=$4
   shift 4
-  if [ ! -x "$tbin/$b" ]; then
-    note "$name" SKIP 0 "$b not in the bundle"
-    return
-  fi
-  lim=$(limit_for "$lim")
-  [ "$lim" -lt 5 ] && {
-    note "$name" SKIP 0 "no time left in the ${budget}s budget"
-    return
-  }
+  lim=$(preflight "$name" "$lim" "$tbin/$b") || return 0
   run_step "$name" "$lim" "$tmp/$name.log" "$tbin/$b" --gtest_color=no "$@"
   [ "$dry" = 1 ] && {
     note "$name" SKIP 0 "dry run"
@@ -244,15 +249,7 @@ command -v stdbuf >/dev/null 2>&1 && sb=(stdbuf -oL -eL)
 bench_step() { # name limit args...
   local name=$1 lim=$2
   shift 2
-  if [ ! -x "$bin/contrastive_device_bench" ]; then
-    note "$name" SKIP 0 "contrastive_device_bench not in the bundle"
-    return
-  fi
-  lim=$(limit_for "$lim")
-  [ "$lim" -lt 5 ] && {
-    note "$name" SKIP 0 "no time left in the ${budget}s budget"
-    return
-  }
+  lim=$(preflight "$name" "$lim" "$bin/contrastive_device_bench") || return 0
   local before=0
   [ -f "$out/bench.json" ] && before=$(grep -c '"run_type"' "$out/bench.json")
   [ "$dry" = 1 ] || echo "=== $name $* (timeout ${lim}s)" >>"$out/bench.log"

@@ -331,13 +331,7 @@ private:
   status validate(const problem_type& p, const void* dq, const void* dk, bool need_grads)
   {
     CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, need_grads));
-    if (p.dim > engine_type::max_dim)
-    {
-      return {errc::size_overflow,
-              "dim",
-              "dim = " + std::to_string(p.dim) + " exceeds the largest the " + Gemm::name + " GEMM backend can pass, " +
-                  std::to_string(engine_type::max_dim)};
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(engine_type::check_dim(p.dim));
     if (const char* why = temperature_.validate(); why[0] != '\0')
     {
       return {errc::invalid_temperature, "temperature", why};

@@ -327,6 +327,10 @@ private:
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
     if (local.ok())
     {
+      local = host::engine<Element, Gemm>::check_dim(p.dim);
+    }
+    if (local.ok())
+    {
       if (const char* why = temperature_.validate(); why[0] != '\0')
       {
         local = {errc::invalid_temperature, "temperature", why};

@@ -19,10 +19,12 @@
 #include <contrastive/host/operands.hpp>
 #include <contrastive/host/thread_pool.hpp>
 #include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -52,6 +54,18 @@ public:
 
   /// The largest embedding dimension the GEMM backend can represent (gemm::cblas: its int arguments).
   static constexpr std::size_t max_dim = backend::max_dim;
+  /// size_overflow "dim" for a dim above max_dim (the single- and multi-process losses check it before any read).
+  static status check_dim(std::size_t dim)
+  {
+    if (dim <= max_dim)
+    {
+      return {};
+    }
+    return {errc::size_overflow,
+            "dim",
+            "dim = " + std::to_string(dim) + " exceeds the largest the " + Gemm::name + " GEMM backend can pass, " +
+                std::to_string(max_dim)};
+  }
 
   /// Chunk size of algorithm::chunked (used from the next `prepare`).
   void set_chunk(const chunk_options& o) noexcept
@@ -83,8 +97,8 @@ public:
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
   ///   keys        builtin: nk_pad d (K packed for S = Q K^T); cblas: n_k d for 16-bit, 0 for float
-  ///   statistics  6 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, shift, log_sum; column lse,
-  ///                                                  loss, shift, log_sum
+  ///   statistics  5 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, log_sum; column lse, loss,
+  ///                                                  shift, log_sum
   ///   scratch     W (query block and key tile [builtin block_m d + (block_m + MR) dp, fused + block_n dp;
   ///               cblas 16-bit block_m d]
   ///               + 3 block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
@@ -109,7 +123,7 @@ public:
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
-    const checked_size stats = checked_size(6) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
+    const checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
     checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(3 * block_m * block_n);
     if (materialized)
     {
@@ -177,7 +191,6 @@ public:
     s.row_loss.resize(s.n_q);
     s.row_max.resize(s.n_q);
     s.pos.resize(s.n_q);
-    s.row_shift.resize(s.n_q);
     s.row_log_sum.resize(s.n_q);
     s.col_lse.resize(sym ? s.n_k : 0);
     s.col_loss.resize(sym ? s.n_k : 0);
@@ -312,9 +325,9 @@ public:
   {
     const engine_state<T, Gemm>& s = st_;
     std::size_t b = (s.row_lse.capacity() + s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() +
-                     s.row_shift.capacity() + s.row_log_sum.capacity() + s.col_lse.capacity() + s.col_loss.capacity() +
-                     s.col_shift.capacity() + s.col_log_sum.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity() +
-                     s.chunk.capacity() + s.col_run_max.capacity() + s.col_run_sum.capacity()) *
+                     s.row_log_sum.capacity() + s.col_lse.capacity() + s.col_loss.capacity() + s.col_shift.capacity() +
+                     s.col_log_sum.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity() + s.chunk.capacity() +
+                     s.col_run_max.capacity() + s.col_run_sum.capacity()) *
                         sizeof(float) +
                     s.logits.capacity() * sizeof(T) + s.mm.bytes();
     for (const auto& ws : s.scratch)
@@ -332,7 +345,6 @@ public:
                     &s.row_loss,
                     &s.row_max,
                     &s.pos,
-                    &s.row_shift,
                     &s.row_log_sum,
                     &s.col_lse,
                     &s.col_loss,

@@ -86,8 +86,9 @@ struct engine_state
 
   gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
   std::vector<float> row_lse, row_loss, row_max, pos, col_lse, col_loss;
-  // Each log-sum-exp as shift + log_sum (row_loss::shift, log_sum), which the backward's softmax reads.
-  std::vector<float> row_shift, row_log_sum, col_shift, col_log_sum;
+  // Each log-sum-exp as shift + log_sum (row_loss::shift, log_sum), which the backward's softmax reads. A row's shift
+  // is its largest logit, max(row_max, pos), so only the columns store theirs.
+  std::vector<float> row_log_sum, col_shift, col_log_sum;
   std::vector<T> logits;             // materialized: n_q x n_k
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place; chunked: dk_acc
   std::vector<worker_scratch> scratch;
@@ -293,7 +294,7 @@ struct engine_state
         std::fill(g, g + block_n, 0.0f);
         continue;
       }
-      const float rs = row_shift[i0 + ii], rl = row_log_sum[i0 + ii];
+      const float rs = detail::max_f(row_max[i0 + ii], pos[i0 + ii]), rl = row_log_sum[i0 + ii];
       if (sym)
       {
         const float* cs = &col_shift[j0];
@@ -325,7 +326,6 @@ struct engine_state
   {
     row_lse[i] = rl.lse;
     row_loss[i] = rl.loss;
-    row_shift[i] = rl.shift;
     row_log_sum[i] = rl.log_sum;
     row_max[i] = negatives_max;
   }
