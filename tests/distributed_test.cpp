@@ -195,7 +195,7 @@ TEST(Distributed, RandomShapesMatchOneProcess)
       if constexpr (std::is_same_v<A, cl::algorithm::chunked>)
       {
         EXPECT_TRUE(one.set_chunk({64, 0}).ok());
-        dist.set_chunk({64, 0});
+        EXPECT_TRUE(dist.set_chunk({64, 0}).ok());
       }
       ASSERT_TRUE(one.step({q.data(), k.data(), n_q, n_k, dim, labels ? all_labels.data() : nullptr, obj},
                            dq1.data(),

@@ -4,14 +4,14 @@
 /// \file
 /// How the ranks of a distributed loss agree before any feature moves (host and device losses share this).
 ///
-/// Every entry point that communicates (`forward_backward`, `finish_step`) starts with the same collective: an
-/// all-gather of one fixed-size `call_msg` per rank, carrying which call the rank is in, the loss's step count, the
-/// caller's iteration (if given), the rank's shape and the outcome of its own checks. Ranks that are in different
-/// calls, or at different steps, therefore meet in that first all-gather whatever they called, see it on every rank,
-/// and all refuse (errc::invalid_argument, "step", naming the ranks and their steps) before anything else moves: an
-/// out-of-step rank is reported at the first wrong call instead of the ranks combining different steps' results.
-/// Then every rank derives the same global facts (totals, offsets, counts, the first inconsistent rank), and one
-/// more all-gather of error codes decides whether the step goes on; if not, the first failing rank broadcasts its
+/// Every entry point that communicates (`forward_backward`, `forward`, `backward`, `finish_step`) starts with the same
+/// collective: an all-gather of one fixed-size `call_msg` per rank, carrying which call the rank is in, the loss's step
+/// count, the caller's iteration (if given), the rank's shape and the outcome of its own checks. Ranks that are in
+/// different calls, or at different steps, therefore meet in that first all-gather whatever they called, see it on
+/// every rank, and all refuse (errc::invalid_argument, "step", naming the ranks and their steps) before anything else
+/// moves: an out-of-step rank is reported at the first wrong call instead of the ranks combining different steps'
+/// results. Then every rank derives the same global facts (totals, offsets, counts, the first inconsistent rank), and
+/// one more all-gather of error codes decides whether the step goes on; if not, the first failing rank broadcasts its
 /// status and every rank returns it, naming that rank.
 /// `Comm` needs `rank()`, `size()`, and host-memory `allgather(mine, bytes, all)` and `broadcast(buf, bytes, root)`.
 
@@ -39,6 +39,8 @@ enum class call_kind : std::int64_t
 {
   forward_backward = 1,
   finish_step = 2,
+  backward = 3,
+  forward = 4,
 };
 
 /// What each rank says at the start of a call (one fixed size for every call, so ranks in different calls still meet
@@ -57,6 +59,8 @@ inline const char* call_name(std::int64_t kind) noexcept
 {
   return kind == static_cast<std::int64_t>(call_kind::forward_backward) ? "forward_backward"
          : kind == static_cast<std::int64_t>(call_kind::finish_step)    ? "finish_step"
+         : kind == static_cast<std::int64_t>(call_kind::backward)       ? "backward"
+         : kind == static_cast<std::int64_t>(call_kind::forward)        ? "forward"
                                                                         : "an unknown call";
 }
 
@@ -270,9 +274,9 @@ inline status check_iteration(std::int64_t iteration)
   return {};
 }
 
-/// Step 1 of `forward_backward` (its first collective): all-gathers every rank's call, step, iteration, shape and own
-/// verdict (`local`); refuses on every rank when the ranks are out of step; derives the global facts into `g`, runs
-/// `checks_with_totals(g)` on every rank when nothing failed so far, and agrees.
+/// Step 1 of `forward_backward` or `forward` (`kind`; its first collective): all-gathers every rank's call, step,
+/// iteration, shape and own verdict (`local`); refuses on every rank when the ranks are out of step; derives the global
+/// facts into `g`, runs `checks_with_totals(g)` on every rank when nothing failed so far, and agrees.
 template <class Comm, class T, class Checks>
 status agree_on_problem(const Comm& comm,
                         const problem<T>& p,
@@ -280,13 +284,14 @@ status agree_on_problem(const Comm& comm,
                         std::int64_t iteration,
                         status local,
                         global_shape& g,
-                        Checks&& checks_with_totals)
+                        Checks&& checks_with_totals,
+                        call_kind kind = call_kind::forward_backward)
 {
   if (local.ok())
   {
     (void)(local = check_iteration(iteration));
   }
-  call_msg mine = make_call(call_kind::forward_backward, step, iteration, local);
+  call_msg mine = make_call(kind, step, iteration, local);
   mine.n_q = static_cast<std::int64_t>(p.n_q);
   mine.n_k = static_cast<std::int64_t>(p.n_k);
   mine.dim = static_cast<std::int64_t>(p.dim);
@@ -304,6 +309,18 @@ status agree_on_problem(const Comm& comm,
   {
     (void)(local = checks_with_totals(g));
   }
+  return agree(comm, local);
+}
+
+/// The agreement a call starts with when it carries no shape (`backward`): the same all-gather (ranks in other calls
+/// or at other steps are refused on every rank), then `local`, this rank's own checks, agreed.
+template <class Comm>
+status agree_on_call(const Comm& comm, call_kind kind, std::int64_t step, std::int64_t iteration, const status& local)
+{
+  const call_msg mine = make_call(kind, step, iteration, local);
+  std::vector<call_msg> all(static_cast<std::size_t>(comm.size()));
+  CONTRASTIVE_RETURN_IF_ERROR(comm.allgather(&mine, sizeof mine, all.data()));
+  CONTRASTIVE_RETURN_IF_ERROR(check_in_step(all));
   return agree(comm, local);
 }
 

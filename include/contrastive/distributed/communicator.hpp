@@ -86,7 +86,19 @@ private:
     }
   }
 };
+
+/// One process and no communication: the single-process `contrastive::loss`. The step driver (step/driver.hpp) elides
+/// every collective at compile time for it (K read in place, gradients written directly, no agreement); `local` runs
+/// the distributed algorithm's copies instead.
+struct self : local
+{
+  static constexpr const char* name = "self";
+};
 } // namespace comm
+
+/// Whether a communicator is `comm::self`: one process whose steps need no collective at all.
+template <class C>
+inline constexpr bool is_single_process_v = std::is_same_v<C, comm::self>;
 
 /// A type with rank(), size() and the collectives above; checked by the distributed loss.
 template <class C, class = void>

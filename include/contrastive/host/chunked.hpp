@@ -148,9 +148,10 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                });
 }
 
-/// Forward of the chunked algorithm: the loss, max logit and non-finite flag; saves the statistics for the backward.
+/// Row phase of the chunked algorithm's forward: row statistics, the columns' running partials (`column_partial`),
+/// the rows' loss sum, max logit and non-finite flag.
 template <class T, class Gemm>
-forward_result chunked_forward(engine_state<T, Gemm>& st, float s)
+row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
   std::fill(st.col_run_max.begin(), st.col_run_max.end(), -detail::infinity_f);
@@ -163,11 +164,7 @@ forward_result chunked_forward(engine_state<T, Gemm>& st, float s)
     chunk_statistics(st, c0, rows);
   }
   st.chunk_cached = st.chunk_rows >= st.n_q;
-  return st.finish_forward(bad,
-                           [&](std::size_t j)
-                           {
-                             return online_lse{st.col_run_max[j], st.col_run_sum[j]};
-                           });
+  return st.finish_rows(bad);
 }
 
 /// Rows [i0, i0 + block_m) x columns [j0, j0 + block_n) of the chunk buffer (chunk row r = i - c0) into ws.tile, zero
@@ -196,9 +193,9 @@ void load_chunk_tile(const engine_state<T, Gemm>& st,
 
 /// Backward of `loss_scale * loss` for the chunked algorithm after `chunked_forward`.
 template <class T, class Gemm, class Out>
-backward_result chunked_backward(engine_state<T, Gemm>& st, float loss_scale, Out* dq, Out* dk)
+backward_result
+chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
-  const grad_coefficients gc = st.coefficients();
   const float out_scale = loss_scale * st.scale;
   backward_partials parts;
   float* dk_acc = st.dk_acc.data();

@@ -242,77 +242,70 @@ public:
     s.mm.prepare(s.pool, s.workers, sh, s.q, s.k, materialized);
   }
 
-  /// Forward with logits S = scale * Q K^T. Saves the row (and, symmetric, column) log-sum-exps for `backward`.
+  // The phases of a step (the step driver, step/driver.hpp, runs them; between them it combines across ranks):
+  //   forward_rows  S = s Q K^T row block by row block: every row's statistics finished, and (symmetric) each
+  //                 column's negatives over these rows left as a partial (`column_partial`);
+  //   set_column    column j's finished statistics (its negatives over *every* row of the batch and its positive);
+  //   backward      G and the gradients with the batch's coefficients.
+  // One process finishes the columns from its own partials; a rank of a distributed step combines every rank's first.
+
+  /// Forward rows with logits S = scale * Q K^T; saves the row statistics for `backward`.
   template <class Algorithm>
-  forward_result forward(float scale)
+  row_pass forward_rows(float scale)
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
     {
-      return chunked_forward(st_, scale);
+      return chunked_forward_rows(st_, scale);
     }
     else
     {
-      return st_.template forward<Algorithm>(scale);
+      return st_.template forward_rows<Algorithm>(scale);
     }
   }
 
-  /// Backward of `loss_scale * loss` after `forward`. Writes dq (n_q x dim) and dk (n_k x dim) in T, or in float
-  /// (Out = float: unrounded partial gradients, for callers that add several before rounding once, as the
-  /// distributed loss does).
+  /// Symmetric objective, after `forward_rows`: column j's negatives over this engine's rows.
+  template <class Algorithm>
+  online_lse column_partial(std::size_t j) const noexcept
+  {
+    return st_.template column_partial<Algorithm>(j);
+  }
+  /// Row i's positive logit (after `forward_rows`): column i's positive, for the symmetric objective.
+  float positive(std::size_t i) const noexcept
+  {
+    return st_.pos[i];
+  }
+  /// Column j's finished statistics, before `backward`.
+  void set_column(std::size_t j, const contrastive::row_loss& rl) noexcept
+  {
+    st_.set_column(j, rl);
+  }
+
+  /// Backward of `loss_scale * loss` after `forward_rows` and (symmetric) every `set_column`, with the batch's
+  /// gradient coefficients `gc` (make_grad_coefficients of the whole batch's sizes). Writes dq (n_q x dim) and dk
+  /// (n_k x dim) in T, or in float (Out = float: unrounded partial gradients, for callers that add several before
+  /// rounding once, as a rank of the distributed step does).
   template <class Algorithm, class Out>
-  backward_result backward(float loss_scale, Out* dq, Out* dk)
+  backward_result backward(float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
   {
     static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, float>, "gradients are written in T or in float");
     if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
     {
-      return materialized_backward(st_, loss_scale, dq, dk);
+      return materialized_backward(st_, loss_scale, gc, dq, dk);
     }
     else if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
     {
-      return chunked_backward(st_, loss_scale, dq, dk);
+      return chunked_backward(st_, loss_scale, gc, dq, dk);
     }
     else
     {
-      return fused_backward(st_, loss_scale, dq, dk);
+      return fused_backward(st_, loss_scale, gc, dq, dk);
     }
   }
 
+  /// The finished row (and column) log-sum-exps of the last forward.
   const std::vector<float>& row_lse() const noexcept
   {
     return st_.row_lse;
-  }
-
-  /// Block mode, for the distributed loss: the engine's problem is a block of rows of a larger one (labels give each
-  /// row's positive as a global column index), `gc` holds the global gradient coefficients, and for the symmetric
-  /// objective the column statistics are finished outside: after `forward`, `block_column_max/sum` hold each column's
-  /// negatives over this block's rows and `positives()` each row's positive logit; `set_column` then takes each
-  /// global column's statistics before `backward`. The forward's loss covers this block's rows only.
-  void set_block(bool on, const grad_coefficients& gc = {}) noexcept
-  {
-    st_.block = on;
-    st_.block_coef = gc;
-  }
-  const std::vector<float>& block_column_max() const noexcept
-  {
-    return st_.col_lse;
-  }
-  const std::vector<float>& block_column_sum() const noexcept
-  {
-    return st_.col_loss;
-  }
-  const std::vector<float>& positives() const noexcept
-  {
-    return st_.pos;
-  }
-  const std::vector<float>& row_losses() const noexcept
-  {
-    return st_.row_loss;
-  }
-  /// Column j's global statistics (`finish_row` of its negatives over every block and its positive), before
-  /// `backward`.
-  void set_column(std::size_t j, const contrastive::row_loss& rl) noexcept
-  {
-    st_.set_column(j, rl);
   }
   const std::vector<float>& col_lse() const noexcept
   {

@@ -34,6 +34,15 @@ struct forward_result
   bool logits_nonfinite = false;
 };
 
+/// Result of the row phase of a forward pass (`engine::forward_rows`): the column statistics of the symmetric loss
+/// are finished after it, by whoever holds every row's partials (the step driver).
+struct row_pass
+{
+  double row_loss_sum = 0.0; ///< sum of the row losses of this engine's rows
+  float max_logit = 0.0f;    ///< largest logit S_ij (materialized: its element-type value)
+  bool logits_nonfinite = false;
+};
+
 /// Result of a backward pass. `grad_logit_scale` is d(loss_scale * loss)/d(log s).
 struct backward_result
 {
@@ -93,12 +102,6 @@ struct engine_state
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place; chunked: dk_acc
   std::vector<worker_scratch> scratch;
 
-  // Block mode (the distributed loss): this engine holds a block of rows of a larger problem. The gradient
-  // coefficients are the global ones, and (symmetric) the column statistics come from outside (`set_column`) after
-  // `forward` left each column's partial state over this block's rows in `column_partials`.
-  bool block = false;
-  grad_coefficients block_coef{};
-
   // chunked: the logits / gradients of one chunk of rows (chunk_rows x nk_pad), the running column statistics, and
   // whether the chunk still holds the forward's logits (one chunk covers every row).
   chunk_options chunk_request;
@@ -109,11 +112,6 @@ struct engine_state
   bool symmetric() const noexcept
   {
     return obj == objective::symmetric;
-  }
-  /// G = row_coef P + col_coef C - pos_coef [positive]: from the problem's sizes, or the block's global ones.
-  grad_coefficients coefficients() const noexcept
-  {
-    return block ? block_coef : make_grad_coefficients(obj, n_q, n_k);
   }
   std::size_t positive_of(std::size_t i) const noexcept
   {
@@ -338,9 +336,10 @@ struct engine_state
     col_log_sum[j] = rl.log_sum;
   }
 
-  /// Forward over all row blocks; fills the statistics and returns the loss, max logit and non-finite flag.
+  /// Forward over all row blocks: the finished row statistics, and (symmetric) each worker's column partials, which
+  /// `column_partial` merges.
   template <class Algorithm>
-  forward_result forward(float s)
+  row_pass forward_rows(float s)
   {
     scale = s;
     for (auto& ws : scratch)
@@ -361,25 +360,34 @@ struct engine_state
     {
       any_bad |= bad[w] != 0;
     }
-    return finish_forward(any_bad,
-                          [&](std::size_t j)
-                          {
-                            online_lse c{};
-                            for (unsigned w = 0; w < workers; ++w)
-                            {
-                              c.merge(online_lse{scratch[w].col_max[j], scratch[w].col_sum[j]});
-                            }
-                            return c;
-                          });
+    return finish_rows(any_bad);
   }
 
-  /// The forward's result from the finished row statistics and, symmetric, each column's negatives (col_state(j));
-  /// fills the column log-sum-exps and losses.
-  template <class ColState>
-  forward_result finish_forward(bool logits_nonfinite, ColState&& col_state)
+  /// Column j's negatives over every row of this engine's problem: the workers' partials merged in worker order
+  /// (fused, materialized) or the chunks' running state (chunked).
+  template <class Algorithm>
+  online_lse column_partial(std::size_t j) const noexcept
   {
-    const bool sym = symmetric();
-    forward_result r;
+    if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
+    {
+      return online_lse{col_run_max[j], col_run_sum[j]};
+    }
+    else
+    {
+      online_lse c{};
+      for (unsigned w = 0; w < workers; ++w)
+      {
+        c.merge(online_lse{scratch[w].col_max[j], scratch[w].col_sum[j]});
+      }
+      return c;
+    }
+  }
+
+  /// The row phase's result from the finished row statistics: the rows' loss sum, the largest logit and whether a
+  /// logit (a positive included) was non-finite.
+  row_pass finish_rows(bool logits_nonfinite) const noexcept
+  {
+    row_pass r;
     r.logits_nonfinite = logits_nonfinite;
     double row_sum = 0.0;
     float max_logit = -detail::infinity_f;
@@ -389,31 +397,8 @@ struct engine_state
       r.logits_nonfinite |= !(pos[i] - pos[i] == 0.0f);
       max_logit = detail::max_nan(max_logit, detail::max_nan(row_max[i], pos[i]));
     }
+    r.row_loss_sum = row_sum;
     r.max_logit = max_logit;
-    double total = row_sum / static_cast<double>(n_q);
-    if (sym && block)
-    {
-      // The block's partial column states (negatives over this block's rows), parked in col_lse (max) and col_loss
-      // (sum) until the caller combines every block's and calls set_column. The loss covers the rows only.
-      for (std::size_t j = 0; j < n_k; ++j)
-      {
-        const online_lse c = col_state(j);
-        col_lse[j] = c.max;
-        col_loss[j] = c.sum;
-      }
-    }
-    else if (sym)
-    {
-      double col_sum = 0.0;
-      for (std::size_t j = 0; j < n_k; ++j)
-      {
-        const contrastive::row_loss rl = finish_row(col_state(j), pos[j]);
-        set_column(j, rl);
-        col_sum += rl.loss;
-      }
-      total = 0.5 * (total + col_sum / static_cast<double>(n_k));
-    }
-    r.loss = static_cast<float>(total);
     return r;
   }
 

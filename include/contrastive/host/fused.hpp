@@ -25,9 +25,9 @@ namespace host
 {
 /// Backward of `loss_scale * loss` for the fused algorithm after `forward<fused>`.
 template <class T, class Gemm, class Out>
-backward_result fused_backward(engine_state<T, Gemm>& st, float loss_scale, Out* dq, Out* dk)
+backward_result
+fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
-  const grad_coefficients gc = st.coefficients();
   const float out_scale = loss_scale * st.scale;
   const std::size_t row_blocks = st.nq_pad / block_m;
   const std::size_t key_tiles = st.nk_pad / block_n;

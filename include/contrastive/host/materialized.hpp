@@ -44,10 +44,10 @@ void load_matrix_tile(const engine_state<T, Gemm>& st,
 
 /// Backward of `loss_scale * loss` for the materialized algorithm after `forward<materialized>`.
 template <class T, class Gemm, class Out>
-backward_result materialized_backward(engine_state<T, Gemm>& st, float loss_scale, Out* dq, Out* dk)
+backward_result
+materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   using traits = element_traits<T>;
-  const grad_coefficients gc = st.coefficients();
   const std::size_t row_tasks = st.nq_pad / block_m;
   backward_partials parts;
 

@@ -1,0 +1,324 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `contrastive::basic_loss<Element, Temperature, Scaler, Algorithm, Comm, Gemm>`: the policies of a training step
+/// (temperature, loss scaler, step count) over the step driver (step/driver.hpp), which does the work. One process
+/// is `contrastive::loss` (Comm = comm::self, <contrastive/loss.hpp>); the global batch over ranks is
+/// `contrastive::distributed::loss` (<contrastive/distributed/loss.hpp>). Both are this class.
+///
+/// A step runs, in this order:
+///   1. validate every input and policy setting (a failure returns a status and changes nothing; ranks: on every
+///      rank, naming the rank);
+///   2. forward at tau = Temperature::tau(), backward of loss_scale * loss (dQ, dK in Element, still scaled: they are
+///      activation gradients the caller back-propagates further);
+///   3. unscale-and-check: d(loss)/d(log s) is divided by the loss scale, and every gradient is tested for finiteness
+///      in the pass that produces it (dQ/dK are tested on their scaled Element values; caller gradients passed to
+///      `unscale_and_check` are tested *after* unscaling, in the same pass that multiplies them by 1/loss_scale);
+///   4. `finish_step`: the scaler's `update(found_inf)`; then, only if the step was finite, the temperature's
+///      `advance(grad)` (ranks: after agreeing on the earliest non-finite site over all ranks, so the policies step
+///      in lockstep, as DDP + GradScaler do).
+/// `step()` is 2-4 at once for callers whose only gradients are dQ and dK.
+///
+/// Ranks must make the same calls in the same order. The step count travels with every call, so a rank that is a
+/// call behind or ahead (a finish_step skipped, a different checkpoint restored) is refused on every rank at the
+/// first wrong call (errc::invalid_argument, "step", naming the ranks and their steps). A rank that skips a *whole*
+/// step is only seen if the caller also gives `iteration` (its own step number, the same on every rank): the loss
+/// cannot know which batch a call is for.
+
+#include <contrastive/detail/host_step.hpp>
+#include <contrastive/detail/step_logic.hpp>
+#include <contrastive/distributed/agreement.hpp>
+#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/policy/scaler.hpp>
+#include <contrastive/policy/temperature.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+#include <contrastive/step/driver.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+namespace contrastive
+{
+template <class Element,
+          class Temperature = temperature::learnable,
+          class Scaler = scaler::static_scale,
+          class Algorithm = algorithm::fused,
+          class Comm = distributed::comm::self,
+          class Gemm = gemm::builtin>
+class basic_loss
+{
+  static_assert(temperature::is_temperature_policy_v<Temperature>,
+                "Temperature must be a trivially copyable policy with is_learnable, scale(), tau(), "
+                "wants_gradient(), advance(float) and validate()");
+  static_assert(
+      scaler::is_scaler_policy_v<Scaler>,
+      "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
+  using driver_type = step::driver<Element, Algorithm, Gemm, Comm>;
+
+public:
+  using element_type = Element;
+  using temperature_type = Temperature;
+  using scaler_type = Scaler;
+  using algorithm_type = Algorithm;
+  using gemm_type = Gemm;
+  using comm_type = Comm;
+  using problem_type = problem<Element>;
+
+  /// Everything a training run must save to resume bit-exactly (trivially copyable).
+  using checkpoint = detail::checkpoint<Temperature, Scaler>;
+
+  explicit basic_loss(Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
+      : temperature_(t), scaler_(s), driver_(Comm{}, threads)
+  {
+  }
+  /// Ranks: construct on every rank with the same policies (a communicator constructor may itself be a collective).
+  explicit basic_loss(Comm comm, Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
+      : temperature_(t), scaler_(s), driver_(std::move(comm), threads)
+  {
+  }
+
+  const Comm& communicator() const noexcept
+  {
+    return driver_.communicator();
+  }
+  const Temperature& temperature() const noexcept
+  {
+    return temperature_;
+  }
+  const Scaler& scaler() const noexcept
+  {
+    return scaler_;
+  }
+  std::int64_t steps() const noexcept
+  {
+    return step_;
+  }
+  float tau() const noexcept
+  {
+    return temperature_.tau();
+  }
+  float loss_scale() const noexcept
+  {
+    return scaler_.loss_scale();
+  }
+  unsigned threads() const noexcept
+  {
+    return driver_.threads();
+  }
+  /// algorithm::chunked only: rows per chunk, or the chunk buffer's budget (see chunk_options); applies from the next
+  /// call. Other algorithms refuse it (invalid_argument "chunk"), so a setting never silently does nothing.
+  status set_chunk(const chunk_options& o)
+  {
+    return driver_.set_chunk(o);
+  }
+  /// The temperature optimiser's settings (learning rate, betas, ...), e.g. for a learning-rate schedule; its state
+  /// (moments, step count) and theta are kept. Refused, changing nothing, when the settings are out of their domain
+  /// (invalid_temperature "optimizer") or the policy has no optimiser (invalid_argument "optimizer": fixed, schedule).
+  /// Ranks: local; set the same on every rank.
+  status set_temperature_optimizer(const optimizer& o)
+  {
+    if constexpr (!temperature::has_optimizer_v<Temperature>)
+    {
+      (void)o;
+      return {errc::invalid_argument, "optimizer", "this temperature policy has no optimizer"};
+    }
+    else
+    {
+      if (!o.valid())
+      {
+        return {errc::invalid_temperature,
+                "optimizer",
+                "optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)"};
+      }
+      temperature_.opt = o;
+      return {};
+    }
+  }
+  /// algorithm::chunked: rows per chunk a problem would use (a multiple of the row block, at most all rows).
+  std::size_t chunk_rows_for(const problem_type& p) const noexcept
+  {
+    return driver_.chunk_rows_for(p);
+  }
+  /// The batch of the last agreed step: total queries and keys, and this rank's first query and key index.
+  std::size_t global_queries() const noexcept
+  {
+    return driver_.global_queries();
+  }
+  std::size_t global_keys() const noexcept
+  {
+    return driver_.global_keys();
+  }
+  std::size_t query_offset() const noexcept
+  {
+    return driver_.query_offset();
+  }
+  std::size_t key_offset() const noexcept
+  {
+    return driver_.key_offset();
+  }
+
+  /// Bytes of host memory held between calls (operands, saved statistics, scratch, materialized logits; ranks: also
+  /// the gathered K and the float partials).
+  std::size_t bytes_held() const noexcept
+  {
+    return driver_.bytes_held();
+  }
+
+  /// The whole state. Byte-deterministic (padding zeroed, members copied as bytes): two saves of the same state
+  /// compare equal with memcmp, so a checkpoint can be checksummed or compared as a blob.
+  checkpoint save() const noexcept
+  {
+    return detail::save_checkpoint(temperature_, scaler_, step_);
+  }
+
+  /// Restores a checkpoint after validating it; on error nothing changes. Ranks: local; restore the same checkpoint
+  /// on every rank.
+  status restore(const checkpoint& c)
+  {
+    return detail::restore_checkpoint(c, temperature_, scaler_, step_);
+  }
+
+  /// Loss at the current temperature; per-row (and, symmetric, per-column) log-sum-exps if the pointers are given
+  /// (this rank's n_q and n_k floats). Changes no policy state. Keep `p` alive until `backward`. Ranks: collective.
+  status forward(const problem_type& p,
+                 float& loss_value,
+                 float* row_lse = nullptr,
+                 float* col_lse = nullptr,
+                 std::int64_t iteration = distributed::no_iteration)
+  {
+    step::forward_values fr;
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.forward(p, temperature_.scale(), policies(), nullptr, nullptr, false, step_, iteration, fr));
+    iteration_ = iteration;
+    loss_value = fr.loss;
+    driver_.copy_lse(row_lse, col_lse);
+    return {};
+  }
+
+  /// What the last successful `forward` saw (loss, largest logit, whether a logit was non-finite) and the last
+  /// `backward` produced (whether dQ/dK held a non-finite value, d(loss_scale * loss)/d(log s)): the step diagnosis
+  /// for callers who run the two halves themselves (`diagnose` orders it as a step record does).
+  const host::forward_result& last_forward() const noexcept
+  {
+    return driver_.last_forward();
+  }
+  const host::backward_result& last_backward() const noexcept
+  {
+    return driver_.last_backward();
+  }
+  /// The first non-finite site of the last forward + backward pair, in the order of `step_record::first_nonfinite`.
+  nonfinite_site diagnose() const noexcept
+  {
+    const host::forward_result& f = driver_.last_forward();
+    const host::backward_result& b = driver_.last_backward();
+    return detail::first_nonfinite(
+        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, temperature_.wants_gradient(), b.grad_logit_scale);
+  }
+
+  /// Backward of the last `forward` at the current loss scale: dq, dk (Element, multiplied by the loss scale) and
+  /// d(loss_scale * loss)/d(log s) in `grad_logit_scale_scaled`. Changes no policy state. Ranks: collective.
+  status backward(Element* dq, Element* dk, float& grad_logit_scale_scaled)
+  {
+    step::backward_values br;
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(scaler_.loss_scale(), dq, dk, false, step_, iteration_, br));
+    grad_logit_scale_scaled = br.grad_logit_scale;
+    return {};
+  }
+
+  /// Steps 1-3 of a training step (see the file comment). On success `rec.pending` is true and `finish_step` must
+  /// follow (after any `unscale_and_check` of the caller's own gradients). On error nothing changes. Ranks: `p` is
+  /// this rank's rows; dq and dk receive the gradients of loss_scale * (global loss) for them (collective).
+  status forward_backward(const problem_type& p,
+                          Element* dq,
+                          Element* dk,
+                          step_record& rec,
+                          std::int64_t iteration = distributed::no_iteration)
+  {
+    const float ls = scaler_.loss_scale();
+    step::forward_values fr;
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.forward(p, temperature_.scale(), policies(), dq, dk, true, step_, iteration, fr));
+    iteration_ = iteration;
+    step::backward_values br;
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(ls, dq, dk, true, step_, iteration, br));
+    rec = detail::make_record(
+        step_,
+        temperature_.tau(),
+        ls,
+        temperature_.wants_gradient(),
+        {fr.loss, fr.max_logit, br.grad_logit_scale, fr.logits_nonfinite, br.dq_nonfinite, br.dk_nonfinite});
+    return {};
+  }
+
+  /// One pass over a caller gradient buffer (e.g. encoder weight gradients from back-propagating dQ/dK): multiplies
+  /// by 1/loss_scale and records `parameters` as the non-finite site if any unscaled value is not finite (local;
+  /// ranks: the next `finish_step` makes every rank skip if any rank recorded one).
+  status unscale_and_check(float* grads, std::size_t n, step_record& rec) const
+  {
+    return detail::unscale_and_check_host(grads, n, rec);
+  }
+
+  /// Step 4: scaler update, then (finite steps only) the temperature update, then the temperature's optional
+  /// `observe(rec, max_finite)` hook (policies that react to the scaler or the element type's range). Fills `skipped`
+  /// and `next_loss_scale`. Ranks: collective; its first collective is the same as the other calls', so a rank
+  /// still in forward_backward (or at another step) is refused on every rank, and a refused finish_step changes
+  /// nothing (the record stays pending).
+  status finish_step(step_record& rec)
+  {
+    if constexpr (driver_type::single)
+    {
+      if (!rec.pending)
+      {
+        return {errc::invalid_argument, "rec", "no step in progress, or finish_step already called for it"};
+      }
+    }
+    else
+    {
+      std::int32_t site = static_cast<std::int32_t>(rec.first_nonfinite);
+      CONTRASTIVE_RETURN_IF_ERROR(
+          distributed::detail::agree_on_finish(driver_.communicator(), step_, iteration_, rec.pending, status{}, site));
+      rec.first_nonfinite = static_cast<nonfinite_site>(site);
+    }
+    detail::finish_step<Element>(temperature_, scaler_, rec);
+    step_ = detail::saturating_increment(step_);
+    return {};
+  }
+
+  /// A whole training step whose only gradients are dq and dk: exactly forward_backward, then finish_step (so ranks
+  /// may mix the two forms within one step).
+  status step(const problem_type& p,
+              Element* dq,
+              Element* dk,
+              step_record& rec,
+              std::int64_t iteration = distributed::no_iteration)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward(p, dq, dk, rec, iteration));
+    return finish_step(rec);
+  }
+
+private:
+  /// The policies' own settings, checked before any step (a failure is returned after the problem's checks).
+  status policies() const
+  {
+    if (const char* why = temperature_.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_temperature, "temperature", why};
+    }
+    if (const char* why = scaler_.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_scaler, "scaler", why};
+    }
+    return {};
+  }
+
+  Temperature temperature_;
+  Scaler scaler_;
+  driver_type driver_;
+  std::int64_t step_ = 0;
+  std::int64_t iteration_ = distributed::no_iteration; ///< the caller's iteration of the last agreed forward
+};
+} // namespace contrastive
