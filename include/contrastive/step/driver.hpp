@@ -287,16 +287,22 @@ public:
   /// Phases 7-9 of the last forward at loss scale `loss_scale`: dq, dk (this rank's rows and keys, Element,
   /// multiplied by the loss scale). `agreed`: the call's outputs were checked and agreed on by `forward` (a
   /// forward_backward); otherwise the ranks agree on this call first.
+  /// `checks`: the caller's verdict on its own arguments (e.g. the loss scale), returned like this call's own.
   status backward(float loss_scale,
                   Element* dq,
                   Element* dk,
                   bool agreed,
                   std::int64_t step,
                   std::int64_t iteration,
-                  backward_values& out)
+                  backward_values& out,
+                  const status& checks = status{})
   {
     status local;
-    if (!ready_)
+    if (!checks.ok())
+    {
+      local = checks;
+    }
+    else if (!ready_)
     {
       local = {errc::invalid_argument, "forward", "backward needs a successful forward on the same problem first"};
     }

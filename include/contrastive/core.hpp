@@ -1,0 +1,197 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `contrastive::core<Element, Algorithm, Gemm, Comm>`: the policy-free call, for frameworks that own the
+/// temperature and the loss scaling themselves (PyTorch: the `logit_scale` parameter and its GradScaler):
+///   (problem, s, loss scale) -> loss, dQ, dK (Element, multiplied by the loss scale), d(loss)/d(log s), diagnosis.
+/// No temperature, scaler or step record is kept; what it holds between calls is the engine's buffers and the
+/// statistics a `backward` reuses. `contrastive::loss` is the stateful wrapper (policies, scaler, record) over the same
+/// step driver (step/driver.hpp).
+///
+/// Over a communicator (`Comm` other than comm::self) every call is a collective of the global batch, as for
+/// `distributed::loss`: bad input on one rank is refused on every rank, naming it.
+
+#include <contrastive/detail/step_logic.hpp>
+#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+#include <contrastive/step/driver.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace contrastive
+{
+/// What a whole pass (`core::step`) found. `grad_logit_scale` is d(loss)/d(log s), already divided by the loss scale;
+/// `first_nonfinite` orders the flags as a step record does (logits, loss, dQ, dK, d loss / d log s).
+struct core_values
+{
+  float loss = 0.0f;
+  float max_logit = 0.0f;
+  float grad_logit_scale = 0.0f;
+  bool logits_nonfinite = false;
+  bool dq_nonfinite = false;
+  bool dk_nonfinite = false;
+  nonfinite_site first_nonfinite = nonfinite_site::none;
+};
+
+template <class Element,
+          class Algorithm = algorithm::fused,
+          class Gemm = gemm::builtin,
+          class Comm = distributed::comm::self>
+class core
+{
+  using driver_type = step::driver<Element, Algorithm, Gemm, Comm>;
+
+public:
+  using element_type = Element;
+  using algorithm_type = Algorithm;
+  using problem_type = problem<Element>;
+
+  explicit core(unsigned threads = 0) : driver_(Comm{}, threads) {}
+  /// Ranks: construct on every rank (a communicator constructor may itself be a collective).
+  explicit core(Comm comm, unsigned threads = 0) : driver_(std::move(comm), threads) {}
+
+  unsigned threads() const noexcept
+  {
+    return driver_.threads();
+  }
+  const Comm& communicator() const noexcept
+  {
+    return driver_.communicator();
+  }
+  /// algorithm::chunked only (see chunk_options); other algorithms refuse it (invalid_argument "chunk").
+  status set_chunk(const chunk_options& o)
+  {
+    return driver_.set_chunk(o);
+  }
+  std::size_t bytes_held() const noexcept
+  {
+    return driver_.bytes_held();
+  }
+  /// Completed forward + backward pairs: what the ranks' calls are matched by (every rank must make the same calls).
+  std::int64_t passes() const noexcept
+  {
+    return passes_;
+  }
+  std::size_t global_queries() const noexcept
+  {
+    return driver_.global_queries();
+  }
+  std::size_t global_keys() const noexcept
+  {
+    return driver_.global_keys();
+  }
+  std::size_t query_offset() const noexcept
+  {
+    return driver_.query_offset();
+  }
+  std::size_t key_offset() const noexcept
+  {
+    return driver_.key_offset();
+  }
+
+  /// Loss of `p` with logits S = logit_scale * Q K^T (logit_scale = 1/tau: finite and > 0, else
+  /// invalid_temperature "logit_scale"); per-row (and, symmetric, per-column) log-sum-exps if the pointers are given.
+  /// Keep `p` alive until `backward`.
+  status forward(const problem_type& p,
+                 float logit_scale,
+                 step::forward_values& out,
+                 float* row_lse = nullptr,
+                 float* col_lse = nullptr,
+                 std::int64_t iteration = distributed::no_iteration)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.forward(p, logit_scale, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
+    iteration_ = iteration;
+    driver_.copy_lse(row_lse, col_lse);
+    return {};
+  }
+
+  /// Backward of `loss_scale * loss` for the last `forward` (loss_scale finite and > 0, else invalid_scaler
+  /// "loss_scale"): dq, dk in Element, multiplied by loss_scale; out.grad_logit_scale = d(loss_scale * loss)/d(log s).
+  status backward(float loss_scale, Element* dq, Element* dk, step::backward_values& out)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.backward(loss_scale, dq, dk, false, passes_, iteration_, out, check_loss_scale(loss_scale)));
+    passes_ = detail::saturating_increment(passes_);
+    return {};
+  }
+
+  /// forward, then backward, with every argument checked first (a refused call writes nothing).
+  status step(const problem_type& p,
+              float logit_scale,
+              float loss_scale,
+              Element* dq,
+              Element* dk,
+              core_values& out,
+              std::int64_t iteration = distributed::no_iteration)
+  {
+    status checks = check_scale(logit_scale);
+    if (checks.ok())
+    {
+      checks = check_loss_scale(loss_scale);
+    }
+    step::forward_values f;
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(p, logit_scale, checks, dq, dk, true, passes_, iteration, f));
+    iteration_ = iteration;
+    step::backward_values b;
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(loss_scale, dq, dk, true, passes_, iteration, b));
+    passes_ = detail::saturating_increment(passes_);
+    out.loss = f.loss;
+    out.max_logit = f.max_logit;
+    out.grad_logit_scale = b.grad_logit_scale / loss_scale;
+    out.logits_nonfinite = f.logits_nonfinite;
+    out.dq_nonfinite = b.dq_nonfinite;
+    out.dk_nonfinite = b.dk_nonfinite;
+    out.first_nonfinite =
+        detail::first_nonfinite(f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, true, out.grad_logit_scale);
+    return {};
+  }
+
+  const step::forward_values& last_forward() const noexcept
+  {
+    return driver_.last_forward();
+  }
+  const step::backward_values& last_backward() const noexcept
+  {
+    return driver_.last_backward();
+  }
+  /// The first non-finite site of the last forward + backward pair (d loss / d log s counts unless
+  /// `wants_gradient` is false, e.g. for a fixed temperature).
+  nonfinite_site diagnose(bool wants_gradient = true) const noexcept
+  {
+    const step::forward_values& f = driver_.last_forward();
+    const step::backward_values& b = driver_.last_backward();
+    return detail::first_nonfinite(
+        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, wants_gradient, b.grad_logit_scale);
+  }
+
+private:
+  static status check_scale(float s)
+  {
+    if (!(s > 0.0f) || !detail::finite(s))
+    {
+      return {errc::invalid_temperature,
+              "logit_scale",
+              "logit_scale = " + std::to_string(s) + "; it must be finite and > 0 (it is 1/tau)"};
+    }
+    return {};
+  }
+  static status check_loss_scale(float s)
+  {
+    if (!(s > 0.0f) || !detail::finite(s))
+    {
+      return {errc::invalid_scaler, "loss_scale", "loss_scale = " + std::to_string(s) + "; it must be finite and > 0"};
+    }
+    return {};
+  }
+
+  driver_type driver_;
+  std::int64_t passes_ = 0;
+  std::int64_t iteration_ = distributed::no_iteration;
+};
+} // namespace contrastive
