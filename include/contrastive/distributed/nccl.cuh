@@ -27,6 +27,7 @@
 /// and the step is skipped on every rank). NCCL's max of a NaN is unspecified: a NaN logit is still flagged (the step
 /// is skipped) but the recorded max logit may not show it.
 
+#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/device/chunked.cuh>
 #include <contrastive/device/loss.cuh>
 #include <contrastive/distributed/agreement.hpp>
@@ -611,7 +612,9 @@ public:
     device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
     CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
     CONTRASTIVE_RETURN_IF_ERROR(cuda(single::finish_step(d_state, stream)));
-    ++steps_; // a rank whose device failed above does not count the step: its next call is refused on every rank
+    // Saturates, as the host losses' count does (every rank holds the same count, so all saturate together). A rank
+    // whose device failed above does not count the step: its next call is refused on every rank.
+    steps_ = contrastive::detail::saturating_increment(steps_);
     return {};
   }
 
