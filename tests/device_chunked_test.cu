@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace cl = contrastive;
@@ -353,16 +354,111 @@ TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
   huge.n_q = huge.n_k = (std::size_t(1) << 30) + 1;
   EXPECT_EQ(L::step(nullptr, bytes, huge, dummy + 2, dummy + 3, state, reinterpret_cast<cublasHandle_t>(dummy)),
             cudaErrorInvalidValue);
-  // Chunk rows: multiples of 64, at most every row, the default budget of 384 MiB for S_c and G_c, and at least 256
-  // rows by default.
+  // Chunk rows: multiples of 64, at most every row; without free memory known (0), the default's floor: S_c and G_c
+  // in 384 MiB, and at least 256 rows. Given rows or a budget keep their meaning whatever is free.
   cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
-  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {}), (std::size_t(384) << 20) / (65536 * 6) / 64 * 64);
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {}, false, 0), (std::size_t(384) << 20) / (65536 * 6) / 64 * 64);
   cl::problem<__nv_bfloat16> wide{
       nullptr, nullptr, std::size_t(1) << 20, std::size_t(1) << 20, 512, nullptr, cl::objective::symmetric};
-  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(wide, {}), 256u);
-  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {100, 0}), 128u);
-  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, std::size_t(1) << 20}), 64u);
-  EXPECT_EQ(dloss<float>::chunk_rows_for(p, {}), 64u);
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(wide, {}, false, 0), 256u);
+  for (const std::size_t free_bytes : {std::size_t(0), std::size_t(139) << 30})
+  {
+    EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {100, 0}, false, free_bytes), 128u);
+    EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, std::size_t(1) << 20}, false, free_bytes), 64u);
+    EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(wide, {256, 0}, false, free_bytes), 256u);
+  }
+  EXPECT_EQ(dloss<float>::chunk_rows_for(p, {}, false, 0), 64u);
+  EXPECT_EQ(dloss<float>::chunk_rows_for(p, {}, false, std::size_t(139) << 30), 64u);
+}
+
+// The default chunk from free memory (no CUDA call: the free bytes are given). N = 2^20 on an H200 (139 GiB free):
+// 4096 rows instead of 256, so the dK accumulator is read and written 256 times per step instead of 4096
+// (docs/performance.md); less free memory lowers the rows, never below the old default.
+TEST(DeviceChunked, DefaultChunkComesFromFreeMemory)
+{
+  using L = dloss<__nv_bfloat16>;
+  namespace cd = cl::device::chunked_detail;
+  const std::size_t gib = std::size_t(1) << 30;
+  cl::problem<__nv_bfloat16> wide{
+      nullptr, nullptr, std::size_t(1) << 20, std::size_t(1) << 20, 512, nullptr, cl::objective::symmetric};
+  // The fixed buffers (dK accumulator, statistics): what a layout of no chunk rows holds.
+  cd::layout fixed{};
+  std::size_t cub = 1;
+  ASSERT_EQ(L::layout_for_rows(wide, false, 0, cub, fixed), cudaSuccess);
+  EXPECT_GE(fixed.total, (std::size_t(1) << 20) * 512 * sizeof(float));
+  const std::size_t per_row = L::chunk_bytes_per_row(wide, false) + 512 * sizeof(float);
+  EXPECT_EQ(L::chunk_bytes_per_row(wide, false), (std::size_t(1) << 20) * 6);
+  for (const std::size_t free_bytes : {80 * gib, 40 * gib, 20 * gib})
+  {
+    SCOPED_TRACE(free_bytes / gib);
+    const std::size_t rows = L::chunk_rows_for(wide, {}, false, free_bytes);
+    EXPECT_EQ(rows % 64, 0u);
+    const std::size_t quarter = (free_bytes - fixed.total) / 4; // what a quarter of the rest holds, whole 64s
+    EXPECT_LE(rows * per_row, quarter);
+    EXPECT_GT((rows + 64) * per_row, quarter);
+  }
+  EXPECT_EQ(L::chunk_rows_for(wide, {}, false, 80 * gib), 3264u);
+  EXPECT_EQ(L::chunk_rows_for(wide, {}, false, 139 * gib), cd::default_max_rows); // 5824 would fit
+  EXPECT_EQ(cd::default_max_rows, 4096u);
+  EXPECT_EQ(L::chunk_rows_for(wide, {}, false, std::size_t(1) << 50), 4096u); // not every row, however much is free
+  // Little free memory: never below the old default (256 rows here).
+  EXPECT_EQ(L::chunk_rows_for(wide, {}, false, 3 * gib), 256u);
+  EXPECT_EQ(L::chunk_rows_for(wide, {}, false, gib), 256u); // less than the fixed buffers
+  cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(L::chunk_rows_for(b, {}, false, 139 * gib), 4096u);
+  EXPECT_EQ(L::chunk_rows_for(b, {}, false, 2 * gib), 1216u); // (2 GiB - 128 MiB) / 4 / (384 KiB + 2 KiB)
+  EXPECT_EQ(L::chunk_rows_for(b, {}, false, 0), 1024u);       // no device: the 384 MiB floor
+  // At most every row; a floor above 4096 rows (narrow keys: 384 MiB holds 65536 rows of 1024 keys) stays the floor.
+  cl::problem<__nv_bfloat16> small{nullptr, nullptr, 300, 300, 64, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(L::chunk_rows_for(small, {}, false, 139 * gib), 320u);
+  cl::problem<__nv_bfloat16> narrow{
+      nullptr, nullptr, std::size_t(1) << 20, 1024, 512, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(L::chunk_rows_for(narrow, {}, false, 139 * gib), 65536u);
+  // fused_tiles: ~2.1 bytes per chunk logit instead of 6: the same quarter holds ~2.8x the rows.
+  EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 139 * gib), 4096u);
+  EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 20 * gib), 2112u); // 704 rows without fused_tiles
+  EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 0), L::floor_rows_for(wide, true));
+}
+
+// The step's layout from its workspace: the bytes a default size query wrote give exactly the query's rows, whatever
+// is free when the step runs (no CUDA call: CUB's bytes and the tile decision are given).
+TEST(DeviceChunked, StepLayoutFromTheWorkspaceIsTheQuerys)
+{
+  namespace cd = cl::device::chunked_detail;
+  const std::size_t gib = std::size_t(1) << 30;
+  auto check = [&](auto problem, bool tiles)
+  {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(problem.q)>>;
+    using L = dloss<T>;
+    for (const std::size_t free_bytes :
+         {std::size_t(0), gib / 2, 3 * gib, 20 * gib, 40 * gib, 80 * gib, 139 * gib, std::size_t(1) << 50})
+    {
+      SCOPED_TRACE(std::to_string(problem.n_q) + " x " + std::to_string(problem.n_k) + " free " +
+                   std::to_string(free_bytes) + (tiles ? " tiles" : ""));
+      const std::size_t cub = 4096;
+      cd::layout query{}, step{}, bigger{};
+      std::size_t c = cub;
+      ASSERT_EQ(L::layout_for_rows(problem, tiles, L::chunk_rows_for(problem, {}, tiles, free_bytes), c, query),
+                cudaSuccess);
+      ASSERT_EQ(L::layout_to_fit(problem, tiles, query.total, cub, step), cudaSuccess);
+      EXPECT_EQ(step.chunk_rows, query.chunk_rows);
+      EXPECT_EQ(step.total, query.total);
+      EXPECT_EQ(step.dk, query.dk);
+      // A workspace one byte short of the query's: fewer rows (or the floor, which the step then refuses).
+      ASSERT_EQ(L::layout_to_fit(problem, tiles, query.total - 1, cub, bigger), cudaSuccess);
+      EXPECT_TRUE(bigger.chunk_rows < query.chunk_rows || bigger.total > query.total - 1);
+    }
+  };
+  using bf = __nv_bfloat16;
+  const std::size_t mega = std::size_t(1) << 20;
+  check(cl::problem<bf>{nullptr, nullptr, mega, mega, 512, nullptr, cl::objective::symmetric}, false);
+  check(cl::problem<bf>{nullptr, nullptr, mega, mega, 512, nullptr, cl::objective::symmetric}, true);
+  check(cl::problem<bf>{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric}, false);
+  check(cl::problem<bf>{nullptr, nullptr, 300, 300, 64, nullptr, cl::objective::symmetric}, false);
+  check(cl::problem<bf>{nullptr, nullptr, 200000, 50000, 256, nullptr, cl::objective::info_nce}, false);
+  check(cl::problem<bf>{nullptr, nullptr, mega, 1024, 512, nullptr, cl::objective::symmetric}, false);
+  check(cl::problem<float>{nullptr, nullptr, 100000, 100000, 128, nullptr, cl::objective::symmetric}, false);
+  check(cl::problem<__half>{nullptr, nullptr, 20000, 70000, 64, nullptr, cl::objective::info_nce}, true);
 }
 
 // fused_tiles sizing: no float chunk, so the same budget holds about 2.8x the rows (G_c in T plus the tile partials);
@@ -375,8 +471,8 @@ TEST(DeviceChunked, FusedTilesSizing)
   cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
   const std::size_t tile_rows =
       (std::size_t(384) << 20) / cl::device::chunked_detail::tile_bytes_per_row<__nv_bfloat16>(65536) / 64 * 64;
-  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, 0, true}, true), tile_rows);
-  EXPECT_GT(tile_rows, 2 * dloss<__nv_bfloat16>::chunk_rows_for(b, {}));
+  EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, 0, true}, true, 0), tile_rows);
+  EXPECT_GT(tile_rows, 2 * dloss<__nv_bfloat16>::chunk_rows_for(b, {}, false, 0));
   EXPECT_EQ(dloss<float>::chunk_rows_for(p, {0, 0, true}), 64u);
   if (!cl::device::chunked_detail::device_runs_tiles())
   {

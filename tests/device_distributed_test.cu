@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -79,4 +80,54 @@ TEST(DeviceDistributed, OneRankEqualsOneGpu)
     EXPECT_LE(ct::rel_diff(dk2.download(), dk1.download()), 1e-6);
     cublasDestroy(h);
   }
+}
+
+// The default chunk (no chunk option) is sized once per shape and kept: steps on the same inputs and state give the
+// same bits, though the first step's workspace lowered the free memory the next would size from; a new shape is sized
+// again. 5000 rows of 20000 keys: two chunks by default (4096 rows where free memory allows), 3000 rows: one.
+TEST(DeviceDistributed, DefaultChunkIsKeptAcrossSteps)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  const std::size_t n_q = 5000, n_k = 20000, dim = 64;
+  const auto q = ct::random_rows<T>(n_q, dim, 41), k = ct::random_rows<T>(n_k, dim, 42);
+  ct::device_buffer<T> d_q(q.size()), d_k(k.size()), dq(q.size()), dk(k.size());
+  ct::device_buffer<single::state_type> s(1);
+  ASSERT_EQ(d_q.upload(q), cudaSuccess);
+  ASSERT_EQ(d_k.upload(k), cudaSuccess);
+  single::state_type st;
+  ASSERT_TRUE(single::make_state(cl::temperature::learnable(0.05f), cl::scaler::static_scale(64.0f), st).ok());
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  ncclComm_t comm = nullptr;
+  int dev = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(ncclCommInitAll(&comm, 1, &dev), ncclSuccess);
+  {
+    dist d(cl::distributed::comm::nccl(comm), h);
+    std::vector<T> first_dq, first_dk;
+    for (const std::size_t rows : {n_q, n_q, std::size_t(3000), n_q})
+    {
+      SCOPED_TRACE(rows);
+      ASSERT_EQ(cudaMemcpy(s.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+      const cl::problem<T> p{d_q.ptr, d_k.ptr, rows, n_k, dim, nullptr, cl::objective::info_nce};
+      const cl::status r = d.step(p, dq.ptr, dk.ptr, s.ptr);
+      ASSERT_TRUE(r.ok()) << r.message();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      if (rows != n_q)
+      {
+        continue;
+      }
+      if (first_dq.empty())
+      {
+        first_dq = dq.download();
+        first_dk = dk.download();
+        continue;
+      }
+      const auto now_dq = dq.download(), now_dk = dk.download();
+      EXPECT_EQ(0, std::memcmp(now_dq.data(), first_dq.data(), now_dq.size() * sizeof(T)));
+      EXPECT_EQ(0, std::memcmp(now_dk.data(), first_dk.data(), now_dk.size() * sizeof(T)));
+    }
+  }
+  ncclCommDestroy(comm);
+  cublasDestroy(h);
 }

@@ -12,8 +12,12 @@
 ///   L::step(nullptr, bytes, problem, dq, dk, d_state, h, stream, {0, budget});   // size query
 ///   L::step(d_temp, bytes, problem, dq, dk, d_state, h, stream, {0, budget});    // the step
 ///
-/// Per chunk of B query rows (B from `chunk_options`; default: S_c and G_c fill at most 384 MiB, and at least 256
-/// rows):
+/// Per chunk of B query rows (B from `chunk_options`; default, neither rows nor budget_bytes given: 4096 rows, fewer
+/// where their chunk buffers do not fit in 1/4 of the device memory free after the step's other workspace buffers,
+/// never fewer than S_c and G_c in 384 MiB or 256 rows, at most every row. The size query reads cudaMemGetInfo; the
+/// step takes the rows its workspace holds, so a step given the bytes its query wrote uses the query's rows. The
+/// chunk size changes the order of float sums (dK's over chunks; cuBLAS may pick other kernels for other shapes),
+/// not the math: give `rows` where steps must not depend on free memory):
 ///   forward   S_c = Q_c K^T (cuBLAS, float out); one block per row: the row's negatives (online_lse::absorb) and
 ///             positive, finish_row; symmetric: per-column partials of the chunk merged into a running state.
 ///   backward  S_c again unless one chunk holds every row (info_nce always runs forward and backward in one pass:
@@ -58,10 +62,18 @@ namespace device
 {
 namespace chunked_detail
 {
+/// The default chunk's floor: S_c and G_c in at most this (and default_min_rows), what earlier versions always used.
 inline constexpr std::size_t default_budget = std::size_t(384) << 20;
 /// Default chunks hold at least this many rows: below about dim / 2 rows per chunk, re-reading K for every chunk's
 /// products costs more memory traffic than the chunk itself (matters from N ~ 500k at dim = 512).
 inline constexpr std::size_t default_min_rows = 256;
+/// Default chunks take at most 1/free_divisor of the device memory free after the step's other workspace buffers.
+inline constexpr std::size_t free_divisor = 4;
+/// The default chunk's rows where free memory allows (and the floor is lower): each chunk reads and writes the
+/// n_k x dim float dK accumulator and reads K about three times, ~14 n_k dim bytes (16-bit K), beside 8 rows n_k dim
+/// flops: 1.75 / rows bytes per flop, at 4096 rows 6-9% of an H200's bf16 GEMM time (at 256 rows 100-140%; the
+/// accumulator alone is 8 of the 14 bytes; docs/performance.md).
+inline constexpr std::size_t default_max_rows = 4096;
 inline constexpr std::size_t row_align = 64;
 inline constexpr int threads = 256;
 
@@ -326,6 +338,18 @@ struct layout
   std::size_t chunk_rows, ld, cub_bytes;
   bool tiles; ///< chunk_options::fused_tiles in effect (no float S_c; row_part / col_part hold the tile partials)
 };
+
+/// The current device's free memory (cudaMemGetInfo), 0 when that fails (no device; the error is cleared).
+inline std::size_t device_free_bytes() noexcept
+{
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess)
+  {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return free_bytes;
+}
 
 /// Whether the current device runs the tile kernels: compute capability 8.0 or later, and the code this program
 /// loads for them built for sm_80 or later (a build for sm_70/75 alone would run compute_7x PTX, where mma.sync
@@ -775,7 +799,49 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return common::make_state(t, s, out);
   }
 
-  /// Rows per chunk for a problem and options (a multiple of 64, at most n_q rounded up).
+  /// Bytes per chunk row of the chunk's buffers (S_c and G_c, or the tile path's G_c and partials), without dQ_c.
+  static std::size_t chunk_bytes_per_row(const problem<Element>& p, bool tiles) noexcept
+  {
+    const std::size_t ld = (p.n_k + 31) / 32 * 32;
+    return tiles ? chunked_detail::tile_bytes_per_row<Element>(ld)
+                 : ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
+  }
+
+  /// The fixed default of earlier versions, now the floor of the default: S_c and G_c fill at most 384 MiB, and at
+  /// least 256 rows (a multiple of 64, at most n_q rounded up).
+  static std::size_t floor_rows_for(const problem<Element>& p, bool tiles) noexcept
+  {
+    constexpr std::size_t align = chunked_detail::row_align;
+    const std::size_t rows = contrastive::detail::chunk_rows_for(
+        chunk_options{}, p.n_q, chunk_bytes_per_row(p, tiles), align, chunked_detail::default_budget);
+    const std::size_t all = (p.n_q + align - 1) / align * align;
+    return std::max(rows, std::min(chunked_detail::default_min_rows, all));
+  }
+
+  /// Default rows per chunk (no chunk option) for `free_bytes` of free device memory: 4096 rows, fewer if their
+  /// chunk buffers do not fit in 1/4 of what is free after the step's other workspace buffers, never fewer than
+  /// floor_rows_for (free_bytes = 0, unknown, gives that floor), at most every row. A multiple of 64, at most n_q
+  /// rounded up. See docs/performance.md ("Chunk size on the device").
+  static std::size_t default_rows_for(const problem<Element>& p, bool tiles, std::size_t free_bytes) noexcept
+  {
+    namespace cd = chunked_detail;
+    constexpr std::size_t align = cd::row_align;
+    const std::size_t all = (p.n_q + align - 1) / align * align;
+    const std::size_t floor = floor_rows_for(p, tiles);
+    cd::layout fixed{};
+    std::size_t cub = 1; // CUB's few KiB do not matter to the budget (and asking CUB would need a device)
+    if (free_bytes == 0 || layout_for_rows(p, tiles, 0, cub, fixed) != cudaSuccess || free_bytes <= fixed.total)
+    {
+      return floor; // <= all
+    }
+    const std::size_t per_row = chunk_bytes_per_row(p, tiles) + p.dim * sizeof(float); // + the row's dQ_c
+    const std::size_t fit = (free_bytes - fixed.total) / cd::free_divisor / per_row / align * align;
+    return std::min(all, std::max(floor, std::min(fit, cd::default_max_rows)));
+  }
+
+  /// Rows per chunk for a problem and options (a multiple of 64, at most n_q rounded up). `rows` or `budget_bytes`
+  /// set: from them (chunk_options); neither: default_rows_for at the device's free memory now (what a size query
+  /// uses; no device or a failed query: the floor).
   static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o) noexcept
   {
     return chunk_rows_for(p, o, chunked_detail::use_tiles(p, o));
@@ -783,26 +849,35 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
 
   static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o, bool tiles) noexcept
   {
-    const std::size_t ld = (p.n_k + 31) / 32 * 32;
-    const std::size_t per_row = tiles ? chunked_detail::tile_bytes_per_row<Element>(ld)
-                                      : ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
-    const std::size_t rows = contrastive::detail::chunk_rows_for(
-        o, p.n_q, per_row, chunked_detail::row_align, chunked_detail::default_budget);
-    if (o.rows != 0 || o.budget_bytes != 0)
-    {
-      return rows;
-    }
-    const std::size_t all =
-        (p.n_q + chunked_detail::row_align - 1) / chunked_detail::row_align * chunked_detail::row_align;
-    return std::max(rows, std::min(chunked_detail::default_min_rows, all));
+    return chunk_rows_for(p, o, tiles, is_default(o) ? chunked_detail::device_free_bytes() : 0);
   }
 
-  /// The workspace layout (also the size query): refused with cudaErrorInvalidValue when a size overflows.
-  static cudaError_t make_layout(const problem<Element>& p, const chunk_options& o, chunked_detail::layout& w)
+  static std::size_t
+  chunk_rows_for(const problem<Element>& p, const chunk_options& o, bool tiles, std::size_t free_bytes) noexcept
+  {
+    if (is_default(o))
+    {
+      return default_rows_for(p, tiles, free_bytes);
+    }
+    return contrastive::detail::chunk_rows_for(
+        o, p.n_q, chunk_bytes_per_row(p, tiles), chunked_detail::row_align, chunked_detail::default_budget);
+  }
+
+  /// No chunk size given: the default sizing applies.
+  static constexpr bool is_default(const chunk_options& o) noexcept
+  {
+    return o.rows == 0 && o.budget_bytes == 0;
+  }
+
+  /// The workspace layout for `rows` per chunk (clamped to n_q and, on the tile path, to the tile grid's limit;
+  /// 0 lays out everything but the chunk buffers). `cub_bytes`: the CUB size query's answer, 0 to ask it here.
+  /// Refused with cudaErrorInvalidValue when a size overflows.
+  static cudaError_t layout_for_rows(
+      const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_detail::layout& w)
   {
     using contrastive::detail::checked_size;
-    w.tiles = chunked_detail::use_tiles(p, o);
-    w.chunk_rows = std::min(chunk_rows_for(p, o, w.tiles), p.n_q);
+    w.tiles = tiles;
+    w.chunk_rows = std::min(rows, p.n_q);
     if (w.tiles) // the tile kernels' grid has one row of blocks per 128 chunk rows, at most 65535 rows
     {
       w.chunk_rows = std::min(w.chunk_rows, std::size_t(65535) * tile_detail::config::bm);
@@ -822,8 +897,12 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     {
       return cudaErrorInvalidValue;
     }
-    const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
-    CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, w.cub_bytes));
+    if (cub_bytes == 0)
+    {
+      const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
+      CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, cub_bytes));
+    }
+    w.cub_bytes = cub_bytes;
     const bool sym = p.obj == objective::symmetric;
     detail::carver c;
     w.row_lse = c.take(p.n_q * sizeof(float));
@@ -849,6 +928,60 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return cudaSuccess;
   }
 
+  /// The workspace layout of a size query (chunk_rows_for; the default reads the device's free memory).
+  static cudaError_t make_layout(const problem<Element>& p, const chunk_options& o, chunked_detail::layout& w)
+  {
+    const bool tiles = chunked_detail::use_tiles(p, o);
+    std::size_t cub = 0;
+    return layout_for_rows(p, tiles, chunk_rows_for(p, o, tiles), cub, w);
+  }
+
+  /// The same with the default sized for `free_bytes` of free memory (the distributed loss's sizing; tests).
+  static cudaError_t
+  make_layout(const problem<Element>& p, const chunk_options& o, std::size_t free_bytes, chunked_detail::layout& w)
+  {
+    const bool tiles = chunked_detail::use_tiles(p, o);
+    std::size_t cub = 0;
+    return layout_for_rows(p, tiles, chunk_rows_for(p, o, tiles, free_bytes), cub, w);
+  }
+
+  /// The layout of a step given `temp_bytes` of workspace. Options with a chunk size: make_layout's. The default:
+  /// the most rows the default can choose (floor_rows_for to max(floor, 4096) in steps of 64, at most every row)
+  /// whose layout fits in temp_bytes, so a step run with the bytes its size query wrote gets exactly the query's rows,
+  /// whatever the free memory is now (the workspace itself is allocated in between). None fits: the floor's layout
+  /// (which workspace_phase then refuses).
+  static cudaError_t
+  layout_to_fit(const problem<Element>& p, const chunk_options& o, std::size_t temp_bytes, chunked_detail::layout& w)
+  {
+    if (!is_default(o))
+    {
+      return make_layout(p, o, w);
+    }
+    const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
+    std::size_t cub = 0;
+    CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, cub));
+    return layout_to_fit(p, chunked_detail::use_tiles(p, o), temp_bytes, cub, w);
+  }
+
+  /// layout_to_fit's search for the default, given the tile decision and CUB's temporary bytes (no CUDA call).
+  static cudaError_t layout_to_fit(
+      const problem<Element>& p, bool tiles, std::size_t temp_bytes, std::size_t cub, chunked_detail::layout& w)
+  {
+    namespace cd = chunked_detail;
+    constexpr std::size_t align = cd::row_align;
+    const std::size_t all = (p.n_q + align - 1) / align * align;
+    const std::size_t floor = floor_rows_for(p, tiles);
+    // Every value default_rows_for can return, largest first: min(all, r) for r = max(floor, 4096) down to floor.
+    for (std::size_t rows = std::max(floor, cd::default_max_rows); rows > floor; rows -= align)
+    {
+      if (layout_for_rows(p, tiles, std::min(rows, all), cub, w) == cudaSuccess && w.total <= temp_bytes)
+      {
+        return cudaSuccess;
+      }
+    }
+    return layout_for_rows(p, tiles, floor, cub, w);
+  }
+
   /// Steps 1-3 (forward, backward, record) at the state's tau and loss scale. A null d_temp writes the bytes needed.
   [[nodiscard]] static cudaError_t forward_backward(void* d_temp,
                                                     std::size_t& temp_bytes,
@@ -866,8 +999,9 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     {
       return cudaErrorInvalidValue;
     }
+    // The size query sizes a default chunk from free memory; the step takes the rows its workspace holds (the same).
     cd::layout w{};
-    CONTRASTIVE_CUDA_TRY(make_layout(p, opts, w));
+    CONTRASTIVE_CUDA_TRY(d_temp == nullptr ? make_layout(p, opts, w) : layout_to_fit(p, opts, temp_bytes, w));
     bool query = false;
     CONTRASTIVE_CUDA_TRY(detail::workspace_phase(d_temp, temp_bytes, w.total, query));
     if (query)

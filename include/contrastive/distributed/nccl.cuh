@@ -41,6 +41,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -661,25 +662,68 @@ private:
     return {errc::cuda_error, "cuda", std::string("a CUDA or cuBLAS call failed: ") + cudaGetErrorString(e)};
   }
 
+  /// The distributed buffers laid out from byte offset `base` (after the chunked runner's), for n global keys.
+  static extras extras_after(const problem<Element>& p, std::size_t n, std::size_t base) noexcept
+  {
+    extras x{};
+    contrastive::device::detail::carver c{base};
+    x.k_all = c.take(n * p.dim * sizeof(Element));
+    x.labels = c.take(p.n_q * sizeof(std::int32_t));
+    x.col_max = c.take(n * sizeof(float));
+    x.col_pack = c.take(2 * n * sizeof(float));
+    x.dk_local = c.take(p.n_k * p.dim * sizeof(float));
+    x.red = c.take(8 * sizeof(float));
+    x.total = c.offset;
+    return x;
+  }
+
+  /// What a default chunk size was chosen for (this rank's rows, the global keys, dim, objective).
+  struct layout_key
+  {
+    std::size_t n_q, n_k, dim;
+    objective obj;
+    bool operator==(const layout_key& o) const noexcept
+    {
+      return n_q == o.n_q && n_k == o.n_k && dim == o.dim && obj == o.obj;
+    }
+  };
+
   /// Lays out the workspace for this rank's block and grows it if needed (runs after the global facts are known).
   status size_workspace(const problem<Element>& p, const detail::global_shape& g)
   {
     // The step reads K from k_all (carved from the workspace, 256-byte aligned), not from p.k: the layout (and
     // chunk_options::fused_tiles's alignment test) sees that pointer's alignment, which null stands for.
     const problem<Element> block{p.q, nullptr, p.n_q, g.n_k_total, p.dim, p.labels, p.obj};
-    if (single::make_layout(block, opts_, w_) != cudaSuccess)
+    const std::size_t n = g.n_k_total;
+    // The default chunk is sized once per shape, from the free memory (this loss's own workspace counted as free:
+    // it is reused or regrown) less the buffers below, and then kept: a later step's free memory, lowered by the
+    // workspace itself, does not change the rows and with them the order of dK's sums.
+    const layout_key key{p.n_q, n, p.dim, p.obj};
+    cudaError_t laid = cudaSuccess;
+    if (!single::is_default(opts_))
     {
+      laid = single::make_layout(block, opts_, w_);
+    }
+    else if (sized_for_ && *sized_for_ == key)
+    {
+      const bool tiles = w_.tiles;
+      std::size_t cub = 0;
+      laid = single::layout_for_rows(block, tiles, w_.chunk_rows, cub, w_);
+    }
+    else
+    {
+      const std::size_t free_now = contrastive::device::chunked_detail::device_free_bytes();
+      const std::size_t extras = extras_after(p, n, 0).total;
+      const std::size_t avail = free_now == 0 ? 0 : free_now + ws_bytes_;
+      laid = single::make_layout(block, opts_, avail > extras ? avail - extras : 0, w_);
+    }
+    if (laid != cudaSuccess)
+    {
+      sized_for_.reset();
       return {errc::size_overflow, "n_k", "this rank's workspace for the global batch does not fit in size_t bytes"};
     }
-    const std::size_t n = g.n_k_total;
-    contrastive::device::detail::carver c{w_.total};
-    x_.k_all = c.take(n * p.dim * sizeof(Element));
-    x_.labels = c.take(p.n_q * sizeof(std::int32_t));
-    x_.col_max = c.take(n * sizeof(float));
-    x_.col_pack = c.take(2 * n * sizeof(float));
-    x_.dk_local = c.take(p.n_k * p.dim * sizeof(float));
-    x_.red = c.take(8 * sizeof(float));
-    x_.total = c.offset;
+    sized_for_ = key;
+    x_ = extras_after(p, n, w_.total);
     if (x_.total > ws_bytes_)
     {
       cudaFree(ws_);
@@ -688,6 +732,7 @@ private:
       if (cudaMalloc(&ws_, x_.total) != cudaSuccess)
       {
         cudaGetLastError();
+        sized_for_.reset(); // the next call sizes a default chunk again, from the memory free then
         return {errc::resource_exhausted, "memory", "cudaMalloc of " + std::to_string(x_.total) + " bytes failed"};
       }
       ws_bytes_ = x_.total;
@@ -700,6 +745,7 @@ private:
   chunk_options opts_;
   detail::global_shape g_;
   contrastive::device::chunked_detail::layout w_{};
+  std::optional<layout_key> sized_for_; ///< the shape w_'s default chunk rows were sized for (none: size again)
   extras x_{};
   void* ws_ = nullptr;
   std::size_t ws_bytes_ = 0;
