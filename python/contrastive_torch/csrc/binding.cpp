@@ -20,8 +20,9 @@ namespace cl = contrastive;
 
 namespace
 {
-/// Host loss with a fixed temperature (set per call from PyTorch's logit_scale) and a static loss scale (set per
-/// backward from the incoming gradient, so 16-bit gradients are rounded after scaling, as under GradScaler).
+/// The library's policy-free call (contrastive::core): PyTorch owns the temperature (logit_scale, a parameter) and the
+/// loss scaling (the incoming gradient, e.g. GradScaler's scale), so each call passes them as numbers; the engine's
+/// buffers and the forward's statistics are kept between the forward and the backward of one autograd call.
 class handle_base
 {
 public:
@@ -42,10 +43,8 @@ public:
 template <class T, class Algorithm>
 class handle final : public handle_base
 {
-  using loss_type = cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
-
 public:
-  explicit handle(unsigned threads) : loss_(cl::temperature::fixed(1.0f), cl::scaler::static_scale(1.0f), threads) {}
+  explicit handle(unsigned threads) : core_(threads) {}
 
   std::vector<double> forward(const torch::Tensor& q,
                               const torch::Tensor& k,
@@ -53,64 +52,49 @@ public:
                               const torch::Tensor& labels,
                               bool symmetric) override
   {
-    const float tau = static_cast<float>(1.0 / scale);
-    set_policies(tau, 1.0f);
-    q_ = q;
-    k_ = k;
-    labels_ = labels;
     const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
-    float value = 0.0f;
-    const cl::status st = loss_.forward(p, value);
+    cl::step::forward_values f;
+    const cl::status st = core_.forward(p, static_cast<float>(scale), f);
     if (!st.ok())
     {
       raise(st);
     }
+    q_ = q;
+    k_ = k;
+    labels_ = labels;
     n_q_ = p.n_q;
     n_k_ = p.n_k;
     dim_ = p.dim;
-    return {static_cast<double>(value), static_cast<double>(loss_.tau())};
+    return {static_cast<double>(f.loss), 1.0 / static_cast<double>(static_cast<float>(scale))};
   }
 
   std::vector<torch::Tensor> backward(double loss_scale) override
   {
-    set_policies(loss_.tau(), static_cast<float>(loss_scale));
     torch::Tensor dq = torch::empty({static_cast<std::int64_t>(n_q_), static_cast<std::int64_t>(dim_)}, q_.options());
     torch::Tensor dk = torch::empty({static_cast<std::int64_t>(n_k_), static_cast<std::int64_t>(dim_)}, k_.options());
-    float dlogs = 0.0f;
-    const cl::status st =
-        loss_.backward(reinterpret_cast<T*>(dq.data_ptr()), reinterpret_cast<T*>(dk.data_ptr()), dlogs);
+    cl::step::backward_values b;
+    const cl::status st = core_.backward(
+        static_cast<float>(loss_scale), reinterpret_cast<T*>(dq.data_ptr()), reinterpret_cast<T*>(dk.data_ptr()), b);
     if (!st.ok())
     {
       raise(st);
     }
     q_ = k_ = labels_ = torch::Tensor();
-    return {dq, dk, torch::tensor(static_cast<double>(dlogs), torch::kFloat64)};
+    return {dq, dk, torch::tensor(static_cast<double>(b.grad_logit_scale), torch::kFloat64)};
   }
 
   std::size_t bytes_held() const override
   {
-    return loss_.bytes_held();
+    return core_.bytes_held();
   }
 
   std::pair<std::string, double> diagnosis() const override
   {
-    return {cl::to_string(loss_.diagnose()), static_cast<double>(loss_.last_forward().max_logit)};
+    return {cl::to_string(core_.diagnose()), static_cast<double>(core_.last_forward().max_logit)};
   }
 
 private:
-  void set_policies(float tau, float loss_scale)
-  {
-    typename loss_type::checkpoint c = loss_.save();
-    c.temperature = cl::temperature::fixed(tau);
-    c.scaler = cl::scaler::static_scale(loss_scale);
-    const cl::status st = loss_.restore(c);
-    if (!st.ok())
-    {
-      raise(st);
-    }
-  }
-
-  loss_type loss_;
+  cl::core<T, Algorithm> core_;
   torch::Tensor q_, k_, labels_; // kept alive from forward to backward (the engine reads them again)
   std::size_t n_q_ = 0, n_k_ = 0, dim_ = 0;
 };
