@@ -303,14 +303,18 @@ struct gradient_epilogue
 };
 
 /// One 128 x 128 logits tile per block: the tensor-core product into registers, then the epilogue (statistics or
-/// gradient). Grid: (column tiles, row tiles of the chunk); config::threads threads; 40 KiB of static shared memory,
-/// which the epilogue may reuse.
+/// gradient). Grid: (column tiles, row tiles of the chunk), each block's tile taken in grouped order (grouped_tile:
+/// a group of row tiles shares K tiles in L2); config::threads threads; 40 KiB of static shared memory, which the
+/// epilogue may reuse. The epilogues index partials by the tile (row0 / bm, col0 / bn), never by blockIdx.
 template <class T, class Epilogue>
 __global__ void __launch_bounds__(config::threads) tile_kernel(tile_args a)
 {
   __shared__ alignas(16) unsigned char raw[smem_bytes<T>];
-  const int row0 = static_cast<int>(blockIdx.y) * config::bm;
-  const int col0 = static_cast<int>(blockIdx.x) * config::bn;
+  const tile_coord tile = grouped_tile(static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x,
+                                       static_cast<int>(gridDim.y),
+                                       static_cast<int>(gridDim.x));
+  const int row0 = tile.row * config::bm;
+  const int col0 = tile.col * config::bn;
   tile_accumulators acc;
   tile_product<T>(*reinterpret_cast<smem_tiles<T>*>(raw), a, row0, col0, acc);
   Epilogue::template apply<T>(a, acc, raw, row0, col0);
@@ -444,7 +448,7 @@ statistics_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned 
     }
     if (row0 + t < a.rows)
     {
-      a.row_part[static_cast<long long>(row0 + t) * gridDim.x + blockIdx.x] = make_float2(v.max, v.sum);
+      a.row_part[static_cast<long long>(row0 + t) * gridDim.x + col0 / config::bn] = make_float2(v.max, v.sum);
     }
   }
   else if (columns && t < config::bm + config::bn)
@@ -458,7 +462,7 @@ statistics_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned 
     }
     if (col0 + c < a.n_k)
     {
-      a.col_part[static_cast<long long>(blockIdx.y) * a.n_k + col0 + c] = make_float2(v.max, v.sum);
+      a.col_part[static_cast<long long>(row0 / config::bm) * a.n_k + col0 + c] = make_float2(v.max, v.sum);
     }
   }
 }

@@ -127,6 +127,29 @@ struct lane_map
     return ((tid + it * config::threads) % config::chunks_per_row) * config::vec;
   }
 };
+/// A block's tile in the tile grid (row tile, column tile of the chunk).
+struct tile_coord
+{
+  int row;
+  int col;
+};
+
+/// Row tiles per group of the block order: blocks start roughly in order of their linear index (x fastest), and
+/// grouped_tile walks a group of this many row tiles down each column tile before the next column, so the blocks
+/// resident together share a few K tiles in L2 and each K tile comes from HBM once per group, not once per row tile.
+inline constexpr int group_rows = 8;
+
+/// The tile of the block with linear index `linear` (blockIdx.y * gridDim.x + blockIdx.x) in a grid of row_tiles x
+/// col_tiles blocks: a bijection onto [0, row_tiles) x [0, col_tiles) (the last group may have fewer rows).
+CONTRASTIVE_HOST_DEVICE constexpr tile_coord grouped_tile(long long linear, int row_tiles, int col_tiles) noexcept
+{
+  const long long per_group = static_cast<long long>(group_rows) * col_tiles;
+  const long long group = linear / per_group;
+  const int first = static_cast<int>(group) * group_rows;
+  const int rows_here = row_tiles - first < group_rows ? row_tiles - first : group_rows;
+  const long long in = linear - group * per_group;
+  return {first + static_cast<int>(in % rows_here), static_cast<int>(in / rows_here)};
+}
 } // namespace tile_detail
 } // namespace device
 } // namespace contrastive
