@@ -500,6 +500,70 @@ void rank_restored_elsewhere(Comm comm)
   EXPECT_TRUE(rows.untouched());
 }
 
+/// forward then backward (collectives of their own) equal forward_backward bit for bit; a backward without a forward
+/// on one rank is refused on every rank naming it; forward on one rank against forward_backward on the others is
+/// out of step. The column log-sum-exps of this rank's keys match the one-process forward's.
+template <class Comm>
+void forward_then_backward(Comm comm)
+{
+  const int rank = comm.rank();
+  rank_rows rows(rank, comm.size());
+  out_of_step_loss<Comm> a(comm, cl::temperature::learnable(0.07f), {}, 1);
+  out_of_step_loss<Comm> b(comm, cl::temperature::learnable(0.07f), {}, 1);
+  cl::step_record rec;
+  ASSERT_TRUE(a.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+  const std::vector<float> dq_a = rows.dq, dk_a = rows.dk;
+  rows.reset();
+  float value = 0.0f, g = 0.0f;
+  std::vector<float> row_lse(rows.count), col_lse(rows.count);
+  ASSERT_TRUE(b.forward(rows.problem(), value, row_lse.data(), col_lse.data()).ok());
+  ASSERT_TRUE(b.backward(rows.dq.data(), rows.dk.data(), g).ok());
+  EXPECT_EQ(value, rec.loss);
+  EXPECT_EQ(g / a.loss_scale(), rec.grad_logit_scale);
+  EXPECT_EQ(rows.dq, dq_a);
+  EXPECT_EQ(rows.dk, dk_a);
+  EXPECT_EQ(b.diagnose(), cl::nonfinite_site::none);
+  // The one-process forward on the whole batch: this rank's slice of its column log-sum-exps.
+  const std::size_t n = rows.n;
+  const auto q = ct::random_rows<float>(n, rows.dim, 81), k = ct::random_rows<float>(n, rows.dim, 82);
+  cl::loss<float, cl::temperature::learnable> one(cl::temperature::learnable(0.07f), {}, 1);
+  std::vector<float> col_all(n);
+  float v1 = 0.0f;
+  ASSERT_TRUE(one.forward({q.data(), k.data(), n, n, rows.dim}, v1, nullptr, col_all.data()).ok());
+  const split sk = share(n, rank, comm.size());
+  for (std::size_t j = 0; j < rows.count; ++j)
+  {
+    EXPECT_NEAR(col_lse[j], col_all[sk.offset + j], 4e-6 * (1.0 + std::fabs(col_all[sk.offset + j])));
+  }
+
+  // A bad output on one rank: refused on every rank, naming it, nothing written; the forward stays ready.
+  rows.reset();
+  ASSERT_TRUE(b.forward(rows.problem(), value).ok());
+  cl::status st = b.backward(rank == 1 ? nullptr : rows.dq.data(), rows.dk.data(), g);
+  EXPECT_EQ(st.code(), cl::errc::null_pointer) << st.message();
+  EXPECT_EQ(st.message().rfind("dq: rank 1: null gradient output", 0), 0u) << st.message();
+  EXPECT_TRUE(rows.untouched());
+  ASSERT_TRUE(b.backward(rows.dq.data(), rows.dk.data(), g).ok());
+  EXPECT_EQ(rows.dq, dq_a);
+  // A backward with no forward since the last one: refused on every rank.
+  rows.reset();
+  st = b.backward(rows.dq.data(), rows.dk.data(), g);
+  EXPECT_EQ(st.argument(), "forward") << st.message();
+  EXPECT_EQ(st.message().rfind("forward: rank 0: backward needs a successful forward", 0), 0u) << st.message();
+  EXPECT_TRUE(rows.untouched());
+
+  if (rank == 0)
+  {
+    st = b.forward(rows.problem(), value);
+  }
+  else
+  {
+    st = b.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec);
+  }
+  expect_out_of_step(st, {"rank 0 at step 0 in forward", "rank 1 at step 0 in forward_backward"});
+  EXPECT_TRUE(rows.untouched());
+}
+
 /// step() is forward_backward then finish_step: ranks may mix the two forms in one step.
 template <class Comm>
 void mixed_step_forms(Comm comm)
@@ -543,6 +607,7 @@ TEST(Distributed, OutOfStepRanksAreRefusedOnEveryRank)
   rank_skipping_finish_step(comm_t{});
   rank_restored_elsewhere(comm_t{});
   mixed_step_forms(comm_t{});
+  forward_then_backward(comm_t{});
 }
 #else
 // Over 2-4 thread ranks in one process (tests/thread_comm.hpp): a rank that hangs or leaves early makes the others'
@@ -571,6 +636,11 @@ TEST(ThreadRanks, OutOfStepRanksAreRefusedOnEveryRank)
                   [](ct::thread_comm c)
                   {
                     mixed_step_forms(c);
+                  });
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    forward_then_backward(c);
                   });
   }
 }
