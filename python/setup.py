@@ -10,6 +10,7 @@ Options: see README.md beside this file (CUDA_HOME, CONTRASTIVE_NATIVE, CONTRAST
 """
 
 import os
+import re
 import shutil
 import sys
 
@@ -70,7 +71,11 @@ class build_py_with_headers(build_py):
 
 include = headers_dir()
 cuda = cuda_home()
-cxx_flags = ["-O3", "-std=c++17", "-DNDEBUG"]
+# The C++ standard is PyTorch's builder's choice (C++17 from 2.1, C++20 from 2.13, whose headers need it); only an older
+# PyTorch, whose builder passes -std=c++14, is given the library's C++17.
+_torch_major_minor = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+std_flags = ["-std=c++17"] if _torch_major_minor < (2, 1) else []
+cxx_flags = ["-O3", "-DNDEBUG"] + std_flags
 if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
     cxx_flags.append("-march=native")
 ext_modules = [
@@ -89,8 +94,8 @@ if want_cuda():
             include_dirs=[include],
             libraries=["cublas"],
             extra_compile_args={
-                "cxx": ["-O3", "-std=c++17", "-DNDEBUG"],
-                "nvcc": ["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr"],
+                "cxx": ["-O3", "-DNDEBUG"] + std_flags,
+                "nvcc": ["-O3", "-DNDEBUG", "--expt-relaxed-constexpr"] + std_flags,
             },
         ))
 

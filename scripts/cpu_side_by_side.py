@@ -2,10 +2,10 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 """The host library beside PyTorch's CPU CLIP loss, same N, D, dtype and thread count, interleaved in one run.
 
-    /usr/bin/python3 scripts/cpu_side_by_side.py [--bench build/benchmarks/contrastive_bench] [--n 4096 8192]
+    .venv-torch/bin/python scripts/cpu_side_by_side.py [--bench build/benchmarks/contrastive_bench] [--n 4096 8192]
         [--d 512] [--threads 0] [--rounds 3] [--dtypes float half bfloat16]
 
-PyTorch (Debian's python3-torch, for /usr/bin/python3) runs the loss as the issue describes open_clip's ClipLoss:
+PyTorch (the Python running this script: the venv of scripts/setup.sh test) runs the loss as the issue describes open_clip's ClipLoss:
 logits = s * img @ txt.T, cross-entropy over rows and over columns (logits.T), backward() to img, txt and s. Each
 PyTorch measurement runs in a fresh subprocess: time per step (median of several steps after a warm-up) and memory as
 the process's resident high-water mark (VmHWM) during the steps minus the mark after the inputs exist. The library is
@@ -79,7 +79,7 @@ def cpu_description():
 
 
 def run_torch(n, d, threads, steps):
-    out = subprocess.run(["/usr/bin/python3", "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps)],
+    out = subprocess.run([sys.executable, "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps)],
                          check=True, capture_output=True, text=True).stdout.split()
     return float(out[0]), int(out[1]), out[2]
 

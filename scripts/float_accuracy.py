@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """float32 accuracy of the loss and its gradients against float64, beside PyTorch's own float32 CLIP loss.
 
-    cd python && /usr/bin/python3 ../scripts/float_accuracy.py --n 1000 --dims 1 16 512 --scale 100
+    cd python && ../.venv-torch/bin/python ../scripts/float_accuracy.py --n 1000 --dims 1 16 512 --scale 100
 
 For each shape: random L2-normalised features (seeded), the float64 reference (the same formula in torch.float64),
 PyTorch's float32 ClipLoss formula (logits = s * q @ k.T, cross_entropy both ways, autograd) and contrastive_torch's

@@ -20,8 +20,11 @@ applies (bfloat16 and float32 are unaffected), and `last_step` holds device tens
 `first_nonfinite_code` indexes NONFINITE_SITES. Input checks on CUDA (finiteness, label range) synchronise once.
 """
 
+import operator
 import os
+import re
 import threading
+from typing import Optional, Tuple
 
 import torch
 
@@ -39,6 +42,23 @@ _cuda_ext = None
 _ext_lock = threading.Lock()
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _torch_version():
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+# torch.library.custom_op / register_fake / register_autograd appeared in PyTorch 2.4; older PyTorch (Debian's 1.13)
+# keeps the autograd.Function path only.
+HAS_CUSTOM_OPS = _torch_version() >= (2, 4) and all(
+    hasattr(torch.library, f) for f in ("custom_op", "register_fake", "register_autograd"))
+
+
+def _std_flags():
+    """The C++ standard is PyTorch's builder's choice (C++17 from PyTorch 2.1, C++20 from 2.13, whose headers need
+    it); only older PyTorch, whose builder passes -std=c++14, is given the library's C++17."""
+    return ["-std=c++17"] if _torch_version() < (2, 1) else []
 
 
 def _include_dir():
@@ -73,7 +93,7 @@ def extension():
 
             cuda = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
             include = _include_dir()
-            flags = ["-O3", "-std=c++17", "-DNDEBUG"]
+            flags = ["-O3", "-DNDEBUG"] + _std_flags()
             if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
                 flags.append("-march=native")
             _ext = cpp_extension.load(
@@ -101,8 +121,8 @@ def cuda_extension():
                 name="contrastive_torch_cuda_ext",
                 sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],
                 extra_include_paths=[include],
-                extra_cflags=["-O3", "-std=c++17", "-DNDEBUG"],
-                extra_cuda_cflags=["-O3", "-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr"],
+                extra_cflags=["-O3", "-DNDEBUG"] + _std_flags(),
+                extra_cuda_cflags=["-O3", "-DNDEBUG", "--expt-relaxed-constexpr"] + _std_flags(),
                 extra_ldflags=["-lcublas"],
                 verbose=os.environ.get("CONTRASTIVE_VERBOSE_BUILD") == "1",
             )
@@ -236,6 +256,85 @@ class _CudaFunction(torch.autograd.Function):
         return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None, None
 
 
+def _host_forward(q, k, scale, labels, symmetric, algorithm, threads):
+    """Loss value of one host forward; the engine goes back to the pool (nothing is kept for a backward)."""
+    key = (_DTYPES[q.dtype], algorithm, threads)
+    handle = _pool.take(key)
+    try:
+        value, _tau = handle.forward(q, k, scale, labels, symmetric)
+    finally:
+        _pool.give(key, handle)
+    return value
+
+
+def _host_gradients(grad, q, k, scale, labels, symmetric, algorithm, threads):
+    """dq, dk and d loss / d log s of one host forward + backward at the incoming gradient `grad` (a float)."""
+    key = (_DTYPES[q.dtype], algorithm, threads)
+    handle = _pool.take(key)
+    direct = grad > 0.0 and grad < 3.0e38  # as _ContrastiveFunction.backward: the gradient becomes the loss scale
+    try:
+        handle.forward(q, k, scale, labels, symmetric)
+        dq, dk, dlogs = handle.backward(grad if direct else 1.0)
+    finally:
+        _pool.give(key, handle)
+    if not direct:
+        dq, dk, dlogs = dq * grad, dk * grad, dlogs * grad
+    return dq, dk, dlogs
+
+
+if HAS_CUSTOM_OPS:
+    # The host loss as torch.library custom operators, so that torch.compile keeps it in one graph: a functional
+    # forward (the loss) and backward (the gradients, recomputing the forward inside the library: no engine state
+    # crosses the two ops), fake implementations for tracing, and the backward registered as the forward's autograd
+    # formula. Eager calls keep the stateful autograd.Function above (no recomputation); torch.compile routes here.
+
+    @torch.library.custom_op("contrastive_torch::loss", mutates_args=())
+    def _loss_op(q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor, labels: Optional[torch.Tensor],
+                 symmetric: bool, algorithm: str, threads: int) -> torch.Tensor:
+        labels = _labels_tensor(labels, q.shape[0])
+        value = _host_forward(q, k, _scale_value(logit_scale), labels, symmetric, algorithm, threads)
+        return torch.tensor(value, dtype=torch.float32)
+
+    @_loss_op.register_fake
+    def _(q, k, logit_scale, labels, symmetric, algorithm, threads):
+        return q.new_empty((), dtype=torch.float32)
+
+    @torch.library.custom_op("contrastive_torch::loss_backward", mutates_args=())
+    def _loss_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor,
+                          labels: Optional[torch.Tensor], symmetric: bool, algorithm: str,
+                          threads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = _scale_value(logit_scale)
+        labels = _labels_tensor(labels, q.shape[0])
+        dq, dk, dlogs = _host_gradients(float(grad), q, k, scale, labels, symmetric, algorithm, threads)
+        # d loss / d s = (d loss / d log s) / s, in logit_scale's dtype and shape.
+        return dq, dk, (dlogs / scale).to(logit_scale.dtype).reshape(logit_scale.shape)
+
+    @_loss_backward_op.register_fake
+    def _(grad, q, k, logit_scale, labels, symmetric, algorithm, threads):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(logit_scale)
+
+    def _loss_setup_context(ctx, inputs, output):
+        q, k, logit_scale, labels, symmetric, algorithm, threads = inputs
+        ctx.save_for_backward(q, k, logit_scale, labels)
+        ctx.options = (symmetric, algorithm, threads)
+
+    def _loss_autograd(ctx, grad):
+        q, k, logit_scale, labels = ctx.saved_tensors
+        dq, dk, ds = torch.ops.contrastive_torch.loss_backward(grad, q, k, logit_scale, labels, *ctx.options)
+        return dq, dk, ds, None, None, None, None
+
+    _loss_op.register_autograd(_loss_autograd, setup_context=_loss_setup_context)
+
+
+def _compiling():
+    """True while torch.compile (dynamo) traces the caller."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    dynamo = getattr(torch, "_dynamo", None)
+    return bool(dynamo is not None and hasattr(dynamo, "is_compiling") and dynamo.is_compiling())
+
+
 def _labels_tensor(labels, n_q):
     if labels is None:
         return None
@@ -251,7 +350,7 @@ def _labels_tensor(labels, n_q):
 
 
 class _Base(torch.nn.Module):
-    def __init__(self, algorithm="fused", threads=0, fused_tiles=False):
+    def __init__(self, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False):
         super().__init__()
         if algorithm not in ("fused", "materialized", "chunked"):
             raise ValueError(f"algorithm: '{algorithm}' is not one of 'fused', 'materialized', 'chunked'")
@@ -259,8 +358,15 @@ class _Base(torch.nn.Module):
             raise ValueError(f"threads: must be an int >= 0 (0 = all cores), got {threads!r}")
         if not isinstance(fused_tiles, bool):
             raise TypeError(f"fused_tiles: expected a bool, got {type(fused_tiles).__name__}")
+        if not isinstance(custom_ops, bool):
+            raise TypeError(f"custom_ops: expected a bool, got {type(custom_ops).__name__}")
+        if custom_ops and not HAS_CUSTOM_OPS:
+            raise ValueError(f"custom_ops: needs PyTorch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
         self.algorithm = algorithm
         self.threads = threads
+        # CPU tensors: run eager calls through the torch.library operators too (what torch.compile traces; the
+        # backward recomputes the forward). Under torch.compile they are used whatever this says.
+        self.use_custom_ops = custom_ops
         # CUDA, algorithm="chunked", bfloat16/float16: the library's tensor-core logits tiles (chunk_options::
         # fused_tiles); ignored on the CPU, for float32 and for the other algorithms.
         self.fused_tiles = fused_tiles
@@ -277,6 +383,8 @@ class _Base(torch.nn.Module):
             raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
         if q.device != k.device:
             raise ValueError(f"features: on different devices ({q.device} and {k.device})")
+        if HAS_CUSTOM_OPS and q.device.type == "cpu" and (self.use_custom_ops or _compiling()):
+            return self._run_op(q, k, logit_scale, labels, symmetric)
         report = {}
         self.last_step = report
         labels32 = _labels_tensor(labels, q.shape[0])
@@ -286,6 +394,24 @@ class _Base(torch.nn.Module):
             raise ValueError(f"labels: on {labels32.device} while the features are on the CPU")
         return _ContrastiveFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, self.threads,
                                           report)
+
+    def _run_op(self, q, k, logit_scale, labels, symmetric):
+        """The custom-operator path (torch.compile): checks that read no tensor values (those would break the graph);
+        the library checks values (finiteness, label range, logit_scale > 0) when the operator runs."""
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor):
+                raise TypeError(f"labels: expected a torch.Tensor, got {type(labels).__name__}")
+            if labels.dim() != 1 or labels.shape[0] != q.shape[0]:
+                raise ValueError(f"labels: expected shape ({q.shape[0]},), got {tuple(labels.shape)}")
+            if labels.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"labels: dtype {labels.dtype} is not an integer type (int64 or int32)")
+            if labels.device.type != "cpu":
+                raise ValueError(f"labels: on {labels.device} while the features are on the CPU")
+        if not isinstance(logit_scale, torch.Tensor):
+            logit_scale = torch.tensor(float(logit_scale), dtype=torch.float32)
+        elif logit_scale.numel() != 1:
+            raise ValueError(f"logit_scale: expected one value, got shape {tuple(logit_scale.shape)}")
+        return torch.ops.contrastive_torch.loss(q, k, logit_scale, labels, symmetric, self.algorithm, self.threads)
 
     def _run_cuda(self, q, k, logit_scale, labels32, symmetric, report):
         # The device API does not check values (that would synchronise inside the step); check them here, once.
@@ -304,13 +430,73 @@ class _Base(torch.nn.Module):
         return _CudaFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, self.fused_tiles, report)
 
 
-class ClipLoss(_Base):
-    """open_clip's ClipLoss call shape: loss = ClipLoss()(image_features, text_features, logit_scale), with
-    logit_scale = model.logit_scale.exp() (s = 1/tau). The symmetric loss over a batch of pairs; gradients to both
-    feature tensors and to logit_scale."""
+def _flag(name, value):
+    # open_clip passes argparse's store_true values; accept bools and ints (0/1), refuse anything else by name.
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
-    def forward(self, image_features, text_features, logit_scale, output_dict=False):
+
+def _index(name, value):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+class ClipLoss(_Base):
+    """open_clip's ClipLoss: same constructor, same call.
+
+        loss_fn = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
+                           use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False)
+        loss = loss_fn(image_features, text_features, logit_scale)      # logit_scale = model.logit_scale.exp()
+
+    The symmetric loss over a batch of pairs, (CE(s I T^T) + CE(s T I^T)) / 2 with s = 1/tau; gradients to both
+    feature tensors and to logit_scale. open_clip's arguments mean what they mean there: `local_loss` and
+    `gather_with_grad` choose how a multi-process loss is formed (with one process, world_size=1, both change
+    nothing, as in open_clip); `cache_labels` caches open_clip's label tensor (nothing to cache here: the diagonal is
+    implied); `rank`, `world_size`: this process in the job. world_size > 1 (the loss of the global batch over
+    torch.distributed) is not supported yet and raises NotImplementedError; so does use_horovod=True (never
+    supported). The keyword-only options are this library's (see _Base)."""
+
+    def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
+                 use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False):
+        super().__init__(algorithm=algorithm, threads=threads, fused_tiles=fused_tiles, custom_ops=custom_ops)
+        self.local_loss = _flag("local_loss", local_loss)
+        self.gather_with_grad = _flag("gather_with_grad", gather_with_grad)
+        self.cache_labels = _flag("cache_labels", cache_labels)
+        self.use_horovod = _flag("use_horovod", use_horovod)
+        self.rank = _index("rank", rank)
+        self.world_size = _index("world_size", world_size)
+        if self.world_size < 1:
+            raise ValueError(f"world_size: must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: must be in [0, world_size) = [0, {self.world_size}), got {self.rank}")
+        if self.use_horovod:
+            raise NotImplementedError("use_horovod: Horovod is not supported by contrastive_torch (use_horovod=True)")
+        if self.world_size > 1:
+            raise NotImplementedError(
+                f"world_size: {self.world_size} processes: the loss over torch.distributed is not supported yet; "
+                "contrastive_torch.ClipLoss runs one process (world_size=1). Until then, all-gather the features "
+                "yourself (torch.distributed.nn.all_gather) and pass the global batch with world_size=1")
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        """open_clip's forward. `logit_bias` (one value, as open_clip's models pass None for ClipLoss) is added to every
+        logit there, which no row's or column's softmax sees: it changes neither the loss nor the other gradients, and
+        its own gradient is 0; it is accepted, checked and given that gradient."""
         loss = self._run(image_features, text_features, logit_scale, None, True)
+        if logit_bias is not None:
+            if not isinstance(logit_bias, (torch.Tensor, float, int)) or isinstance(logit_bias, bool):
+                raise TypeError(f"logit_bias: expected None, a number or a one-element tensor, got "
+                                f"{type(logit_bias).__name__}")
+            if isinstance(logit_bias, torch.Tensor):
+                if logit_bias.numel() != 1:
+                    raise ValueError(f"logit_bias: expected one value (a per-logit bias is not supported), got shape "
+                                     f"{tuple(logit_bias.shape)}")
+                if logit_bias.requires_grad:
+                    loss = loss + (logit_bias.reshape(()) * 0).to(loss.dtype)
         return {"contrastive_loss": loss} if output_dict else loss
 
 

@@ -1,7 +1,8 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-"""Side by side: contrastive_torch.ClipLoss and a plain PyTorch ClipLoss on the same tensors (CPU).
+"""Side by side: contrastive_torch.ClipLoss, open_clip's own ClipLoss (open_clip.loss, where open-clip-torch is
+installed) and a plain PyTorch ClipLoss on the same tensors (CPU).
 
-    cd python && /usr/bin/python3 -m contrastive_torch.bench [--n 4096] [--d 512] [--dtype float32] [--steps 5]
+    cd python && ../.venv-torch/bin/python -m contrastive_torch.bench [--n 4096] [--d 512] [--dtype float32] [--steps 5]
 
 Each measurement runs in a fresh subprocess: the median time of a forward+backward step after one warm-up, and the
 step's memory as the growth of the process's resident high-water mark (VmHWM) over the steps. glibc's malloc raises
@@ -9,10 +10,12 @@ its mmap threshold after the first large free, so later 8 MiB gradient tensors c
 mark grows by more than either loss holds; `--malloc-mmap-threshold BYTES` fixes the threshold (MALLOC_MMAP_THRESHOLD_)
 for both children alike, which shows each loss's working set. The plain loss is
 open_clip's form with one product: logits = s * img @ txt.T, cross-entropy over rows and columns, backward() to img,
-txt and logit_scale.
+txt and logit_scale; open_clip's own ClipLoss (one process) forms both logits products, image @ text.T and
+text @ image.T. The ratios are against open_clip's ClipLoss where it is installed, else against the plain loss.
 """
 
 import argparse
+import importlib.util
 import os
 import platform
 import statistics
@@ -35,6 +38,9 @@ labels = torch.arange(n, device=dev)
 if which == "contrastive":
     ct.cuda_extension() if dev == "cuda" else ct.extension()
     fn = ct.ClipLoss(algorithm=algorithm)
+elif which == "open_clip":
+    import open_clip.loss
+    fn = open_clip.loss.ClipLoss()
 else:
     def fn(a, b, s):
         logits = s * a @ b.t()
@@ -76,6 +82,17 @@ def measure(which, n, d, dtype, steps, algorithm, threads, mmap_threshold=0, dev
     return float(out[0]), int(out[1]), out[2]
 
 
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[4096])
@@ -90,25 +107,30 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: both losses on the GPU (memory: torch.cuda.max_memory_allocated growth)")
     args = ap.parse_args()
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; dtype {args.dtype}; "
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical cores; dtype {args.dtype}; "
           f"D = {args.d}; {args.rounds} interleaved rounds (medians); malloc mmap threshold: "
           f"{args.malloc_mmap_threshold or 'glibc default (dynamic)'}; device {args.device}")
-    print("| N | loss | time / step | memory / step | time vs PyTorch | memory vs PyTorch |")
+    contenders = ["pytorch"] + (["open_clip"] if importlib.util.find_spec("open_clip") else []) + ["contrastive"]
+    base = "open_clip" if "open_clip" in contenders else "pytorch"
+    base_name = "open_clip" if base == "open_clip" else "PyTorch"
+    print(f"| N | loss | time / step | memory / step | time vs {base_name} | memory vs {base_name} |")
     print("|---|---|---|---|---|---|")
     for n in args.n:
-        res = {"pytorch": ([], []), "contrastive": ([], [])}
+        res = {which: ([], []) for which in contenders}
         version = "?"
         for _ in range(args.rounds):
-            for which in ("pytorch", "contrastive"):
+            for which in contenders:
                 t, m, version = measure(which, n, args.d, args.dtype, args.steps, args.algorithm, args.threads,
                                         args.malloc_mmap_threshold, args.device)
                 res[which][0].append(t)
                 res[which][1].append(m)
-        pt, pm = statistics.median(res["pytorch"][0]), statistics.median(res["pytorch"][1])
-        for which, label in (("pytorch", f"PyTorch {version}"), ("contrastive", f"contrastive_torch {args.algorithm}")):
+        bt, bm = statistics.median(res[base][0]), statistics.median(res[base][1])
+        labels = {"pytorch": f"plain PyTorch {version}", "open_clip": f"open_clip.loss.ClipLoss (torch {version})",
+                  "contrastive": f"contrastive_torch {args.algorithm}"}
+        for which in contenders:
             t, m = statistics.median(res[which][0]), statistics.median(res[which][1])
-            print(f"| {n} | {label} | {t * 1e3:.0f} ms | {m / 2**20:.1f} MiB | {t / pt:.2f}x | "
-                  f"{100 * m / pm if pm else float('nan'):.1f}% |")
+            print(f"| {n} | {labels[which]} | {t * 1e3:.0f} ms | {m / 2**20:.1f} MiB | {t / bt:.2f}x | "
+                  f"{100 * m / bm if bm else float('nan'):.1f}% |")
 
 
 if __name__ == "__main__":

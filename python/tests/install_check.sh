@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The README's install line, checked: pip-installs contrastive_torch from this checkout into a fresh virtual
-# environment that sees the system's torch, then runs the test suite from outside the source tree against the
-# installed package (its prebuilt extension, its packaged headers).
+# environment that sees the given Python's torch, then runs the test suite from outside the source tree against the
+# installed package (its prebuilt extension(s), its packaged headers).
 #
-#   bash python/tests/install_check.sh /usr/bin/python3 <scratch dir>
+#   bash python/tests/install_check.sh .venv-torch/bin/python <scratch dir>
 #
-# Offline: --no-deps --no-index (torch comes from the system site-packages, nothing is downloaded).
+# The fresh venv is made from the given Python's base interpreter; a .pth file puts the given Python's site-packages
+# (torch, pytest, open_clip, setuptools) after its own, so the package installed there is the one imported. Offline:
+# --no-deps --no-index (nothing is downloaded). CONTRASTIVE_TORCH_CUDA=1 (tests/CMakeLists.txt sets it where nvcc
+# and a CUDA torch exist) makes the install build the CUDA extension too, with PyTorch's flags for the architectures in
+# TORCH_CUDA_ARCH_LIST; it is then imported (loading it needs no GPU) but not run.
 set -euo pipefail
 py=${1:?python with torch and pytest}
 work=${2:?scratch directory}
@@ -18,7 +22,9 @@ mkdir -p "$work/src"
 cp -r "$src" "$work/src/python"
 cp -r "$src/../include" "$work/src/include"
 rm -rf "$work/src/python/build" "$work/src/python"/*.egg-info
-"$py" -m venv --system-site-packages "$work/venv"
+"$py" -m venv --without-pip "$work/venv"   # pip and setuptools come from the given Python, through the .pth
+site_of() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+site_of "$py" >"$(site_of "$work/venv/bin/python")/contrastive-torch-deps.pth"
 "$work/venv/bin/python" -m pip install -q --no-build-isolation --no-deps --no-index "$work/src/python"
 cd "$work"
 "$work/venv/bin/python" - "$work/venv" <<'PY'
@@ -31,6 +37,11 @@ assert ext.__name__ == "contrastive_torch._C", f"extension {ext.__name__}: not t
 assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "include", "contrastive", "contrastive.hpp"))
 for src in ("binding.cpp", "binding_cuda.cu", "problem_of.hpp"):  # the on-first-use build's sources
     assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "csrc", src)), f"csrc/{src} not installed"
-print(f"installed: {ct.__file__}; extension {ext.__file__}")
+if os.environ.get("CONTRASTIVE_TORCH_CUDA") == "1":
+    import importlib
+    cuda = importlib.import_module("contrastive_torch._C_cuda")  # built by pip (with nvcc), loads without a GPU
+    assert hasattr(cuda, "step"), "contrastive_torch._C_cuda has no step()"
+    print(f"CUDA extension built and loaded: {cuda.__file__}")
+print(f"installed: {ct.__file__}; extension {ext.__file__}; torch {ct.torch.__version__}")
 PY
 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$src/tests"

@@ -105,8 +105,8 @@ def test_training_loop_follows_pytorch():
             loss.backward()
             opt.step()
             ct.clamp_logit_scale(log_scale)
-            losses.append(float(loss))
-        runs.append((losses, float(log_scale)))
+            losses.append(loss.item())
+        runs.append((losses, log_scale.item()))
     (ours, s_ours), (ref, s_ref) = runs
     for a, b in zip(ours, ref):
         assert abs(a - b) <= 1e-4 * abs(b) + 1e-6

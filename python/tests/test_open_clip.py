@@ -1,0 +1,238 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""contrastive_torch.ClipLoss against open_clip's own ClipLoss (the open-clip-torch package's open_clip.loss module, not
+a re-implementation): constructor, call, loss and gradients on fresh random inputs, open_clip's training loop, and
+open_clip's loss factory.
+
+How a difference is measured: normwise relative, max |ours - theirs| / max |theirs| over the whole tensor (for the loss
+and d loss / d logit_scale, one value each: |ours - theirs| / |theirs|), in float64. Tolerances are multiples of
+torch.finfo(dtype).eps."""
+
+import argparse
+import functools
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import contrastive_torch as ct
+from conftest import require
+
+ALGORITHMS = ("fused", "materialized", "chunked")
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module")
+def open_clip_loss():
+    try:
+        module = importlib.import_module("open_clip.loss")
+    except Exception as e:  # ImportError, or an open_clip that does not import on this torch
+        module, why = None, f"{type(e).__name__}: {e}"
+    if module is None:
+        require("open_clip", False, why)
+    return module
+
+
+def paths():
+    """Eager (the autograd.Function) and, where PyTorch >= 2.4, the torch.library operators torch.compile traces."""
+    return ["eager", "custom_ops"] if ct.HAS_CUSTOM_OPS else ["eager"]
+
+
+def ours(algorithm, path):
+    return ct.ClipLoss(algorithm=algorithm, custom_ops=(path == "custom_ops"))
+
+
+def rel(a, b):
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def draw(n, d, seed, dtype=torch.float32, pairing=0.5):
+    """Unit rows; each text leans towards its image by `pairing` (a trained model's matched pairs)."""
+    g = torch.Generator().manual_seed(seed)
+    img = F.normalize(torch.randn(n, d, generator=g), dim=1)
+    txt = F.normalize(torch.randn(n, d, generator=g) + pairing * img, dim=1)
+    return img.to(dtype), txt.to(dtype)
+
+
+def loss_and_grads(fn, img, txt, logit_scale):
+    """loss, d/d image_features, d/d text_features, d/d logit_scale (a leaf: open_clip's logit_scale.exp() value)."""
+    img = img.detach().clone().requires_grad_()
+    txt = txt.detach().clone().requires_grad_()
+    s = torch.tensor(float(logit_scale), requires_grad=True)
+    loss = fn(img, txt, s)
+    loss.backward()
+    return loss.detach(), img.grad, txt.grad, s.grad
+
+
+NAMES = ("loss", "d image_features", "d text_features", "d logit_scale")
+
+
+@pytest.mark.parametrize("path", paths())
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+# The tiny batch has unpaired rows: in a tiny batch of paired rows the loss (or d loss / d logit_scale) can come out
+# near 0 as a difference of nearly equal terms, where both implementations' float32 results lose their relative
+# accuracy (measured over 1000 seeds: n = 3 gave up to 1284 eps32 between open_clip's float32 and float64 results).
+@pytest.mark.parametrize("n,d,logit_scale,pairing", [(257, 64, 1 / 0.07, 0.5), (96, 512, 100.0, 0.5),
+                                                     (5, 16, 1 / 0.07, 0.0)])
+def test_float32_matches_open_clip(open_clip_loss, algorithm, path, n, d, logit_scale, pairing, seed):
+    img, txt = draw(n, d, seed, pairing=pairing)
+    theirs = loss_and_grads(open_clip_loss.ClipLoss(), img, txt, logit_scale)
+    got = loss_and_grads(ours(algorithm, path), img, txt, logit_scale)
+    for name, a, b in zip(NAMES, got, theirs):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        err = rel(a, b)
+        assert err <= 256 * EPS32, f"{name}: {err / EPS32:.1f} eps32 from open_clip (seed {seed})"
+
+
+@pytest.mark.parametrize("path", paths())
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_within_eps_of_the_type(open_clip_loss, algorithm, path, dtype, seed):
+    # Our loss takes the 16-bit features and returns 16-bit gradients; open_clip's loss sees the same (rounded)
+    # features upcast to float32, which is the exact answer for them to float32's precision. Ours rounds each gradient
+    # once; materialized also rounds the logits to the type (the forward's and the backward's softmax read them), so
+    # it gets 4x the bound.
+    n, d, logit_scale = 200, 64, 1 / 0.07
+    img, txt = draw(n, d, seed, dtype)
+    theirs = loss_and_grads(open_clip_loss.ClipLoss(), img.float(), txt.float(), logit_scale)
+    got = loss_and_grads(ours(algorithm, path), img, txt, logit_scale)
+    assert got[1].dtype == dtype and got[2].dtype == dtype
+    eps = torch.finfo(dtype).eps
+    bound = (32 if algorithm == "materialized" else 8) * eps
+    for name, a, b in zip(NAMES, got, theirs):
+        err = rel(a, b)
+        assert err <= bound, f"{name}: {err / eps:.2f} eps of {dtype} from open_clip (bound {bound / eps:.0f}; seed {seed})"
+
+
+class TwoTower(torch.nn.Module):
+    """A tiny CLIP: two MLP towers and open_clip's logit_scale parameter (log(1/0.07) at init)."""
+
+    def __init__(self, d_in=32, d_hidden=64, d_out=16):
+        super().__init__()
+        self.visual = torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.GELU(),
+                                          torch.nn.Linear(d_hidden, d_out))
+        self.text = torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.GELU(),
+                                        torch.nn.Linear(d_hidden, d_out))
+        self.logit_scale = torch.nn.Parameter(torch.ones([]) * math.log(1 / 0.07))
+
+    def forward(self, x, y):
+        return F.normalize(self.visual(x), dim=-1), F.normalize(self.text(y), dim=-1), self.logit_scale.exp()
+
+
+def train(loss_fn, steps, seed):
+    """open_clip's training step (open_clip_train/train.py, one process, no accumulation): AdamW with open_clip's
+    betas and eps, no weight decay on logit_scale, loss(image_features, text_features, logit_scale), backward, step,
+    then the clamp of logit_scale to [0, log 100]."""
+    torch.manual_seed(seed)
+    model = TwoTower()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": 0.2}],
+                            lr=5e-3, betas=(0.9, 0.98), eps=1e-6)
+    data = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=data)
+        y = x + 0.3 * torch.randn(64, 32, generator=data)  # paired "captions": noisy views of the same items
+        image_features, text_features, logit_scale = model(x, y)
+        loss = loss_fn(image_features, text_features, logit_scale)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_training_loop_follows_open_clip(open_clip_loss, algorithm, seed):
+    steps = 200
+    theirs, ref_model = train(open_clip_loss.ClipLoss(), steps, seed)
+    got, model = train(ct.ClipLoss(algorithm=algorithm), steps, seed)
+    assert theirs[-1] < 0.5 * theirs[0], f"the loop does not learn (loss {theirs[0]:.3f} -> {theirs[-1]:.3f})"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, theirs))
+    assert worst <= 1e-4, f"loss trajectory: {worst:.2e} relative from open_clip's (seed {seed})"
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert rel(p.detach(), q.detach()) <= 1e-4, f"{name} after {steps} steps: {rel(p, q):.2e} (seed {seed})"
+
+
+def open_clip_args(**kw):
+    """The fields open_clip.create_loss reads from its training script's arguments."""
+    base = dict(distill=False, model="ViT-B-32", siglip=False, local_loss=False, gather_with_grad=False, rank=0,
+                world_size=1, horovod=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_open_clip_create_loss_builds_ours(open_clip_loss, monkeypatch, seed):
+    factory = importlib.import_module("open_clip.factory")
+    assert type(factory.create_loss(open_clip_args())) is open_clip_loss.ClipLoss
+    # How a user plugs ours in: replace the class open_clip's factory instantiates (its own keyword arguments:
+    # local_loss, gather_with_grad, cache_labels=True, rank, world_size, use_horovod); ours takes them all.
+    monkeypatch.setattr(factory, "ClipLoss", functools.partial(ct.ClipLoss, algorithm="chunked"))
+    loss_fn = factory.create_loss(open_clip_args())
+    assert isinstance(loss_fn, ct.ClipLoss) and loss_fn.algorithm == "chunked" and loss_fn.cache_labels is True
+    img, txt = draw(33, 16, seed)
+    got = loss_and_grads(loss_fn, img, txt, 20.0)
+    theirs = loss_and_grads(open_clip_loss.ClipLoss(), img, txt, 20.0)
+    for name, a, b in zip(NAMES, got, theirs):
+        assert rel(a, b) <= 256 * EPS32, f"{name} (seed {seed})"
+    with pytest.raises(NotImplementedError, match="world_size"):
+        factory.create_loss(open_clip_args(world_size=2, rank=1))
+    with pytest.raises(NotImplementedError, match="use_horovod"):
+        factory.create_loss(open_clip_args(horovod=True))
+
+
+def test_constructor_and_call_are_open_clips(open_clip_loss):
+    img, txt = draw(16, 8, 0)
+    s = torch.tensor(10.0)
+    # Positional, as open_clip's signature orders them.
+    loss_fn = ct.ClipLoss(False, False, True, 0, 1, False, algorithm="fused", threads=1)
+    assert (loss_fn.local_loss, loss_fn.gather_with_grad, loss_fn.cache_labels, loss_fn.rank, loss_fn.world_size,
+            loss_fn.use_horovod) == (False, False, True, 0, 1, False)
+    theirs = open_clip_loss.ClipLoss(False, False, True, 0, 1, False)
+    # local_loss / gather_with_grad do not change a one-process loss, in open_clip or here.
+    for local, gather in ((True, False), (False, True), (True, True)):
+        a = ct.ClipLoss(local_loss=local, gather_with_grad=gather)(img, txt, s)
+        b = open_clip_loss.ClipLoss(local_loss=local, gather_with_grad=gather)(img, txt, s)
+        assert rel(a, b) <= 256 * EPS32
+    out = loss_fn(img, txt, s, output_dict=True)
+    ref = theirs(img, txt, s, output_dict=True)
+    assert set(out) == set(ref) == {"contrastive_loss"}
+    assert rel(out["contrastive_loss"], ref["contrastive_loss"]) <= 256 * EPS32
+    # A one-value logit_bias (open_clip's 4th positional argument) changes no softmax: same loss, gradient 0 to it.
+    bias = torch.tensor(-3.0, requires_grad=True)
+    a = loss_fn(img, txt, s, bias)
+    b = theirs(img, txt, s, bias.detach())
+    assert rel(a, b) <= 256 * EPS32
+    a.backward()
+    assert bias.grad is not None and float(bias.grad) == 0.0
+
+
+def test_constructor_errors_name_the_argument():
+    with pytest.raises(NotImplementedError, match="use_horovod"):
+        ct.ClipLoss(use_horovod=True)
+    with pytest.raises(NotImplementedError, match="world_size.*torch.distributed"):
+        ct.ClipLoss(rank=0, world_size=4)
+    with pytest.raises(ValueError, match="rank"):
+        ct.ClipLoss(rank=1, world_size=1)
+    with pytest.raises(ValueError, match="rank"):
+        ct.ClipLoss(rank=-1)
+    with pytest.raises(ValueError, match="world_size"):
+        ct.ClipLoss(world_size=0)
+    with pytest.raises(TypeError, match="world_size"):
+        ct.ClipLoss(world_size=1.5)
+    with pytest.raises(TypeError, match="local_loss"):
+        ct.ClipLoss("fused")  # the library's options are keyword-only: a positional string is open_clip's local_loss
+    with pytest.raises(TypeError, match="cache_labels"):
+        ct.ClipLoss(cache_labels="yes")
+    with pytest.raises(ValueError, match="algorithm"):
+        ct.ClipLoss(algorithm="magic")
+    img, txt = draw(8, 4, 0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        ct.ClipLoss()(img, txt, torch.tensor(10.0), torch.zeros(8, 8))
+    with pytest.raises(TypeError, match="logit_bias"):
+        ct.ClipLoss()(img, txt, torch.tensor(10.0), "0")
