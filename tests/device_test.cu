@@ -208,6 +208,36 @@ TEST(Device, BadArgumentsAreRefused)
   EXPECT_EQ(device_loss::step(nullptr, bytes, q, &dummy, &dummy, no_state), cudaErrorInvalidValue);
 }
 
+// upload_state: a null state is refused before any launch (runs without a device); on a device the state lands in
+// stream order on a non-blocking stream, byte for byte, from a host object gone out of scope.
+TEST(Device, UploadStateWritesTheStateInStreamOrder)
+{
+  using L = cl::device::loss<__nv_bfloat16, cl::temperature::learnable, cl::scaler::dynamic>;
+  L::state_type st;
+  ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), st).ok());
+  EXPECT_EQ(L::upload_state(st, nullptr), cudaErrorInvalidValue);
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  device_buffer<L::state_type> d_state(1);
+  ASSERT_EQ(cudaMemsetAsync(d_state.ptr, 0xff, sizeof(L::state_type), s), cudaSuccess);
+  L::state_type expect;
+  std::memcpy(&expect, &st, sizeof st); // byte copies, so that padding compares too
+  expect.step = 41;
+  {
+    L::state_type scoped; // out of scope before the stream runs the kernel
+    std::memcpy(&scoped, &expect, sizeof expect);
+    ASSERT_EQ(L::upload_state(scoped, d_state.ptr, s), cudaSuccess);
+  }
+  L::state_type back;
+  ASSERT_EQ(cudaMemcpyAsync(&back, d_state.ptr, sizeof back, cudaMemcpyDeviceToHost, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(0, std::memcmp(&back, &expect, sizeof back));
+  EXPECT_EQ(back.step, 41);
+  EXPECT_EQ(back.temperature.tau(), st.temperature.tau());
+  cudaStreamDestroy(s);
+}
+
 // Sizes whose byte counts overflow and outputs that alias are refused by the size query itself, before any CUDA call
 // (so this runs without a device too).
 TEST(Device, OversizedAndAliasedProblemsAreRefused)

@@ -799,6 +799,12 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return common::make_state(t, s, out);
   }
 
+  /// The state to device memory in stream order, as a kernel argument (see device/loss.cuh).
+  [[nodiscard]] static cudaError_t upload_state(const state_type& st, state_type* d_state, cudaStream_t stream = 0)
+  {
+    return common::upload_state(st, d_state, stream);
+  }
+
   /// Bytes per chunk row of the chunk's buffers (S_c and G_c, or the tile path's G_c and partials), without dQ_c.
   static std::size_t chunk_bytes_per_row(const problem<Element>& p, bool tiles) noexcept
   {

@@ -635,6 +635,14 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+/// Writes a state built on the host: it travels as this kernel's argument, copied when the launch is enqueued, and
+/// lands byte for byte (padding included).
+template <class State>
+__global__ void store_state(State* out, State value)
+{
+  memcpy(out, &value, sizeof(State));
+}
+
 /// Reads the policies' current scale and loss scale into device scalars (no host round trip).
 template <class State>
 __global__ void prologue(const State* state, step_scalars* out)

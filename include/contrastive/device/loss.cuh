@@ -7,7 +7,7 @@
 ///
 ///   using L = contrastive::device::loss<__half, temperature::clamped, scaler::dynamic, algorithm::fused>;
 ///   L::state_type host_state;                    // built and validated on the host with L::make_state(...)
-///   cudaMemcpy(d_state, &host_state, ...);       // policies and the step record live in device memory
+///   L::upload_state(host_state, d_state, stream); // policies and the step record live in device memory
 ///   size_t bytes = 0;
 ///   L::step(nullptr, bytes, problem, d_dq, d_dk, d_state, stream);   // size query
 ///   L::step(d_temp, bytes, problem, d_dq, d_dk, d_state, stream);    // forward, backward, scaler, temperature
@@ -84,6 +84,23 @@ struct loss
     }
     out = state_type{t, s, 0, step_record{}};
     return {};
+  }
+
+  /// Writes `st` (make_state's, or a state copied back earlier) to `d_state`, in order on `stream`: the state is the
+  /// argument of a one-thread kernel, so nothing is copied from pageable memory, the host does not wait for the
+  /// stream, `st` may go out of scope on return, and a CUDA graph capturing the stream captures the value (a
+  /// cudaMemcpyAsync from pageable memory is staged by the driver, which may wait for the stream first). Null
+  /// d_state: cudaErrorInvalidValue, nothing launched.
+  [[nodiscard]] static cudaError_t upload_state(const state_type& st, state_type* d_state, cudaStream_t stream = 0)
+  {
+    static_assert(std::is_trivially_copyable_v<state_type> && sizeof(state_type) <= 4096,
+                  "a kernel argument: trivially copyable, at most 4 KiB");
+    if (d_state == nullptr)
+    {
+      return cudaErrorInvalidValue;
+    }
+    kernels::store_state<state_type><<<1, 1, 0, stream>>>(d_state, st);
+    return cudaPeekAtLastError();
   }
 
   /// The workspace bytes forward_backward and step need for a problem: the same answer as their size query
