@@ -152,8 +152,8 @@ void bf16_gemm(cublasHandle_t h,
                CUBLAS_GEMM_DEFAULT);
 }
 
-/// The step call of each algorithm (chunked takes a cuBLAS handle and chunk options: the default budget, with or
-/// without fused_tiles).
+/// The step call of each algorithm (chunked takes a cuBLAS handle and chunk options: the default chunk, sized from
+/// the free memory at the size query (device/chunked.cuh), with or without fused_tiles).
 template <class L, class Algorithm, bool Tiles, class T>
 cudaError_t call_step(void* temp,
                       std::size_t& bytes,
@@ -222,6 +222,15 @@ void step_benchmark(benchmark::State& state)
     state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["bytes/s"] = benchmark::Counter(io, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["workspace_bytes"] = double(bytes);
+    if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
+    {
+      // The rows per chunk the step ran with (the default's: 4096 where free memory allows).
+      cl::device::chunked_detail::layout w{};
+      if (L::layout_to_fit(p, cl::chunk_options{0, 0, Tiles}, bytes, w) == cudaSuccess)
+      {
+        state.counters["chunk_rows"] = double(w.chunk_rows);
+      }
+    }
     state.counters["mem_bytes"] = double(bytes) + io;
     if (state.iterations() > 0 && total > 0.0)
     {
