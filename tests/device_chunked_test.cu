@@ -338,6 +338,45 @@ TEST(DeviceChunked, GraphReplayEqualsEagerSteps)
   }
 }
 
+// A default size query (it reads the free memory) made while the stream is being captured in global mode neither
+// fails nor invalidates the capture, and its bytes run a step captured after it.
+TEST(DeviceChunked, DefaultSizeQueryDuringGraphCapture)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  using T = __nv_bfloat16;
+  using L = dloss<T>;
+  const std::size_t n = 256, dim = 32;
+  const auto q = ct::random_rows<T>(n, dim, 81);
+  const auto k = ct::random_rows<T>(n, dim, 82);
+  ct::device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+  ct::device_buffer<typename L::state_type> d_state(1);
+  ASSERT_EQ(d_q.upload(q), cudaSuccess);
+  ASSERT_EQ(d_k.upload(k), cudaSuccess);
+  typename L::state_type st;
+  ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), st).ok());
+  cl::problem<T> p{d_q.ptr, d_k.ptr, n, n, dim, nullptr, cl::objective::symmetric};
+  handle h;
+  ASSERT_NE(h.h, nullptr);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(L::upload_state(st, d_state.ptr, s), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  std::size_t bytes = 0;
+  cudaGraph_t g = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  EXPECT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s), cudaSuccess);
+  EXPECT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  EXPECT_GT(bytes, 0u);
+  if (g != nullptr)
+  {
+    cudaGraphDestroy(g);
+  }
+  ct::device_buffer<char> temp(bytes);
+  EXPECT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, s), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaStreamDestroy(s);
+}
+
 // Argument checks happen before any CUDA call, so they run without a GPU too.
 TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
 {

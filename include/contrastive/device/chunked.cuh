@@ -339,16 +339,24 @@ struct layout
   bool tiles; ///< chunk_options::fused_tiles in effect (no float S_c; row_part / col_part hold the tile partials)
 };
 
-/// The current device's free memory (cudaMemGetInfo), 0 when that fails (no device; the error is cleared).
+/// The current device's free memory (cudaMemGetInfo), 0 when that fails (no device; the error is cleared). A size
+/// query may run while this thread captures a graph: the call is made in relaxed capture mode, which allows calls
+/// that global mode prohibits, and the thread's mode is restored.
 inline std::size_t device_free_bytes() noexcept
 {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
   std::size_t free_bytes = 0, total_bytes = 0;
-  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess)
+  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (exchanged)
+  {
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  }
+  if (e != cudaSuccess || !exchanged)
   {
     (void)cudaGetLastError();
-    return 0;
   }
-  return free_bytes;
+  return e == cudaSuccess ? free_bytes : 0;
 }
 
 /// Whether the current device runs the tile kernels: compute capability 8.0 or later, and the code this program
