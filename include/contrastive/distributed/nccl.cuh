@@ -21,11 +21,12 @@
 /// comm::nccl between threads (copies share its staging buffer).
 ///
 /// Differences from the single-GPU device API, by design: the loss owns its workspace (grown with cudaMalloc when a
-/// step needs more, freed by the destructor); the agreement synchronizes the stream (host-side checks need every
-/// rank's answer), so a distributed step cannot be captured in a CUDA graph; labels and finiteness are not checked up
-/// front (as on one GPU: an out-of-range label makes its row's loss infinite, a non-finite input non-finite logits,
-/// and the step is skipped on every rank). NCCL's max of a NaN is unspecified: a NaN logit is still flagged (the step
-/// is skipped) but the recorded max logit may not show it.
+/// step needs more, freed by the destructor; a default chunk_options chunk is sized from the free memory at the first
+/// step of a shape and kept for the steps of that shape); the agreement synchronizes the stream (host-side checks need
+/// every rank's answer), so a distributed step cannot be captured in a CUDA graph; labels and finiteness are not
+/// checked up front (as on one GPU: an out-of-range label makes its row's loss infinite, a non-finite input non-finite
+/// logits, and the step is skipped on every rank). NCCL's max of a NaN is unspecified: a NaN logit is still flagged
+/// (the step is skipped) but the recorded max logit may not show it.
 
 #include <contrastive/detail/step_logic.hpp>
 #include <contrastive/device/chunked.cuh>
