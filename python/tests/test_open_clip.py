@@ -92,15 +92,15 @@ def test_float32_matches_open_clip(open_clip_loss, algorithm, path, n, d, logit_
 def test_16bit_within_eps_of_the_type(open_clip_loss, algorithm, path, dtype, seed):
     # Our loss takes the 16-bit features and returns 16-bit gradients; open_clip's loss sees the same (rounded)
     # features upcast to float32, which is the exact answer for them to float32's precision. Ours rounds each gradient
-    # once; materialized also rounds the logits to the type (the forward's and the backward's softmax read them), so
-    # it gets 4x the bound.
+    # once; materialized also rounds the logits to the type, which the issue allowed 4x for, but at s = 1/0.07 it
+    # stays within the same 8 eps (measured: at most 1.1 eps over 20 seeds, fused and chunked 0.5).
     n, d, logit_scale = 200, 64, 1 / 0.07
     img, txt = draw(n, d, seed, dtype)
     theirs = loss_and_grads(open_clip_loss.ClipLoss(), img.float(), txt.float(), logit_scale)
     got = loss_and_grads(ours(algorithm, path), img, txt, logit_scale)
     assert got[1].dtype == dtype and got[2].dtype == dtype
     eps = torch.finfo(dtype).eps
-    bound = (32 if algorithm == "materialized" else 8) * eps
+    bound = 8 * eps
     for name, a, b in zip(NAMES, got, theirs):
         err = rel(a, b)
         assert err <= bound, f"{name}: {err / eps:.2f} eps of {dtype} from open_clip (bound {bound / eps:.0f}; seed {seed})"
@@ -124,18 +124,20 @@ class TwoTower(torch.nn.Module):
 def train(loss_fn, steps, seed):
     """open_clip's training step (open_clip_train/train.py, one process, no accumulation): AdamW with open_clip's
     betas and eps, no weight decay on logit_scale, loss(image_features, text_features, logit_scale), backward, step,
-    then the clamp of logit_scale to [0, log 100]."""
+    then the clamp of logit_scale to [0, log 100]. The pairs are noisy enough that the loss stays well above 0 (from
+    ~8.4 to ~1.1 in 200 steps): a run whose loss goes to ~0 compares the rounding of nearly cancelling terms, and there
+    the two losses' float32 trajectories drift apart by ~1e-4 without either being wrong."""
     torch.manual_seed(seed)
     model = TwoTower()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": 0.2}],
-                            lr=5e-3, betas=(0.9, 0.98), eps=1e-6)
+                            lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
     data = torch.Generator().manual_seed(seed + 1)
     losses = []
     for _ in range(steps):
         x = torch.randn(64, 32, generator=data)
-        y = x + 0.3 * torch.randn(64, 32, generator=data)  # paired "captions": noisy views of the same items
+        y = x + torch.randn(64, 32, generator=data)  # paired "captions": noisy views of the same items
         image_features, text_features, logit_scale = model(x, y)
         loss = loss_fn(image_features, text_features, logit_scale)
         opt.zero_grad()
