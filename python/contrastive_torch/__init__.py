@@ -18,6 +18,12 @@ use algorithm="chunked" (cuBLAS products) on GPUs. There the gradients are forme
 incoming gradient afterwards, so in float16 gradient values below fp16's range flush before GradScaler's scale
 applies (bfloat16 and float32 are unaffected), and `last_step` holds device tensors (no synchronisation):
 `first_nonfinite_code` indexes NONFINITE_SITES. Input checks on CUDA (finiteness, label range) synchronise once.
+
+ClipLoss takes open_clip's constructor arguments (local_loss, gather_with_grad, cache_labels, rank, world_size,
+use_horovod) and call (logit_bias, output_dict); one process only for now (world_size > 1 raises NotImplementedError).
+On PyTorch >= 2.4 the CPU loss is also the torch.library custom operators contrastive_torch::loss and
+contrastive_torch::loss_backward, which torch.compile traces (fullgraph=True works); eager calls use the
+autograd.Function, whose backward reuses the forward's engine instead of recomputing the forward.
 """
 
 import operator
@@ -483,9 +489,9 @@ class ClipLoss(_Base):
                 "yourself (torch.distributed.nn.all_gather) and pass the global batch with world_size=1")
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
-        """open_clip's forward. `logit_bias` (one value, as open_clip's models pass None for ClipLoss) is added to every
-        logit there, which no row's or column's softmax sees: it changes neither the loss nor the other gradients, and
-        its own gradient is 0; it is accepted, checked and given that gradient."""
+        """open_clip's forward. open_clip adds `logit_bias` to every logit; one value (open_clip's CLIP models pass
+        None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
+        gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused."""
         loss = self._run(image_features, text_features, logit_scale, None, True)
         if logit_bias is not None:
             if not isinstance(logit_bias, (torch.Tensor, float, int)) or isinstance(logit_bias, bool):
