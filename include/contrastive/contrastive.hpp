@@ -4,8 +4,8 @@
 /// \file
 /// Umbrella header: everything a host user needs.
 
-#include <contrastive/detail/config.hpp>
 #include <contrastive/core.hpp>
+#include <contrastive/detail/config.hpp>
 #include <contrastive/loss.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/online_lse.hpp>

@@ -133,7 +133,7 @@ public:
     status checks = check_scale(logit_scale);
     if (checks.ok())
     {
-      checks = check_loss_scale(loss_scale);
+      (void)(checks = check_loss_scale(loss_scale));
     }
     step::forward_values f;
     CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(p, logit_scale, checks, dq, dk, true, passes_, iteration, f));

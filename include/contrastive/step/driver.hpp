@@ -178,17 +178,18 @@ public:
     status local = check_problem(p, dq, dk, need_grads, /*check_labels=*/single);
     if (local.ok())
     {
-      local = engine_type::check_dim(p.dim);
+      (void)(local = engine_type::check_dim(p.dim));
     }
     if (local.ok() && !policies.ok())
     {
-      local = policies;
+      (void)(local = policies);
     }
     if (local.ok() && engine_.threads() > host::max_threads)
     {
-      local = {errc::invalid_argument,
-               "threads",
-               std::to_string(engine_.threads()) + " threads requested; at most " + std::to_string(host::max_threads)};
+      (void)(local = status{errc::invalid_argument,
+                            "threads",
+                            std::to_string(engine_.threads()) + " threads requested; at most " +
+                                std::to_string(host::max_threads)});
     }
     if constexpr (single)
     {
@@ -300,23 +301,24 @@ public:
     status local;
     if (!checks.ok())
     {
-      local = checks;
+      (void)(local = checks);
     }
     else if (!ready_)
     {
-      local = {errc::invalid_argument, "forward", "backward needs a successful forward on the same problem first"};
+      (void)(local = status{
+                 errc::invalid_argument, "forward", "backward needs a successful forward on the same problem first"});
     }
     else if (dq == nullptr)
     {
-      local = {errc::null_pointer, "dq", "null gradient output for q"};
+      (void)(local = status{errc::null_pointer, "dq", "null gradient output for q"});
     }
     else if (dk == nullptr)
     {
-      local = {errc::null_pointer, "dk", "null gradient output for k"};
+      (void)(local = status{errc::null_pointer, "dk", "null gradient output for k"});
     }
     else
     {
-      local = check_outputs(p_, dq, dk);
+      (void)(local = check_outputs(p_, dq, dk));
     }
     if constexpr (single)
     {

@@ -35,9 +35,30 @@ public:
   virtual std::pair<std::string, double> diagnosis() const = 0;
 };
 
+/// resource_exhausted: raised in Python as MemoryError (the translator below), with the library's message.
+struct memory_error : std::runtime_error
+{
+  using std::runtime_error::runtime_error;
+};
+
+/// The library's status as the Python exception its code calls for (one table; pybind11 maps std::invalid_argument
+/// to ValueError, std::overflow_error to OverflowError, std::runtime_error to RuntimeError). The message names the
+/// argument and ends with the code.
 [[noreturn]] void raise(const cl::status& st)
 {
-  throw std::invalid_argument(std::string("contrastive: ") + st.message() + " [" + cl::to_string(st.code()) + "]");
+  const std::string m = std::string("contrastive: ") + st.message() + " [" + cl::to_string(st.code()) + "]";
+  switch (st.code())
+  {
+  case cl::errc::size_overflow:
+    throw std::overflow_error(m);
+  case cl::errc::resource_exhausted:
+    throw memory_error(m);
+  case cl::errc::cuda_error:
+  case cl::errc::communication_error:
+    throw std::runtime_error(m);
+  default: // the input or a setting is outside its domain
+    throw std::invalid_argument(m);
+  }
 }
 
 template <class T, class Algorithm>
@@ -102,20 +123,17 @@ private:
 template <class T>
 std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned threads)
 {
-  if (algorithm == "fused")
+  std::unique_ptr<handle_base> h;
+  const bool known = cl::algorithm::dispatch(algorithm.c_str(),
+                                             [&](auto tag)
+                                             {
+                                               h = std::make_unique<handle<T, decltype(tag)>>(threads);
+                                             });
+  if (!known)
   {
-    return std::make_unique<handle<T, cl::algorithm::fused>>(threads);
+    throw std::invalid_argument("contrastive: algorithm: '" + algorithm + "' is not one of " + cl::algorithm::names());
   }
-  if (algorithm == "materialized")
-  {
-    return std::make_unique<handle<T, cl::algorithm::materialized>>(threads);
-  }
-  if (algorithm == "chunked")
-  {
-    return std::make_unique<handle<T, cl::algorithm::chunked>>(threads);
-  }
-  throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
-                              "' is not one of 'fused', 'materialized', 'chunked'");
+  return h;
 }
 
 /// The Python-visible object.
@@ -179,6 +197,21 @@ private:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
   m.doc() = "contrastive: temperature-scaled contrastive loss (host engine)";
+  pybind11::register_exception_translator(
+      [](std::exception_ptr p)
+      {
+        try
+        {
+          if (p)
+          {
+            std::rethrow_exception(p);
+          }
+        }
+        catch (const memory_error& e)
+        {
+          PyErr_SetString(PyExc_MemoryError, e.what());
+        }
+      });
   pybind11::class_<Loss>(m, "Loss")
       .def(pybind11::init<const std::string&, const std::string&, std::int64_t>(),
            pybind11::arg("dtype"),

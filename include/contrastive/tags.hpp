@@ -1,0 +1,130 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The compile-time choices of a call: the objective, the algorithm tags (and the one list the bindings take their
+/// names from), the host GEMM core.
+
+#include <contrastive/detail/config.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+namespace contrastive
+{
+/// Which cross-entropy is taken over the logits S_ij = s <q_i, k_j>.
+enum class objective : std::int32_t
+{
+  /// CLIP's loss: 0.5 * (mean_i CE(S_i., i) + mean_j CE(S_.j, j)); needs n_q == n_k, positives on the diagonal.
+  symmetric = 0,
+  /// One-directional InfoNCE: mean_i CE(S_i., p_i) with p_i = labels[i] (default i); n_k may exceed n_q (MoCo queue).
+  info_nce = 1,
+};
+
+inline const char* to_string(objective o) noexcept
+{
+  return o == objective::symmetric ? "symmetric" : "info_nce";
+}
+
+namespace algorithm
+{
+/// Builds the n_q x n_k logits in the element type, as frameworks' autocast does: A = round_T(Q K^T) (float
+/// accumulation), S = round_T(s * A), cross-entropy in float; backward forms dS = round_T(loss_scale * dL/dS) and
+/// dA = round_T(s * dS) in the element type, then dQ = round_T(dA K), dK = round_T(dA^T Q). Memory O(n_q n_k).
+/// On this path a large s overflows fp16 logits exactly as in the seed.
+struct materialized
+{
+  static constexpr const char* name = "materialized";
+};
+
+/// Tiled, online log-sum-exp (flash-attention style): logits live only in float tiles, never in memory; backward
+/// recomputes them from the saved row/column log-sum-exps. The only rounding to the element type is the final
+/// dQ = round_T(loss_scale * s * sum_j G_ij k_j) and dK likewise. Memory O((n_q + n_k) d).
+struct fused
+{
+  static constexpr const char* name = "fused";
+};
+
+/// Row chunks of B queries against all keys: S_c = s Q_c K^T is stored for one chunk at a time (float), its row
+/// statistics are complete within the chunk and the column statistics of the symmetric loss are merged from
+/// per-chunk partials; the backward forms G_c, then dQ_c = s G_c K and dK += s G_c^T Q_c. Each step is one large
+/// matrix product (cuBLAS on the device, the host GEMM policy on the host) plus element-wise passes built from the
+/// shared tile math. Work: 6 n_q n_k d flops when one chunk holds every row, else 8 (the backward recomputes S_c);
+/// memory O(B n_k + (n_q + n_k) d), B chosen by `chunk_options`. Numerics as `fused` (float logits, the positive's
+/// gradient formed exactly); on the device G_c is rounded to the element type for the tensor-core products.
+struct chunked
+{
+  static constexpr const char* name = "chunked";
+};
+
+/// Every algorithm, in the order the bindings list them: the one table their names come from.
+template <class... A>
+struct list
+{
+  static constexpr std::size_t size = sizeof...(A);
+};
+using all = list<fused, materialized, chunked>;
+
+/// Calls `f(Algorithm{})` for the algorithm of `list` whose `name` is `name` and returns true; false when none is
+/// (then `names()` lists them for the error message).
+template <class F, class... A>
+bool dispatch_in(list<A...>, const char* name, F&& f)
+{
+  bool found = false;
+  const auto one = [&](auto tag)
+  {
+    using T = decltype(tag);
+    if (!found && std::strcmp(name, T::name) == 0)
+    {
+      found = true;
+      f(tag);
+    }
+  };
+  (one(A{}), ...);
+  return found;
+}
+template <class F>
+bool dispatch(const char* name, F&& f)
+{
+  return dispatch_in(all{}, name, std::forward<F>(f));
+}
+
+/// The names of a list, quoted and comma-separated, for messages.
+template <class... A>
+std::string names_in(list<A...>)
+{
+  std::string s;
+  ((s += (s.empty() ? "'" : ", '") + std::string(A::name) + "'"), ...);
+  return s;
+}
+/// "'fused', 'materialized', 'chunked'".
+inline std::string names()
+{
+  return names_in(all{});
+}
+} // namespace algorithm
+
+/// The host GEMM core, chosen at compile time (the last template argument of `contrastive::loss`; the device path
+/// uses cuBLAS-free kernels of its own and ignores it).
+namespace gemm
+{
+/// The library's own packed, register-blocked micro-kernel (host/gemm.hpp): no dependency.
+struct builtin
+{
+  static constexpr const char* name = "builtin";
+};
+
+/// A CBLAS `cblas_sgemm` (OpenBLAS, BLIS, MKL, ...) for users who already link one: include
+/// <contrastive/host/cblas_gemm.hpp> and link a CBLAS (CMake: the `contrastive::cblas` target, which finds one with
+/// FindBLAS). Run the BLAS single-threaded (OPENBLAS_NUM_THREADS=1, or `host::cblas_single_threaded()`): the loss
+/// parallelises over its own workers and calls the BLAS from each of them.
+struct cblas
+{
+  static constexpr const char* name = "cblas";
+};
+} // namespace gemm
+
+} // namespace contrastive

@@ -1,0 +1,33 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The host extension's errors: the library's status codes map to Python exception types through one table
+(csrc/binding.cpp `raise`), the message names the argument and ends with the code."""
+
+import pytest
+import torch
+
+import contrastive_torch as ct
+
+
+def test_memory_that_cannot_be_had_is_a_memory_error():
+    # The materialized algorithm holds the n x n logits: 2^20 x 2^20 floats are 4 TiB, which no machine here has.
+    n, d = 1 << 20, 4
+    q = torch.nn.functional.normalize(torch.randn(n, d), dim=1)
+    loss = ct.ClipLoss(algorithm="materialized", threads=1)
+    with pytest.raises(MemoryError, match=r"memory: the host engine needs \d+ bytes .*\[resource_exhausted\]"):
+        loss(q, q.clone(), torch.tensor(10.0))
+
+
+def test_bad_input_is_a_value_error_naming_the_argument():
+    q = torch.nn.functional.normalize(torch.randn(8, 4), dim=1)
+    k = q.clone()
+    k[5, 2] = float("inf")
+    with pytest.raises(ValueError, match=r"k\[5\]\[2\] is not finite.*\[non_finite_input\]"):
+        ct.ClipLoss()(q, k, torch.tensor(10.0))
+
+
+def test_every_algorithm_the_library_lists_is_accepted():
+    ext = ct.extension()
+    for name in ("fused", "materialized", "chunked"):
+        ext.Loss("float32", name, 1)
+    with pytest.raises(ValueError, match="'fused', 'materialized', 'chunked'"):
+        ext.Loss("float32", "tiled", 1)
