@@ -140,7 +140,7 @@ def test_scaled_backward_and_a_skipped_step():
     before = log_scale.item()
     if not found_inf:
         opt.step()
-    assert float(log_scale) == before
+    assert log_scale.item() == before
 
 
 def test_autocast_features():
