@@ -12,11 +12,11 @@
 /// Over a communicator (`Comm` other than comm::self) every call is a collective of the global batch, as for
 /// `distributed::loss`: bad input on one rank is refused on every rank, naming it.
 
-#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 #include <contrastive/step/driver.hpp>
+#include <contrastive/step/logic.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -11,12 +11,12 @@
 /// dQ, and (K, Q) for columns and dK, so dQ is row-parallel, dK column-parallel, and no atomics touch the O(N^2 D)
 /// work. The materialized algorithm reuses the same kernel with logits read from its element-type matrix.
 
-#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/device/kernel_traits.cuh>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/step/logic.hpp>
 
 #include <cub/block/block_reduce.cuh>
 

@@ -28,7 +28,6 @@
 /// logits, and the step is skipped on every rank). NCCL's max of a NaN is unspecified: a NaN logit is still flagged
 /// (the step is skipped) but the recorded max logit may not show it.
 
-#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/device/chunked.cuh>
 #include <contrastive/device/loss.cuh>
 #include <contrastive/distributed/agreement.hpp>
@@ -37,6 +36,7 @@
 #include <contrastive/numeric/online_lse.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
+#include <contrastive/step/logic.hpp>
 
 #include <algorithm>
 #include <cstddef>

@@ -11,7 +11,7 @@
 #include <contrastive/detail/config.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/math.hpp>
-#include <contrastive/problem.hpp>
+#include <contrastive/tags.hpp>
 
 #include <cstddef>
 

@@ -31,8 +31,6 @@
 
 #include <contrastive/checks.hpp>
 #include <contrastive/detail/checked.hpp>
-#include <contrastive/detail/host_step.hpp>
-#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/distributed/agreement.hpp>
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/host/engine.hpp>
@@ -42,6 +40,8 @@
 #include <contrastive/numeric/online_lse.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
+#include <contrastive/step/checkpoint.hpp>
+#include <contrastive/step/logic.hpp>
 
 #include <algorithm>
 #include <cstddef>

@@ -26,8 +26,6 @@
 /// step is only seen if the caller also gives `iteration` (its own step number, the same on every rank): the loss
 /// cannot know which batch a call is for.
 
-#include <contrastive/detail/host_step.hpp>
-#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/distributed/agreement.hpp>
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/numeric/element_traits.hpp>
@@ -35,7 +33,9 @@
 #include <contrastive/policy/temperature.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
+#include <contrastive/step/checkpoint.hpp>
 #include <contrastive/step/driver.hpp>
+#include <contrastive/step/logic.hpp>
 
 #include <cstddef>
 #include <cstdint>

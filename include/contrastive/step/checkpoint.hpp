@@ -6,9 +6,9 @@
 /// policies (saved byte-deterministically, restored after validation) and the unscale-and-check pass over a caller's
 /// gradient buffer.
 
-#include <contrastive/detail/step_logic.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
+#include <contrastive/step/logic.hpp>
 
 #include <cstddef>
 #include <cstdint>
