@@ -231,6 +231,24 @@ class _ContrastiveFunction(torch.autograd.Function):
         return dq, dk, d_scale, None, None, None, None, None
 
 
+def _check_cuda_values(q, k, labels32, symmetric):
+    """The device API does not check values (that would synchronise inside the step); checked here, once. Returns the
+    labels on the features' device."""
+    for name, x in (("image_features" if symmetric else "query", q), ("text_features" if symmetric else "keys", k)):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name}: holds a non-finite value")
+    if labels32 is not None:
+        labels32 = labels32.to(q.device)
+        if labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
+            raise ValueError(f"labels: values outside [0, {k.shape[0]}) (the number of keys)")
+    elif not symmetric and q.shape[0] > k.shape[0]:
+        raise ValueError(f"labels: None means the diagonal, which needs n_q <= n_k ({q.shape[0]} > {k.shape[0]})")
+    if symmetric and q.shape[0] != k.shape[0]:
+        raise ValueError(f"features: the symmetric loss needs as many texts as images ({q.shape[0]} and "
+                         f"{k.shape[0]})")
+    return labels32
+
+
 class _CudaFunction(torch.autograd.Function):
     """CUDA tensors: the device step computes the loss and the gradients at loss scale 1 in the forward; the backward
     multiplies them by the incoming gradient."""
@@ -331,6 +349,43 @@ if HAS_CUSTOM_OPS:
 
     _loss_op.register_autograd(_loss_autograd, setup_context=_loss_setup_context)
 
+    # CUDA tensors: the device step computes the loss and the gradients at loss scale 1 in one call (as
+    # _CudaFunction), so the operator returns all of them and its autograd formula multiplies the saved gradients by
+    # the incoming one: no recomputation. Written and traced on the CPU only (its fake implementation); not yet run on
+    # a GPU.
+    @torch.library.custom_op("contrastive_torch::cuda_step", mutates_args=(), device_types="cuda")
+    def _cuda_step_op(q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor, labels: Optional[torch.Tensor],
+                      symmetric: bool, algorithm: str,
+                      fused_tiles: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        labels = _check_cuda_values(q, k, _labels_tensor(labels, q.shape[0]), symmetric)
+        scale = _scale_value(logit_scale)
+        try:
+            loss, dq, dk, dlogs, _max_logit, _site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm,
+                                                                          0, fused_tiles)
+        except (RuntimeError, ValueError) as e:
+            if "invalid" in str(e) or "algorithm" in str(e) or "dtype" in str(e):
+                raise ValueError(str(e)) from None
+            raise
+        # loss and dlogs view the step's state buffer: an operator's outputs must not alias, so they are copied.
+        return loss.clone(), dq, dk, dlogs.clone()
+
+    @_cuda_step_op.register_fake
+    def _(q, k, logit_scale, labels, symmetric, algorithm, fused_tiles):
+        scalar = q.new_empty((), dtype=torch.float32)
+        return scalar, torch.empty_like(q), torch.empty_like(k), torch.empty_like(scalar)
+
+    def _cuda_setup_context(ctx, inputs, output):
+        _loss, dq, dk, dlogs = output
+        ctx.save_for_backward(dq, dk, dlogs, inputs[2])
+
+    def _cuda_autograd(ctx, grad, _grad_dq, _grad_dk, _grad_dlogs):
+        dq, dk, dlogs, logit_scale = ctx.saved_tensors
+        # d loss / d s = (d loss / d log s) / s; in float: a GradScaler scale of 65536 does not fit float16.
+        d_scale = (dlogs * grad / logit_scale.float()).to(logit_scale.dtype).reshape(logit_scale.shape)
+        return ((dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None)
+
+    _cuda_step_op.register_autograd(_cuda_autograd, setup_context=_cuda_setup_context)
+
 
 def _compiling():
     """True while torch.compile (dynamo) traces the caller."""
@@ -370,7 +425,7 @@ class _Base(torch.nn.Module):
             raise ValueError(f"custom_ops: needs PyTorch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
         self.algorithm = algorithm
         self.threads = threads
-        # CPU tensors: run eager calls through the torch.library operators too (what torch.compile traces; the
+        # Run eager calls through the torch.library operators too (what torch.compile traces; on the CPU their
         # backward recomputes the forward). Under torch.compile they are used whatever this says.
         self.use_custom_ops = custom_ops
         # CUDA, algorithm="chunked", bfloat16/float16: the library's tensor-core logits tiles (chunk_options::
@@ -389,7 +444,7 @@ class _Base(torch.nn.Module):
             raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
         if q.device != k.device:
             raise ValueError(f"features: on different devices ({q.device} and {k.device})")
-        if HAS_CUSTOM_OPS and q.device.type == "cpu" and (self.use_custom_ops or _compiling()):
+        if HAS_CUSTOM_OPS and (self.use_custom_ops or _compiling()):
             return self._run_op(q, k, logit_scale, labels, symmetric)
         report = {}
         self.last_step = report
@@ -403,7 +458,7 @@ class _Base(torch.nn.Module):
 
     def _run_op(self, q, k, logit_scale, labels, symmetric):
         """The custom-operator path (torch.compile): checks that read no tensor values (those would break the graph);
-        the library checks values (finiteness, label range, logit_scale > 0) when the operator runs."""
+        values (finiteness, label range, logit_scale > 0) are checked when the operator runs."""
         if labels is not None:
             if not isinstance(labels, torch.Tensor):
                 raise TypeError(f"labels: expected a torch.Tensor, got {type(labels).__name__}")
@@ -411,28 +466,19 @@ class _Base(torch.nn.Module):
                 raise ValueError(f"labels: expected shape ({q.shape[0]},), got {tuple(labels.shape)}")
             if labels.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"labels: dtype {labels.dtype} is not an integer type (int64 or int32)")
-            if labels.device.type != "cpu":
+            if q.device.type == "cpu" and labels.device.type != "cpu":
                 raise ValueError(f"labels: on {labels.device} while the features are on the CPU")
         if not isinstance(logit_scale, torch.Tensor):
-            logit_scale = torch.tensor(float(logit_scale), dtype=torch.float32)
+            logit_scale = torch.tensor(float(logit_scale), dtype=torch.float32, device=q.device)
         elif logit_scale.numel() != 1:
             raise ValueError(f"logit_scale: expected one value, got shape {tuple(logit_scale.shape)}")
+        if q.device.type == "cuda":
+            return torch.ops.contrastive_torch.cuda_step(q, k, logit_scale, labels, symmetric, self.algorithm,
+                                                         self.fused_tiles)[0]
         return torch.ops.contrastive_torch.loss(q, k, logit_scale, labels, symmetric, self.algorithm, self.threads)
 
     def _run_cuda(self, q, k, logit_scale, labels32, symmetric, report):
-        # The device API does not check values (that would synchronise inside the step); check them here, once.
-        for name, x in (("image_features" if symmetric else "query", q), ("text_features" if symmetric else "keys", k)):
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError(f"{name}: holds a non-finite value")
-        if labels32 is not None:
-            labels32 = labels32.to(q.device)
-            if labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
-                raise ValueError(f"labels: values outside [0, {k.shape[0]}) (the number of keys)")
-        elif not symmetric and q.shape[0] > k.shape[0]:
-            raise ValueError(f"labels: None means the diagonal, which needs n_q <= n_k ({q.shape[0]} > {k.shape[0]})")
-        if symmetric and q.shape[0] != k.shape[0]:
-            raise ValueError(f"features: the symmetric loss needs as many texts as images ({q.shape[0]} and "
-                             f"{k.shape[0]})")
+        labels32 = _check_cuda_values(q, k, labels32, symmetric)
         return _CudaFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, self.fused_tiles, report)
 
 

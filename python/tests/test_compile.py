@@ -125,3 +125,71 @@ def test_compiled_training_step_matches_eager(algorithm, monkeypatch):
     assert rel(b.detach(), a.detach()) <= 64 * eps
     for p, q in zip(compiled_model.parameters(), eager_model.parameters()):
         assert rel(p.grad, q.grad) <= 256 * eps
+
+
+# The CUDA operator (contrastive_torch::cuda_step): its fake implementation and autograd formula are checked here on
+# the CPU; running it needs a GPU (the tests below skip without one).
+
+
+def test_cuda_operator_traces_without_a_gpu():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(8, 4, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(8, 4, device="cuda", dtype=torch.bfloat16)
+        s = torch.empty((), device="cuda")
+        loss, dq, dk, dlogs = torch.ops.contrastive_torch.cuda_step(q, k, s, None, True, "chunked", False)
+    assert (loss.shape, loss.dtype, loss.device.type) == ((), torch.float32, "cuda")
+    assert (dq.shape, dq.dtype, dk.shape, dk.dtype) == (q.shape, q.dtype, k.shape, k.dtype)
+    assert (dlogs.shape, dlogs.dtype) == ((), torch.float32)
+
+
+def test_cuda_operator_autograd_formula():
+    # The step's gradients at loss scale 1, times the incoming gradient; d loss / d s = (d loss / d log s) / s.
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    dq, dk = torch.randn(6, 3).to(torch.float16), torch.randn(6, 3).to(torch.float16)
+    dlogs, s = torch.tensor(0.75), torch.tensor(12.0)
+    ctx.saved_tensors = (dq, dk, dlogs, s)
+    gq, gk, gs, *rest = ct._cuda_autograd(ctx, torch.tensor(65536.0), None, None, None)
+    assert rest == [None] * 4
+    assert gq.dtype == torch.float16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.float16))
+    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.float16))
+    assert float(gs) == pytest.approx(0.75 * 65536.0 / 12.0, rel=1e-6) and gs.shape == s.shape
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+
+
+@needs_cuda
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_cuda_opcheck(algorithm):
+    q, k = unit(64, 32, 6).cuda(), unit(64, 32, 7).cuda()
+    s = torch.tensor(12.0, device="cuda")
+    torch.library.opcheck(torch.ops.contrastive_torch.cuda_step.default,
+                          (q.clone().requires_grad_(), k.clone().requires_grad_(), s.clone().requires_grad_(), None,
+                           True, algorithm, False))
+
+
+@needs_cuda
+def test_cuda_compiled_step_matches_eager():
+    loss_fn = ct.ClipLoss(algorithm="chunked")
+    torch.manual_seed(0)
+    models = [TwoTower().cuda(), TwoTower().cuda()]
+    models[1].load_state_dict(models[0].state_dict())
+
+    def step(model, x, y):
+        return loss_fn(F.normalize(model.visual(x), dim=-1), F.normalize(model.text(y), dim=-1),
+                       model.logit_scale.exp())
+
+    x = torch.randn(64, 24, device="cuda")
+    y = x + 0.3 * torch.randn(64, 24, device="cuda")
+    a = step(models[0], x, y)
+    b = torch.compile(step, fullgraph=True)(models[1], x, y)
+    (a + b).backward()
+    eps = torch.finfo(torch.float32).eps
+    assert rel(b.detach(), a.detach()) <= 64 * eps
+    for p, q in zip(models[1].parameters(), models[0].parameters()):
+        assert rel(p.grad, q.grad) <= 256 * eps

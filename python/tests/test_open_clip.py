@@ -44,7 +44,7 @@ def ours(algorithm, path):
 
 
 def rel(a, b):
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
