@@ -10,7 +10,7 @@
 # nvcc for the device path) is expected at /usr/local/cuda and is not installed here.
 #
 # `test` also makes a git-ignored virtual environment, .venv-torch/ at the repository root (CONTRASTIVE_TORCH_VENV
-# moves it), with the current PyPI torch, pytest, numpy and open-clip-torch: the PyTorch extension's tests run there
+# moves it; then configure with -DCONTRASTIVE_TORCH_PYTHON=<venv>/bin/python), with the current PyPI torch, pytest, numpy and open-clip-torch: the PyTorch extension's tests run there
 # (tests/CMakeLists.txt finds it). PyPI's default Linux torch wheel brings CUDA's libraries, about 5.5 GB on disk and
 # 1-4 minutes to install; a CPU-only wheel index is not used (a machine that reaches only PyPI cannot get it). When the
 # venv already imports all four, nothing is installed. CONTRASTIVE_TORCH_SPEC (default `torch`) picks another torch,
