@@ -42,56 +42,25 @@ template <class Element,
           class Algorithm = algorithm::fused,
           class Gemm = gemm::builtin,
           class Comm = distributed::comm::self>
-class core
+class core : public step::front<step::driver<Element, Algorithm, Gemm, Comm>>
 {
   using driver_type = step::driver<Element, Algorithm, Gemm, Comm>;
+  using base = step::front<driver_type>;
+  using base::driver_;
 
 public:
   using element_type = Element;
   using algorithm_type = Algorithm;
   using problem_type = problem<Element>;
 
-  explicit core(unsigned threads = 0) : driver_(Comm{}, threads) {}
+  explicit core(unsigned threads = 0) : base(Comm{}, threads) {}
   /// Ranks: construct on every rank (a communicator constructor may itself be a collective).
-  explicit core(Comm comm, unsigned threads = 0) : driver_(std::move(comm), threads) {}
+  explicit core(Comm comm, unsigned threads = 0) : base(std::move(comm), threads) {}
 
-  unsigned threads() const noexcept
-  {
-    return driver_.threads();
-  }
-  const Comm& communicator() const noexcept
-  {
-    return driver_.communicator();
-  }
-  /// algorithm::chunked only (see chunk_options); other algorithms refuse it (invalid_argument "chunk").
-  status set_chunk(const chunk_options& o)
-  {
-    return driver_.set_chunk(o);
-  }
-  std::size_t bytes_held() const noexcept
-  {
-    return driver_.bytes_held();
-  }
   /// Completed forward + backward pairs: what the ranks' calls are matched by (every rank must make the same calls).
   std::int64_t passes() const noexcept
   {
     return passes_;
-  }
-  std::size_t global_queries() const noexcept
-  {
-    return driver_.global_queries();
-  }
-  std::size_t global_keys() const noexcept
-  {
-    return driver_.global_keys();
-  }
-  std::size_t query_offset() const noexcept
-  {
-    return driver_.query_offset();
-  }
-  std::size_t key_offset() const noexcept
-  {
-    return driver_.key_offset();
   }
 
   /// Loss of `p` with logits S = logit_scale * Q K^T (logit_scale = 1/tau: finite and > 0, else
@@ -152,22 +121,11 @@ public:
     return {};
   }
 
-  const step::forward_values& last_forward() const noexcept
-  {
-    return driver_.last_forward();
-  }
-  const step::backward_values& last_backward() const noexcept
-  {
-    return driver_.last_backward();
-  }
   /// The first non-finite site of the last forward + backward pair (d loss / d log s counts unless
   /// `wants_gradient` is false, e.g. for a fixed temperature).
   nonfinite_site diagnose(bool wants_gradient = true) const noexcept
   {
-    const step::forward_values& f = driver_.last_forward();
-    const step::backward_values& b = driver_.last_backward();
-    return detail::first_nonfinite(
-        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, wants_gradient, b.grad_logit_scale);
+    return base::first_nonfinite(wants_gradient);
   }
 
 private:
@@ -190,7 +148,6 @@ private:
     return {};
   }
 
-  driver_type driver_;
   std::int64_t passes_ = 0;
   std::int64_t iteration_ = distributed::no_iteration;
 };

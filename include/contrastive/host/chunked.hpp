@@ -100,52 +100,44 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
   {
     return;
   }
-  parallel_for(st.pool,
-               st.nk_pad / block_n,
-               st.workers,
-               [&](std::size_t t, unsigned)
-               {
-                 const std::size_t j0 = t * block_n;
-                 if (j0 >= st.n_k)
-                 {
-                   return;
-                 }
-                 const std::size_t cols = std::min(block_n, st.n_k - j0);
-                 float part_max[block_n];
-                 float part_sum[block_n];
-                 std::fill(part_max, part_max + cols, -detail::infinity_f);
-                 std::fill(part_sum, part_sum + cols, 0.0f);
-                 for (std::size_t r = 0; r < rows; ++r)
-                 {
-                   const float* x = &st.chunk[r * st.nk_pad + j0];
-                   for (std::size_t jj = 0; jj < cols; ++jj)
-                   {
-                     part_max[jj] = detail::max_f(part_max[jj], x[jj]);
-                   }
-                 }
-                 float shift[block_n];
-                 for (std::size_t jj = 0; jj < cols; ++jj)
-                 {
-                   online_lse part{};
-                   part.rebase(part_max[jj]);
-                   shift[jj] = part.shift();
-                 }
-                 for (std::size_t r = 0; r < rows; ++r)
-                 {
-                   const float* x = &st.chunk[r * st.nk_pad + j0];
-                   for (std::size_t jj = 0; jj < cols; ++jj)
-                   {
-                     part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
-                   }
-                 }
-                 for (std::size_t jj = 0; jj < cols; ++jj)
-                 {
-                   online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
-                   run.merge(online_lse{part_max[jj], part_sum[jj]});
-                   st.col_run_max[j0 + jj] = run.max;
-                   st.col_run_sum[j0 + jj] = run.sum;
-                 }
-               });
+  st.for_key_tiles(
+      [&](std::size_t j0, std::size_t cols, worker_scratch&, unsigned)
+      {
+        float part_max[block_n];
+        float part_sum[block_n];
+        std::fill(part_max, part_max + cols, -detail::infinity_f);
+        std::fill(part_sum, part_sum + cols, 0.0f);
+        for (std::size_t r = 0; r < rows; ++r)
+        {
+          const float* x = &st.chunk[r * st.nk_pad + j0];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            part_max[jj] = detail::max_f(part_max[jj], x[jj]);
+          }
+        }
+        float shift[block_n];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          online_lse part{};
+          part.rebase(part_max[jj]);
+          shift[jj] = part.shift();
+        }
+        for (std::size_t r = 0; r < rows; ++r)
+        {
+          const float* x = &st.chunk[r * st.nk_pad + j0];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+          }
+        }
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
+          run.merge(online_lse{part_max[jj], part_sum[jj]});
+          st.col_run_max[j0 + jj] = run.max;
+          st.col_run_sum[j0 + jj] = run.sum;
+        }
+      });
 }
 
 /// Row phase of the chunked algorithm's forward: row statistics, the columns' running partials (`column_partial`),
@@ -165,30 +157,6 @@ row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
   }
   st.chunk_cached = st.chunk_rows >= st.n_q;
   return st.finish_rows(bad);
-}
-
-/// Rows [i0, i0 + block_m) x columns [j0, j0 + block_n) of the chunk buffer (chunk row r = i - c0) into ws.tile, zero
-/// outside `rows` x `cols` up to block_m x `width`.
-template <class T, class Gemm>
-void load_chunk_tile(const engine_state<T, Gemm>& st,
-                     std::size_t r0,
-                     std::size_t j0,
-                     std::size_t rows,
-                     std::size_t cols,
-                     std::size_t width,
-                     worker_scratch& ws) noexcept
-{
-  for (std::size_t ii = 0; ii < block_m; ++ii)
-  {
-    float* out = &ws.tile[ii * block_n];
-    std::size_t jj = 0;
-    if (ii < rows)
-    {
-      jj = cols;
-      std::copy_n(&st.chunk[(r0 + ii) * st.nk_pad + j0], cols, out);
-    }
-    std::fill(out + jj, out + width, 0.0f);
-  }
 }
 
 /// Backward of `loss_scale * loss` for the chunked algorithm after `chunked_forward`.
@@ -223,7 +191,7 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
                    for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
                    {
                      const std::size_t cols = std::min(block_n, st.n_k - j0);
-                     load_chunk_tile(st, r0, j0, r, cols, cols, ws);
+                     load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, r, cols, cols, ws);
                      st.gradient_tile(true, i0, j0, r, cols, gc, ws);
                      for (std::size_t ii = 0; ii < r; ++ii)
                      {
@@ -240,25 +208,16 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
                    parts.bad_q[w] |= bad ? 1 : 0;
                  });
     // dK += G_c^T Q_c: one key tile per task.
-    parallel_for(st.pool,
-                 st.nk_pad / block_n,
-                 st.workers,
-                 [&](std::size_t t, unsigned w)
-                 {
-                   worker_scratch& ws = st.scratch[w];
-                   const std::size_t j0 = t * block_n;
-                   if (j0 >= st.n_k)
-                   {
-                     return;
-                   }
-                   const std::size_t cols = std::min(block_n, st.n_k - j0);
-                   const std::size_t m_pad = round_up(cols, kernel_mr);
-                   for (std::size_t r0 = 0; r0 < rows; r0 += block_m)
-                   {
-                     load_chunk_tile(st, r0, j0, std::min(block_m, rows - r0), cols, m_pad, ws);
-                     st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp);
-                   }
-                 });
+    st.for_key_tiles(
+        [&](std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned)
+        {
+          const std::size_t m_pad = round_up(cols, kernel_mr);
+          for (std::size_t r0 = 0; r0 < rows; r0 += block_m)
+          {
+            load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, std::min(block_m, rows - r0), cols, m_pad, ws);
+            st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp);
+          }
+        });
   }
   st.chunk_cached = false; // the buffer now holds G
 

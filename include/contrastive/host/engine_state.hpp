@@ -75,6 +75,28 @@ struct backward_partials
   }
 };
 
+/// A rows x cols block of a stored matrix (row stride `ld`; float, or the element type of the materialized logits)
+/// into ws.tile as float, zero up to block_m rows and `width` (>= cols) columns.
+template <class S>
+void load_tile(
+    const S* src, std::size_t ld, std::size_t rows, std::size_t cols, std::size_t width, worker_scratch& ws) noexcept
+{
+  for (std::size_t ii = 0; ii < block_m; ++ii)
+  {
+    float* out = &ws.tile[ii * block_n];
+    std::size_t jj = 0;
+    if (ii < rows)
+    {
+      const S* row = src + ii * ld;
+      for (; jj < cols; ++jj)
+      {
+        out[jj] = element_traits<S>::to_float(row[jj]);
+      }
+    }
+    std::fill(out + jj, out + width, 0.0f);
+  }
+}
+
 /// Everything the algorithms read and write. The caller's q and k are read in place (packed per row block or once
 /// per call); keep them alive from `forward` to `backward`.
 template <class T, class Gemm>
@@ -116,6 +138,36 @@ struct engine_state
   std::size_t positive_of(std::size_t i) const noexcept
   {
     return labels != nullptr ? static_cast<std::size_t>(labels[i]) : i;
+  }
+
+  /// Runs f(i0, rows, ws, w) for every row block [i0, i0 + rows), one block per task, on worker w with its scratch ws
+  /// (each task owns its rows: row statistics, dQ rows).
+  template <class F>
+  void for_row_blocks(F&& f)
+  {
+    for_blocks(nq_pad, block_m, n_q, f);
+  }
+  /// Runs f(j0, cols, ws, w) for every key tile [j0, j0 + cols), one tile per task (each task owns its keys: column
+  /// statistics, dK rows).
+  template <class F>
+  void for_key_tiles(F&& f)
+  {
+    for_blocks(nk_pad, block_n, n_k, f);
+  }
+  template <class F>
+  void for_blocks(std::size_t padded, std::size_t block, std::size_t n, F& f)
+  {
+    parallel_for(pool,
+                 padded / block,
+                 workers,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   const std::size_t x0 = t * block;
+                   if (x0 < n)
+                   {
+                     f(x0, std::min(block, n - x0), scratch[w], w);
+                   }
+                 });
   }
 
   /// Prepares rows [i0, i0 + block_m) of Q for the logits (and, `for_dk`, the dK) products.

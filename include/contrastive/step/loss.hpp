@@ -49,7 +49,7 @@ template <class Element,
           class Algorithm = algorithm::fused,
           class Comm = distributed::comm::self,
           class Gemm = gemm::builtin>
-class basic_loss
+class basic_loss : public step::front<step::driver<Element, Algorithm, Gemm, Comm>>
 {
   static_assert(temperature::is_temperature_policy_v<Temperature>,
                 "Temperature must be a trivially copyable policy with is_learnable, scale(), tau(), "
@@ -58,6 +58,8 @@ class basic_loss
       scaler::is_scaler_policy_v<Scaler>,
       "Scaler must be a trivially copyable policy with is_dynamic, loss_scale(), update(bool) and validate()");
   using driver_type = step::driver<Element, Algorithm, Gemm, Comm>;
+  using base = step::front<driver_type>;
+  using base::driver_;
 
 public:
   using element_type = Element;
@@ -72,19 +74,15 @@ public:
   using checkpoint = detail::checkpoint<Temperature, Scaler>;
 
   explicit basic_loss(Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
-      : temperature_(t), scaler_(s), driver_(Comm{}, threads)
+      : base(Comm{}, threads), temperature_(t), scaler_(s)
   {
   }
   /// Ranks: construct on every rank with the same policies (a communicator constructor may itself be a collective).
   explicit basic_loss(Comm comm, Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
-      : temperature_(t), scaler_(s), driver_(std::move(comm), threads)
+      : base(std::move(comm), threads), temperature_(t), scaler_(s)
   {
   }
 
-  const Comm& communicator() const noexcept
-  {
-    return driver_.communicator();
-  }
   const Temperature& temperature() const noexcept
   {
     return temperature_;
@@ -104,16 +102,6 @@ public:
   float loss_scale() const noexcept
   {
     return scaler_.loss_scale();
-  }
-  unsigned threads() const noexcept
-  {
-    return driver_.threads();
-  }
-  /// algorithm::chunked only: rows per chunk, or the chunk buffer's budget (see chunk_options); applies from the next
-  /// call. Other algorithms refuse it (invalid_argument "chunk"), so a setting never silently does nothing.
-  status set_chunk(const chunk_options& o)
-  {
-    return driver_.set_chunk(o);
   }
   /// The temperature optimiser's settings (learning rate, betas, ...), e.g. for a learning-rate schedule; its state
   /// (moments, step count) and theta are kept. Refused, changing nothing, when the settings are out of their domain
@@ -137,35 +125,6 @@ public:
       temperature_.opt = o;
       return {};
     }
-  }
-  /// algorithm::chunked: rows per chunk a problem would use (a multiple of the row block, at most all rows).
-  std::size_t chunk_rows_for(const problem_type& p) const noexcept
-  {
-    return driver_.chunk_rows_for(p);
-  }
-  /// The batch of the last agreed step: total queries and keys, and this rank's first query and key index.
-  std::size_t global_queries() const noexcept
-  {
-    return driver_.global_queries();
-  }
-  std::size_t global_keys() const noexcept
-  {
-    return driver_.global_keys();
-  }
-  std::size_t query_offset() const noexcept
-  {
-    return driver_.query_offset();
-  }
-  std::size_t key_offset() const noexcept
-  {
-    return driver_.key_offset();
-  }
-
-  /// Bytes of host memory held between calls (operands, saved statistics, scratch, materialized logits; ranks: also
-  /// the gathered K and the float partials).
-  std::size_t bytes_held() const noexcept
-  {
-    return driver_.bytes_held();
   }
 
   /// The whole state. Byte-deterministic (padding zeroed, members copied as bytes): two saves of the same state
@@ -199,24 +158,10 @@ public:
     return {};
   }
 
-  /// What the last successful `forward` saw (loss, largest logit, whether a logit was non-finite) and the last
-  /// `backward` produced (whether dQ/dK held a non-finite value, d(loss_scale * loss)/d(log s)): the step diagnosis
-  /// for callers who run the two halves themselves (`diagnose` orders it as a step record does).
-  const host::forward_result& last_forward() const noexcept
-  {
-    return driver_.last_forward();
-  }
-  const host::backward_result& last_backward() const noexcept
-  {
-    return driver_.last_backward();
-  }
   /// The first non-finite site of the last forward + backward pair, in the order of `step_record::first_nonfinite`.
   nonfinite_site diagnose() const noexcept
   {
-    const host::forward_result& f = driver_.last_forward();
-    const host::backward_result& b = driver_.last_backward();
-    return detail::first_nonfinite(
-        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, temperature_.wants_gradient(), b.grad_logit_scale);
+    return base::first_nonfinite(temperature_.wants_gradient());
   }
 
   /// Backward of the last `forward` at the current loss scale: dq, dk (Element, multiplied by the loss scale) and
@@ -317,7 +262,6 @@ private:
 
   Temperature temperature_;
   Scaler scaler_;
-  driver_type driver_;
   std::int64_t step_ = 0;
   std::int64_t iteration_ = distributed::no_iteration; ///< the caller's iteration of the last agreed forward
 };
