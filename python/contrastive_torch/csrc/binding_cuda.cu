@@ -65,9 +65,10 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   }
   const auto bytes_u8 = torch::TensorOptions().dtype(torch::kUInt8).device(q.device());
   torch::Tensor state = torch::empty({static_cast<std::int64_t>(sizeof(state_type))}, bytes_u8);
-  // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `st` may go out of scope.
-  check(cudaMemcpyAsync(state.data_ptr(), &st, sizeof st, cudaMemcpyHostToDevice, stream), "state upload");
   auto* d_state = static_cast<state_type*>(state.data_ptr());
+  // The state travels as a kernel argument: no pageable copy (which the driver may stage by waiting on the stream),
+  // and capturable in a graph; `st` may go out of scope once the call returns.
+  check(L::upload_state(st, d_state, stream), "state upload");
 
   const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
   torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
