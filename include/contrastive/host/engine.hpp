@@ -10,6 +10,7 @@
 /// 6 n_q n_k d, chunked 6 (one chunk) or 8. Memory: see `bytes_for`.
 
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/host/algorithms.hpp>
 #include <contrastive/host/builtin_gemm.hpp>
 #include <contrastive/host/chunked.hpp>
 #include <contrastive/host/engine_state.hpp>
@@ -112,8 +113,8 @@ public:
   detail::checked_size bytes_for(const Problem& p) const noexcept
   {
     using detail::checked_size;
-    constexpr bool chunked = std::is_same_v<Algorithm, algorithm::chunked>;
-    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized> || chunked;
+    constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
+    constexpr bool materialized = algorithm_traits<Algorithm>::whole_products;
     gemm_shape sh;
     if (!shape_of(p, sh))
     {
@@ -184,8 +185,8 @@ public:
     s.obj = p.obj;
     s.labels = p.labels;
     s.workers = workers_for(p);
-    constexpr bool chunked = std::is_same_v<Algorithm, algorithm::chunked>;
-    constexpr bool materialized = std::is_same_v<Algorithm, algorithm::materialized> || chunked;
+    constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
+    constexpr bool materialized = algorithm_traits<Algorithm>::whole_products;
     const bool sym = s.symmetric();
     s.row_lse.resize(s.n_q);
     s.row_loss.resize(s.n_q);
@@ -253,14 +254,7 @@ public:
   template <class Algorithm>
   row_pass forward_rows(float scale)
   {
-    if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
-    {
-      return chunked_forward_rows(st_, scale);
-    }
-    else
-    {
-      return st_.template forward_rows<Algorithm>(scale);
-    }
+    return algorithm_impl<Algorithm>::forward_rows(st_, scale);
   }
 
   /// Symmetric objective, after `forward_rows`: column j's negatives over this engine's rows.
@@ -288,18 +282,7 @@ public:
   backward_result backward(float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
   {
     static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, float>, "gradients are written in T or in float");
-    if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
-    {
-      return materialized_backward(st_, loss_scale, gc, dq, dk);
-    }
-    else if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
-    {
-      return chunked_backward(st_, loss_scale, gc, dq, dk);
-    }
-    else
-    {
-      return fused_backward(st_, loss_scale, gc, dq, dk);
-    }
+    return algorithm_impl<Algorithm>::backward(st_, loss_scale, gc, dq, dk);
   }
 
   /// The finished row (and column) log-sum-exps of the last forward.

@@ -6,6 +6,7 @@
 /// against a key tile, the forward pass over it (row and column log-sum-exps with the positive kept apart), and the
 /// gradient tile G. fused.hpp and materialized.hpp build their backward passes from these.
 
+#include <contrastive/host/algorithm_traits.hpp>
 #include <contrastive/host/builtin_gemm.hpp>
 #include <contrastive/host/gemm.hpp>
 #include <contrastive/host/operands.hpp>
@@ -185,7 +186,7 @@ struct engine_state
   {
     float poison = 0.0f;
     const float s = scale;
-    if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
+    if constexpr (algorithm_traits<Algorithm>::stores_logits)
     {
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
@@ -234,7 +235,7 @@ struct engine_state
     for (std::size_t j0 = 0; j0 < n_k; j0 += block_n)
     {
       const std::size_t cols = std::min(block_n, n_k - j0);
-      if constexpr (std::is_same_v<Algorithm, algorithm::materialized>)
+      if constexpr (algorithm_traits<Algorithm>::stores_logits)
       {
         mm.dot_tile(j0, rows, cols, ws);
         for (std::size_t ii = 0; ii < rows; ++ii)
@@ -420,7 +421,7 @@ struct engine_state
   template <class Algorithm>
   online_lse column_partial(std::size_t j) const noexcept
   {
-    if constexpr (std::is_same_v<Algorithm, algorithm::chunked>)
+    if constexpr (algorithm_traits<Algorithm>::chunks)
     {
       return online_lse{col_run_max[j], col_run_sum[j]};
     }

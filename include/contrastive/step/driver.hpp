@@ -94,7 +94,7 @@ public:
   /// forward. Other algorithms refuse it (invalid_argument "chunk"), so a setting never silently does nothing.
   status set_chunk(const chunk_options& o)
   {
-    if constexpr (!std::is_same_v<Algorithm, algorithm::chunked>)
+    if constexpr (!host::algorithm_traits<Algorithm>::chunks)
     {
       (void)o;
       return {errc::invalid_argument, "chunk", "chunk options apply to algorithm::chunked only"};
