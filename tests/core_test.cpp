@@ -9,13 +9,24 @@
 #include "thread_comm.hpp"
 
 #include <contrastive/core.hpp>
+#include <contrastive/distributed/loss.hpp>
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace cl = contrastive;
 namespace ct = contrastive_test;
+
+// The constructors of one process and of ranks do not overlap: `{}` arguments pick the only one there is, and a
+// distributed loss is never built from a temperature alone (which would make a default communicator silently).
+static_assert(std::is_constructible_v<cl::loss<float>, cl::temperature::learnable, cl::scaler::static_scale>);
+static_assert(std::is_default_constructible_v<cl::loss<float>>);
+static_assert(std::is_default_constructible_v<cl::distributed::loss<float>>);
+static_assert(!std::is_constructible_v<cl::distributed::loss<float>, cl::temperature::learnable>);
+static_assert(!std::is_constructible_v<cl::loss<float>, cl::distributed::comm::self>);
+static_assert(std::is_constructible_v<cl::core<float>, unsigned>);
 
 namespace
 {

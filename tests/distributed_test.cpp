@@ -536,6 +536,26 @@ void forward_then_backward(Comm comm)
     EXPECT_NEAR(col_lse[j], col_all[sk.offset + j], 4e-6 * (1.0 + std::fabs(col_all[sk.offset + j])));
   }
 
+  // A forward refused after the global checks (a non-finite key on one rank, another batch size) keeps the ready
+  // forward's shape: its backward still equals forward_backward's (before, the refused call's counts overflowed
+  // the reduce-scatter's buffers).
+  rows.reset();
+  ASSERT_TRUE(b.forward(rows.problem(), value).ok());
+  {
+    rank_rows bigger(0, 1); // 4 rows on every rank: 4 W keys against the ready forward's 3 W + 1
+    if (rank == 0)
+    {
+      bigger.k[1] = NAN;
+    }
+    float v2 = 0.0f;
+    const cl::status refused = b.forward(bigger.problem(), v2);
+    EXPECT_EQ(refused.code(), cl::errc::non_finite_input) << refused.message();
+    EXPECT_EQ(b.global_keys(), rows.n);
+  }
+  ASSERT_TRUE(b.backward(rows.dq.data(), rows.dk.data(), g).ok());
+  EXPECT_EQ(rows.dq, dq_a);
+  EXPECT_EQ(rows.dk, dk_a);
+
   // A bad output on one rank: refused on every rank, naming it, nothing written; the forward stays ready.
   rows.reset();
   ASSERT_TRUE(b.forward(rows.problem(), value).ok());

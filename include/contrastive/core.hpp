@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace contrastive
@@ -53,9 +54,16 @@ public:
   using algorithm_type = Algorithm;
   using problem_type = problem<Element>;
 
-  explicit core(unsigned threads = 0) : base(Comm{}, threads) {}
+  /// One process (Comm = comm::self).
+  template <class C = Comm, std::enable_if_t<distributed::is_single_process_v<C>, int> = 0>
+  explicit core(unsigned threads = 0) : base(Comm{}, threads)
+  {
+  }
   /// Ranks: construct on every rank (a communicator constructor may itself be a collective).
-  explicit core(Comm comm, unsigned threads = 0) : base(std::move(comm), threads) {}
+  template <class C = Comm, std::enable_if_t<!distributed::is_single_process_v<C>, int> = 0>
+  explicit core(Comm comm = Comm{}, unsigned threads = 0) : base(std::move(comm), threads)
+  {
+  }
 
   /// Completed forward + backward pairs: what the ranks' calls are matched by (every rank must make the same calls).
   std::int64_t passes() const noexcept

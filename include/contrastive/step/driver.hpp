@@ -105,10 +105,16 @@ public:
       return {};
     }
   }
-  /// algorithm::chunked: rows per chunk this rank's rows would use against `n_k` keys (one process: the problem's).
+  /// algorithm::chunked: rows per chunk this rank's rows use (one process: against the problem's keys; ranks: against
+  /// the global key count of the last agreed forward, or the problem's before any).
   std::size_t chunk_rows_for(const problem_type& p) const noexcept
   {
-    return engine_.chunk_rows_for(p);
+    problem_type block = p;
+    if (!single && n_k_total_ != 0)
+    {
+      block.n_k = n_k_total_;
+    }
+    return engine_.chunk_rows_for(block);
   }
   /// The batch of the last agreed forward: total queries and keys, and this rank's first query and key index.
   std::size_t global_queries() const noexcept
@@ -345,6 +351,7 @@ public:
       {
         CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree(comm_, local));
       }
+      ready_ = false; // every rank starts the engine's backward (materialized: dA overwrites the logits)
       const std::size_t d = p_.dim;
       backward_values br;
       status compute = guarded(
@@ -427,7 +434,13 @@ private:
               "the engine's buffers for n_q = " + std::to_string(p.n_q) + ", n_k = " + std::to_string(n_k_total) +
                   ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name + ") do not fit in size_t bytes"};
     }
-    if (const std::ptrdiff_t bad = engine_.first_nonfinite(p); bad != 0)
+    std::ptrdiff_t bad = 0;
+    CONTRASTIVE_RETURN_IF_ERROR(guarded(
+        [&]
+        {
+          bad = engine_.first_nonfinite(p); // on the worker pool, which may fail to start
+        }));
+    if (bad != 0)
     {
       return contrastive::detail::nonfinite_input(bad, p.dim);
     }
@@ -441,8 +454,10 @@ private:
                           const status& local,
                           distributed::detail::call_kind kind)
   {
+    // The batch's shape is kept only once every rank agreed: a refused call leaves the ready forward's shape (its
+    // backward's counts and offsets) as it was.
     distributed::detail::global_shape g;
-    return distributed::detail::agree_on_problem(
+    CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree_on_problem(
         comm_,
         p,
         step,
@@ -451,15 +466,16 @@ private:
         g,
         [&](const distributed::detail::global_shape& gs)
         {
-          n_q_total_ = gs.n_q_total;
-          n_k_total_ = gs.n_k_total;
-          q_off_ = gs.q_off;
-          k_off_ = gs.k_off;
-          k_rows_ = gs.k_rows;
-          dk_counts_ = gs.dk_counts;
           return checks_with_totals(p, gs.n_k_total);
         },
-        kind);
+        kind));
+    n_q_total_ = g.n_q_total;
+    n_k_total_ = g.n_k_total;
+    q_off_ = g.q_off;
+    k_off_ = g.k_off;
+    k_rows_ = std::move(g.k_rows);
+    dk_counts_ = std::move(g.dk_counts);
+    return {};
   }
 
   /// Phase 3 for ranks: this rank's buffers (agreed), K gathered in the element type, the rows' global labels.
@@ -586,7 +602,7 @@ private:
     if constexpr (single)
     {
       return {errc::resource_exhausted,
-              st.argument(),
+              "memory",
               std::string(what) + " needs " + std::to_string(bytes) + " bytes for n_q = " + std::to_string(p.n_q) +
                   ", n_k = " + std::to_string(p.n_k) + ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name +
                   "): " + st.reason()};
@@ -621,7 +637,7 @@ private:
     }
     catch (const std::system_error& e)
     {
-      return fail("threads", std::string("the system refused a resource: ") + e.what(), false);
+      return fail("threads", std::string("the system refused a resource: ") + e.what(), single);
     }
     catch (...)
     {

@@ -39,6 +39,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace contrastive
@@ -73,12 +74,15 @@ public:
   /// Everything a training run must save to resume bit-exactly (trivially copyable).
   using checkpoint = detail::checkpoint<Temperature, Scaler>;
 
+  /// One process (Comm = comm::self).
+  template <class C = Comm, std::enable_if_t<distributed::is_single_process_v<C>, int> = 0>
   explicit basic_loss(Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
       : base(Comm{}, threads), temperature_(t), scaler_(s)
   {
   }
   /// Ranks: construct on every rank with the same policies (a communicator constructor may itself be a collective).
-  explicit basic_loss(Comm comm, Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
+  template <class C = Comm, std::enable_if_t<!distributed::is_single_process_v<C>, int> = 0>
+  explicit basic_loss(Comm comm = Comm{}, Temperature t = Temperature{}, Scaler s = Scaler{}, unsigned threads = 0)
       : base(std::move(comm), threads), temperature_(t), scaler_(s)
   {
   }
