@@ -10,6 +10,7 @@
 // driver (fuzz_driver.cpp) that any compiler builds and ctest runs.
 
 #include <contrastive/contrastive.hpp>
+#include <contrastive/core.hpp>
 #include <contrastive/distributed/loss.hpp>
 #include <contrastive/policy/range_guard.hpp>
 
@@ -628,6 +629,85 @@ static void run_distributed(byte_reader& in)
           "distributed and one process moved tau differently");
 }
 
+/// The policy-free call (core.hpp) against the stateful loss with a fixed temperature and a static scale: the same
+/// verdicts for the same inputs, the same bits when accepted, and a refused call (a bad logit or loss scale, a backward
+/// without a forward, outputs over the inputs) writes nothing, counts no pass, and keeps a ready forward.
+template <class T, class Algorithm>
+static void run_core(byte_reader& in)
+{
+  const fuzz_problem<T> fp(in, 30, 36, 24);
+  const cl::problem<T> p = fp.problem();
+  const float tau = in.setting(0.07f), ls = in.setting(256.0f);
+  const float s = cl::temperature::fixed(tau).scale(); // the loss's s for this tau, so both see the same bits
+  const T seven = cl::element_traits<T>::from_float(7.0f);
+  std::vector<T> dq(fp.n_q * fp.dim + 1, seven), dk(fp.n_k * fp.dim + 1, seven);
+  std::vector<T> dq1(fp.n_q * fp.dim + 1), dk1(fp.n_k * fp.dim + 1);
+  cl::core<T, Algorithm> core(1 + static_cast<unsigned>(in.below(2)));
+  cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm> l(
+      cl::temperature::fixed(tau), cl::scaler::static_scale(ls), 1);
+  cl::step::backward_values b;
+  const cl::status early = core.backward(ls, dq.data(), dk.data(), b);
+  require(!early.ok() && all_sentinel(dq) && all_sentinel(dk),
+          "core: a backward without a forward was not refused, or wrote",
+          early);
+  cl::core_values v;
+  const bool split = in.byte() % 2 == 0;
+  cl::status st;
+  if (split)
+  {
+    cl::step::forward_values f;
+    st = core.forward(p, s, f);
+    if (st.ok())
+    {
+      // Outputs over the inputs are refused and keep the forward ready.
+      const cl::status alias = core.backward(ls, const_cast<T*>(fp.q.data()), dk.data(), b);
+      require(!alias.ok() && all_sentinel(dk), "core: a backward into q was accepted or wrote", alias);
+      st = core.backward(ls, dq.data(), dk.data(), b);
+      if (!st.ok())
+      {
+        // Only the loss scale, which forward does not see, may refuse it.
+        require(st.argument() == "loss_scale" && all_sentinel(dq) && all_sentinel(dk) && core.passes() == 0,
+                "core: the backward of an accepted forward was refused, or wrote",
+                st);
+        return;
+      }
+      v.loss = f.loss;
+      v.grad_logit_scale = b.grad_logit_scale / ls;
+    }
+  }
+  else
+  {
+    st = core.step(p, s, ls, dq.data(), dk.data(), v);
+  }
+  cl::step_record rec;
+  const cl::status st1 = l.step(p, dq1.data(), dk1.data(), rec);
+  if (!st.ok())
+  {
+    require(all_sentinel(dq) && all_sentinel(dk), "core: a refused call wrote an output", st);
+    require(core.passes() == 0, "core: a refused call counted a pass", st);
+    // Every refusal of the loss is one of core's (core also checks s and the loss scale itself, where the loss's
+    // policies would refuse them first: both must refuse).
+    require(!st1.ok() || !(s > 0.0f) || !std::isfinite(s) || !(ls > 0.0f) || !std::isfinite(ls),
+            "core refused what the loss accepted",
+            st);
+    return;
+  }
+  require(core.passes() == 1, "core: an accepted pass was not counted");
+  // The loss may refuse where core does not only for its policies' own domains (fixed's tau, static_scale's bound).
+  require(st1.ok() || st1.code() == cl::errc::invalid_temperature || st1.code() == cl::errc::invalid_scaler,
+          "core accepted what the loss refused",
+          st1);
+  if (!st1.ok())
+  {
+    return;
+  }
+  require(std::memcmp(dq.data(), dq1.data(), (dq.size() - 1) * sizeof(T)) == 0 &&
+              std::memcmp(dk.data(), dk1.data(), (dk.size() - 1) * sizeof(T)) == 0,
+          "core and the loss wrote different gradients");
+  require(same_bytes(v.loss, rec.loss) && same_bytes(v.grad_logit_scale, rec.grad_logit_scale),
+          "core and the loss report different values");
+}
+
 /// Ranks out of step over 2-3 thread ranks (tests/thread_comm.hpp): one rank skips a whole step or one finish_step at
 /// an input-chosen step, with or without the caller's iteration. No rank may hang (the thread world's watchdog names a
 /// hang), and every rank's first failure must be what docs/distributed.md says: a refusal naming "step" on every rank
@@ -732,8 +812,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 {
   byte_reader in(data, size);
   in.allow_edges(in.byte() % 4 == 0);
-  switch (in.byte() % 11)
+  switch (in.byte() % 13)
   {
+  case 11:
+    run_core<float, cl::algorithm::fused>(in);
+    break;
+  case 12:
+    run_core<__half, cl::algorithm::chunked>(in);
+    break;
   case 10:
     run_out_of_step(in);
     break;
