@@ -32,7 +32,7 @@ namespace contrastive
 {
 namespace distributed
 {
-namespace detail
+namespace agreement
 {
 /// The entry points that communicate; each starts with the all-gather of a `call_msg`.
 enum class call_kind : std::int64_t
@@ -366,6 +366,6 @@ status agree_on_finish(
   site = earliest;
   return {};
 }
-} // namespace detail
+} // namespace agreement
 } // namespace distributed
 } // namespace contrastive

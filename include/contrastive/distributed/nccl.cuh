@@ -413,16 +413,16 @@ public:
     {
       (void)(local = status{errc::size_overflow, "n_q", "the device path takes n_q, n_k <= 2^30 and dim <= 2^24"});
     }
-    CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_problem(comm_,
-                                                         p,
-                                                         steps_,
-                                                         iteration,
-                                                         local,
-                                                         g_,
-                                                         [&](const detail::global_shape& g)
-                                                         {
-                                                           return size_workspace(p, g);
-                                                         }));
+    CONTRASTIVE_RETURN_IF_ERROR(agreement::agree_on_problem(comm_,
+                                                            p,
+                                                            steps_,
+                                                            iteration,
+                                                            local,
+                                                            g_,
+                                                            [&](const agreement::global_shape& g)
+                                                            {
+                                                              return size_workspace(p, g);
+                                                            }));
     iteration_ = iteration;
     const bool sym = p.obj == objective::symmetric;
     const std::size_t n = g_.n_k_total, d = p.dim;
@@ -607,7 +607,7 @@ public:
       }
     }
     // Every rank reaches this collective, whatever failed above.
-    CONTRASTIVE_RETURN_IF_ERROR(detail::agree_on_finish(comm_, steps_, iteration_, pending, local, site));
+    CONTRASTIVE_RETURN_IF_ERROR(agreement::agree_on_finish(comm_, steps_, iteration_, pending, local, site));
     const std::int32_t agreed[2] = {site == none ? none_on_device : site, 0}; // pageable: copied before return
     CONTRASTIVE_RETURN_IF_ERROR(
         cuda(cudaMemcpyAsync(small_site(), agreed, sizeof agreed, cudaMemcpyHostToDevice, stream)));
@@ -690,7 +690,7 @@ private:
   };
 
   /// Lays out the workspace for this rank's block and grows it if needed (runs after the global facts are known).
-  status size_workspace(const problem<Element>& p, const detail::global_shape& g)
+  status size_workspace(const problem<Element>& p, const agreement::global_shape& g)
   {
     // The step reads K from k_all (carved from the workspace, 256-byte aligned), not from p.k: the layout (and
     // chunk_options::fused_tiles's alignment test) sees that pointer's alignment, which null stands for.
@@ -744,7 +744,7 @@ private:
   comm::nccl comm_;
   cublasHandle_t handle_;
   chunk_options opts_;
-  detail::global_shape g_;
+  agreement::global_shape g_;
   contrastive::device::chunked_detail::layout w_{};
   std::optional<layout_key> sized_for_; ///< the shape w_'s default chunk rows were sized for (none: size again)
   extras x_{};

@@ -201,7 +201,7 @@ public:
     {
       (void)step;
       CONTRASTIVE_RETURN_IF_ERROR(local);
-      CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::check_iteration(iteration));
+      CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::check_iteration(iteration));
       CONTRASTIVE_RETURN_IF_ERROR(checks_with_totals(p, p.n_k));
       ready_ = false;
       n_q_total_ = p.n_q;
@@ -242,22 +242,22 @@ public:
                                                    step,
                                                    iteration,
                                                    local,
-                                                   need_grads ? distributed::detail::call_kind::forward_backward
-                                                              : distributed::detail::call_kind::forward));
+                                                   need_grads ? distributed::agreement::call_kind::forward_backward
+                                                              : distributed::agreement::call_kind::forward));
       ready_ = false;
       CONTRASTIVE_RETURN_IF_ERROR(gather_keys(p));
       const bool sym = p.obj == objective::symmetric;
       const problem_type block{p.q, k_all_.data(), p.n_q, n_k_total_, p.dim, labels_.data(), p.obj};
       const std::size_t bytes = engine_.template bytes_for<Algorithm>(block).value;
-      CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree(comm_,
-                                                             needs(guarded(
-                                                                       [&]
-                                                                       {
-                                                                         engine_.template prepare<Algorithm>(block);
-                                                                       }),
-                                                                   "the host engine",
-                                                                   bytes,
-                                                                   p)));
+      CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_,
+                                                                needs(guarded(
+                                                                          [&]
+                                                                          {
+                                                                            engine_.template prepare<Algorithm>(block);
+                                                                          }),
+                                                                      "the host engine",
+                                                                      bytes,
+                                                                      p)));
       gc_ = make_grad_coefficients(p.obj, n_q_total_, n_k_total_);
       host::row_pass rp;
       status compute = guarded(
@@ -344,12 +344,12 @@ public:
     {
       if (!agreed)
       {
-        CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree_on_call(
-            comm_, distributed::detail::call_kind::backward, step, iteration, local));
+        CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree_on_call(
+            comm_, distributed::agreement::call_kind::backward, step, iteration, local));
       }
       else
       {
-        CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree(comm_, local));
+        CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_, local));
       }
       ready_ = false; // every rank starts the engine's backward (materialized: dA overwrites the logits)
       const std::size_t d = p_.dim;
@@ -452,19 +452,19 @@ private:
                           std::int64_t step,
                           std::int64_t iteration,
                           const status& local,
-                          distributed::detail::call_kind kind)
+                          distributed::agreement::call_kind kind)
   {
     // The batch's shape is kept only once every rank agreed: a refused call leaves the ready forward's shape (its
     // backward's counts and offsets) as it was.
-    distributed::detail::global_shape g;
-    CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree_on_problem(
+    distributed::agreement::global_shape g;
+    CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree_on_problem(
         comm_,
         p,
         step,
         iteration,
         local,
         g,
-        [&](const distributed::detail::global_shape& gs)
+        [&](const distributed::agreement::global_shape& gs)
         {
           return checks_with_totals(p, gs.n_k_total);
         },
@@ -500,7 +500,8 @@ private:
           col_a_.resize(sym ? n_k_total_ : 0);
           col_b_.resize(sym ? 2 * n_k_total_ : 0);
         });
-    CONTRASTIVE_RETURN_IF_ERROR(distributed::detail::agree(comm_, needs(alloc, "its buffers", alloc_bytes.value, p)));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        distributed::agreement::agree(comm_, needs(alloc, "its buffers", alloc_bytes.value, p)));
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, k_rows_.data(), d * sizeof(Element), k_all_.data()));
     for (std::size_t i = 0; i < p.n_q; ++i)
     {
@@ -563,7 +564,7 @@ private:
     {
       if (g.code != 0)
       {
-        return distributed::detail::agree(comm_, local); // every rank saw the same codes: every rank takes part
+        return distributed::agreement::agree(comm_, local); // every rank saw the same codes: every rank takes part
       }
     }
     all.resize(got.size());

@@ -228,8 +228,8 @@ public:
     else
     {
       std::int32_t site = static_cast<std::int32_t>(rec.first_nonfinite);
-      CONTRASTIVE_RETURN_IF_ERROR(
-          distributed::detail::agree_on_finish(driver_.communicator(), step_, iteration_, rec.pending, status{}, site));
+      CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree_on_finish(
+          driver_.communicator(), step_, iteration_, rec.pending, status{}, site));
       rec.first_nonfinite = static_cast<nonfinite_site>(site);
     }
     detail::finish_step<Element>(temperature_, scaler_, rec);
