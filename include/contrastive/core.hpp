@@ -83,7 +83,6 @@ public:
   {
     CONTRASTIVE_RETURN_IF_ERROR(
         driver_.forward(p, logit_scale, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
-    iteration_ = iteration;
     driver_.copy_lse(row_lse, col_lse);
     return {};
   }
@@ -93,7 +92,7 @@ public:
   status backward(float loss_scale, Element* dq, Element* dk, step::backward_values& out)
   {
     CONTRASTIVE_RETURN_IF_ERROR(
-        driver_.backward(loss_scale, dq, dk, false, passes_, iteration_, out, check_loss_scale(loss_scale)));
+        driver_.backward(loss_scale, dq, dk, false, passes_, out, check_loss_scale(loss_scale)));
     passes_ = detail::saturating_increment(passes_);
     return {};
   }
@@ -114,9 +113,8 @@ public:
     }
     step::forward_values f;
     CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(p, logit_scale, checks, dq, dk, true, passes_, iteration, f));
-    iteration_ = iteration;
     step::backward_values b;
-    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(loss_scale, dq, dk, true, passes_, iteration, b));
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(loss_scale, dq, dk, true, passes_, b));
     passes_ = detail::saturating_increment(passes_);
     out.loss = f.loss;
     out.max_logit = f.max_logit;
@@ -157,6 +155,5 @@ private:
   }
 
   std::int64_t passes_ = 0;
-  std::int64_t iteration_ = distributed::no_iteration;
 };
 } // namespace contrastive

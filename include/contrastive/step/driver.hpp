@@ -141,6 +141,12 @@ public:
                sizeof(float);
   }
 
+  /// The caller's iteration of the last accepted forward (no_iteration if it gave none): what its backward and the
+  /// step's finish_step agree on.
+  std::int64_t iteration() const noexcept
+  {
+    return iteration_;
+  }
   /// Whether a forward is ready for `backward`.
   bool forward_ready() const noexcept
   {
@@ -286,6 +292,7 @@ public:
       fwd_ = {batch_loss(p.obj, rows, col_loss_sum), max_logit, logits_bad};
     }
     p_ = p;
+    iteration_ = iteration;
     ready_ = true;
     out = fwd_;
     return {};
@@ -300,7 +307,6 @@ public:
                   Element* dk,
                   bool agreed,
                   std::int64_t step,
-                  std::int64_t iteration,
                   backward_values& out,
                   const status& checks = status{})
   {
@@ -330,7 +336,6 @@ public:
     {
       (void)agreed;
       (void)step;
-      (void)iteration;
       CONTRASTIVE_RETURN_IF_ERROR(local);
       backward_values br;
       CONTRASTIVE_RETURN_IF_ERROR(guarded(
@@ -345,7 +350,7 @@ public:
       if (!agreed)
       {
         CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree_on_call(
-            comm_, distributed::agreement::call_kind::backward, step, iteration, local));
+            comm_, distributed::agreement::call_kind::backward, step, iteration_, local));
       }
       else
       {
@@ -359,15 +364,15 @@ public:
           {
             br = engine_.template backward<Algorithm>(loss_scale, gc_, dq_f_.data(), dk_all_f_.data());
           });
-      // dK back to its owners; a failure of the engine's work on any rank is agreed on before anything is written.
+      // dK back to its owners; a failure of the engine's work on any rank is agreed on before anything is written,
+      // then each gradient is rounded once, in the pass that tests it.
       CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(dk_all_f_.data(), dk_counts_.data(), dk_f_.data()));
+      CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_, compute));
       const rank_backward mine{static_cast<double>(br.grad_logit_scale),
-                               compute.ok() ? round_check(dq_f_.data(), p_.n_q * d) : 0.0,
-                               compute.ok() ? round_check(dk_f_.data(), p_.n_k * d) : 0.0};
+                               round_into(dq_f_.data(), p_.n_q * d, dq) ? 1.0 : 0.0,
+                               round_into(dk_f_.data(), p_.n_k * d, dk) ? 1.0 : 0.0};
       std::vector<rank_backward> all;
-      CONTRASTIVE_RETURN_IF_ERROR(gather(compute, mine, all));
-      round_into(dq_f_.data(), p_.n_q * d, dq);
-      round_into(dk_f_.data(), p_.n_k * d, dk);
+      CONTRASTIVE_RETURN_IF_ERROR(gather(status{}, mine, all));
       double dlogs = 0.0;
       bool dq_bad = false, dk_bad = false;
       for (const rank_backward& r : all)
@@ -575,22 +580,17 @@ private:
     return {};
   }
 
-  /// 1 if a float gradient rounds to a non-finite Element, else 0.
-  static double round_check(const float* in, std::size_t n) noexcept
+  /// Rounds float gradients to the element type; returns whether any result is non-finite.
+  static bool round_into(const float* in, std::size_t n, Element* out) noexcept
   {
     float poison = 0.0f;
     for (std::size_t i = 0; i < n; ++i)
     {
-      poison += element_traits<Element>::to_float(element_traits<Element>::from_float(in[i])) * 0.0f;
+      const Element v = element_traits<Element>::from_float(in[i]);
+      poison += element_traits<Element>::to_float(v) * 0.0f;
+      out[i] = v;
     }
-    return poison != 0.0f ? 1.0 : 0.0;
-  }
-  static void round_into(const float* in, std::size_t n, Element* out) noexcept
-  {
-    for (std::size_t i = 0; i < n; ++i)
-    {
-      out[i] = element_traits<Element>::from_float(in[i]);
-    }
+    return poison != 0.0f;
   }
 
   /// A resource failure of `what` with the bytes it asked for (other statuses unchanged).
@@ -659,6 +659,7 @@ private:
   engine_type engine_;
   problem_type p_{}; ///< this rank's problem of the ready forward (its outputs' shapes and inputs)
   bool ready_ = false;
+  std::int64_t iteration_ = distributed::no_iteration;
   grad_coefficients gc_{};
   forward_values fwd_{};
   backward_values bwd_{};

@@ -156,7 +156,6 @@ public:
     step::forward_values fr;
     CONTRASTIVE_RETURN_IF_ERROR(
         driver_.forward(p, temperature_.scale(), policies(), nullptr, nullptr, false, step_, iteration, fr));
-    iteration_ = iteration;
     loss_value = fr.loss;
     driver_.copy_lse(row_lse, col_lse);
     return {};
@@ -173,7 +172,7 @@ public:
   status backward(Element* dq, Element* dk, float& grad_logit_scale_scaled)
   {
     step::backward_values br;
-    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(scaler_.loss_scale(), dq, dk, false, step_, iteration_, br));
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(scaler_.loss_scale(), dq, dk, false, step_, br));
     grad_logit_scale_scaled = br.grad_logit_scale;
     return {};
   }
@@ -191,9 +190,8 @@ public:
     step::forward_values fr;
     CONTRASTIVE_RETURN_IF_ERROR(
         driver_.forward(p, temperature_.scale(), policies(), dq, dk, true, step_, iteration, fr));
-    iteration_ = iteration;
     step::backward_values br;
-    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(ls, dq, dk, true, step_, iteration, br));
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(ls, dq, dk, true, step_, br));
     rec = detail::make_record(
         step_,
         temperature_.tau(),
@@ -229,7 +227,7 @@ public:
     {
       std::int32_t site = static_cast<std::int32_t>(rec.first_nonfinite);
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree_on_finish(
-          driver_.communicator(), step_, iteration_, rec.pending, status{}, site));
+          driver_.communicator(), step_, driver_.iteration(), rec.pending, status{}, site));
       rec.first_nonfinite = static_cast<nonfinite_site>(site);
     }
     detail::finish_step<Element>(temperature_, scaler_, rec);
@@ -267,6 +265,5 @@ private:
   Temperature temperature_;
   Scaler scaler_;
   std::int64_t step_ = 0;
-  std::int64_t iteration_ = distributed::no_iteration; ///< the caller's iteration of the last agreed forward
 };
 } // namespace contrastive
