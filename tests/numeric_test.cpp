@@ -304,3 +304,43 @@ TEST(ElementTraits, VectorHalfStoresMatchTheScalarConversion)
   EXPECT_EQ(traits::to_float(out[0]), 0.5f);
 #endif
 }
+
+// The sigmoid objective's per-logit math (numeric/sigmoid_math.hpp): log1p_unit within 3 ulp of log1p over [0, 1],
+// and softplus / sigmoid of both signs of pair within a few ulp of float64, including tiny terms (e^-80) and the
+// masked slot z = -inf (exactly 0).
+TEST(SigmoidMath, Log1pUnitAndTermsMatchFloat64)
+{
+  double worst = 0.0;
+  for (int i = 0; i <= 200000; ++i)
+  {
+    const float e = i < 100000 ? static_cast<float>(i) / 100000.0f : std::ldexp(1.0f, -(i - 100000) / 800);
+    const double want = std::log1p(static_cast<double>(e));
+    if (want == 0.0)
+    {
+      EXPECT_EQ(contrastive::detail::log1p_unit(e), 0.0f);
+      continue;
+    }
+    const double ulp = std::ldexp(1.0, std::ilogb(static_cast<float>(want)) - 23);
+    worst = std::max(worst, std::fabs(contrastive::detail::log1p_unit(e) - want) / ulp);
+  }
+  EXPECT_LE(worst, 3.0);
+  double worst_loss = 0.0, worst_grad = 0.0;
+  for (int i = 0; i <= 40000; ++i)
+  {
+    const float z = -80.0f + 160.0f * static_cast<float>(i) / 40000.0f;
+    const double zd = z;
+    const double loss_neg = std::max(zd, 0.0) + std::log1p(std::exp(-std::fabs(zd))); // softplus(z)
+    const double grad_neg = 1.0 / (1.0 + std::exp(-zd));                              // sigmoid(z)
+    const contrastive::sigmoid_term n = contrastive::sigmoid_negative(z), p = contrastive::sigmoid_positive(-z);
+    worst_loss = std::max(worst_loss, std::fabs(n.loss - loss_neg) / loss_neg);
+    worst_grad = std::max(worst_grad, std::fabs(n.grad - grad_neg) / grad_neg);
+    EXPECT_EQ(p.loss, n.loss); // softplus(-(-z)) of the positive at -z is the negative's term at z
+    EXPECT_EQ(p.grad, -n.grad);
+  }
+  EXPECT_LE(worst_loss, 4 * 5.96e-8);
+  EXPECT_LE(worst_grad, 4 * 5.96e-8);
+  EXPECT_EQ(contrastive::sigmoid_negative(-INFINITY).loss, 0.0f);
+  EXPECT_EQ(contrastive::sigmoid_negative(-INFINITY).grad, 0.0f);
+  EXPECT_TRUE(std::isinf(contrastive::sigmoid_negative(INFINITY).loss));
+  EXPECT_TRUE(std::isnan(contrastive::sigmoid_negative(NAN).loss));
+}

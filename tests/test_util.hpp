@@ -106,6 +106,12 @@ struct reference
   std::vector<double> dq, dk; // d loss / d q, d loss / d k (unscaled)
   double grad_logit_scale = 0.0;
   double max_abs_logit = 0.0;
+  // Sigmoid objective: d loss / d b, and sum_ij |d loss / d z_ij| |z_ij|, the loss's first-order change when every
+  // logit carries a relative error of 1 (a rounding of the logits to unit roundoff u moves the loss by about u times
+  // it); row_lse holds each row's loss sum.
+  double grad_logit_bias = 0.0;
+  double loss_sensitivity = 0.0;
+  double max_logit = -INFINITY; // sigmoid: the largest z
 };
 
 inline reference compute_reference(const std::vector<double>& q,
@@ -213,6 +219,58 @@ inline reference compute_reference(const std::vector<double>& q,
       }
     }
   }
+  return r;
+}
+
+/// Float64 reference of the sigmoid objective (SigLIP): z_ij = s <q_i, k_j> + b, l_ij = +1 for j = p_i (labels, or
+/// the diagonal) and -1 otherwise, loss (1/n_q) sum_ij softplus(-l_ij z_ij), written independently of the library
+/// (softplus(u) = max(u, 0) + log1p(exp(-|u|)), sigmoid from std::exp).
+inline reference compute_sigmoid_reference(const std::vector<double>& q,
+                                           const std::vector<double>& k,
+                                           std::size_t n_q,
+                                           std::size_t n_k,
+                                           std::size_t dim,
+                                           const std::int32_t* labels,
+                                           double s,
+                                           double b)
+{
+  reference r;
+  r.row_lse.assign(n_q, 0.0);
+  r.dq.assign(n_q * dim, 0.0);
+  r.dk.assign(n_k * dim, 0.0);
+  const auto softplus = [](double u)
+  {
+    return std::max(u, 0.0) + std::log1p(std::exp(-std::fabs(u)));
+  };
+  double total = 0.0;
+  for (std::size_t i = 0; i < n_q; ++i)
+  {
+    const std::size_t p = labels ? static_cast<std::size_t>(labels[i]) : i;
+    for (std::size_t j = 0; j < n_k; ++j)
+    {
+      double acc = 0.0;
+      for (std::size_t c = 0; c < dim; ++c)
+      {
+        acc += q[i * dim + c] * k[j * dim + c];
+      }
+      const double S = s * acc, z = S + b, l = j == p ? 1.0 : -1.0;
+      r.max_abs_logit = std::max(r.max_abs_logit, std::fabs(z));
+      r.max_logit = std::max(r.max_logit, z);
+      const double term = softplus(-l * z);
+      r.row_lse[i] += term;
+      total += term;
+      const double g = -l / (1.0 + std::exp(l * z)) / static_cast<double>(n_q); // -l sigmoid(-l z) / n_q
+      r.grad_logit_scale += g * S;
+      r.grad_logit_bias += g;
+      r.loss_sensitivity += std::fabs(g) * std::fabs(z);
+      for (std::size_t c = 0; c < dim; ++c)
+      {
+        r.dq[i * dim + c] += s * g * k[j * dim + c];
+        r.dk[j * dim + c] += s * g * q[i * dim + c];
+      }
+    }
+  }
+  r.loss = total / static_cast<double>(n_q);
   return r;
 }
 

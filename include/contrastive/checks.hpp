@@ -88,7 +88,7 @@ status check_problem(const problem<T>& p,
   {
     return {errc::null_pointer, "dk", "null gradient output for k"};
   }
-  if (p.obj != objective::symmetric && p.obj != objective::info_nce)
+  if (p.obj != objective::symmetric && p.obj != objective::info_nce && p.obj != objective::sigmoid)
   {
     return {errc::invalid_argument, "obj", "unknown objective"};
   }

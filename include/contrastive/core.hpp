@@ -4,7 +4,8 @@
 /// \file
 /// `contrastive::core<Element, Algorithm, Gemm, Comm>`: the policy-free call, for frameworks that own the
 /// temperature and the loss scaling themselves (PyTorch: the `logit_scale` parameter and its GradScaler):
-///   (problem, s, loss scale) -> loss, dQ, dK (Element, multiplied by the loss scale), d(loss)/d(log s), diagnosis.
+///   (problem, s, loss scale) -> loss, dQ, dK (Element, multiplied by the loss scale), d(loss)/d(log s), diagnosis;
+/// the sigmoid objective also takes its logit bias b (z = s <q, k> + b) and returns d(loss)/d b.
 /// No temperature, scaler or step record is kept; what it holds between calls is the engine's buffers and the
 /// statistics a `backward` reuses. `contrastive::loss` is the stateful wrapper (policies, scaler, record) over the same
 /// step driver (step/driver.hpp).
@@ -33,6 +34,7 @@ struct core_values
   float loss = 0.0f;
   float max_logit = 0.0f;
   float grad_logit_scale = 0.0f;
+  float grad_logit_bias = 0.0f; ///< d(loss)/d b, divided by the loss scale (sigmoid objective; 0 otherwise)
   bool logits_nonfinite = false;
   bool dq_nonfinite = false;
   bool dk_nonfinite = false;
@@ -81,14 +83,28 @@ public:
                  float* col_lse = nullptr,
                  std::int64_t iteration = distributed::no_iteration)
   {
-    CONTRASTIVE_RETURN_IF_ERROR(
-        driver_.forward(p, logit_scale, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
+    return forward(p, logit_scale, 0.0f, out, row_lse, col_lse, iteration);
+  }
+  /// The same with a logit bias (objective::sigmoid: z = logit_scale * Q K^T + logit_bias, finite; the softmax
+  /// objectives take 0 only, else invalid_argument "logit_bias"). Sigmoid: row_lse receives each row's loss
+  /// sum_j softplus(-l_ij z_ij) (n_q floats), col_lse nothing.
+  status forward(const problem_type& p,
+                 float logit_scale,
+                 float logit_bias,
+                 step::forward_values& out,
+                 float* row_lse = nullptr,
+                 float* col_lse = nullptr,
+                 std::int64_t iteration = distributed::no_iteration)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(
+        p, logit_scale, logit_bias, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
     driver_.copy_lse(row_lse, col_lse);
     return {};
   }
 
   /// Backward of `loss_scale * loss` for the last `forward` (loss_scale finite and > 0, else invalid_scaler
-  /// "loss_scale"): dq, dk in Element, multiplied by loss_scale; out.grad_logit_scale = d(loss_scale * loss)/d(log s).
+  /// "loss_scale"): dq, dk in Element, multiplied by loss_scale; out.grad_logit_scale = d(loss_scale * loss)/d(log s),
+  /// out.grad_logit_bias = d(loss_scale * loss)/d b.
   status backward(float loss_scale, Element* dq, Element* dk, step::backward_values& out)
   {
     CONTRASTIVE_RETURN_IF_ERROR(
@@ -106,24 +122,43 @@ public:
               core_values& out,
               std::int64_t iteration = distributed::no_iteration)
   {
+    return step(p, logit_scale, 0.0f, loss_scale, dq, dk, out, iteration);
+  }
+  /// The same with a logit bias (see `forward`); out.grad_logit_bias = d(loss)/d b.
+  status step(const problem_type& p,
+              float logit_scale,
+              float logit_bias,
+              float loss_scale,
+              Element* dq,
+              Element* dk,
+              core_values& out,
+              std::int64_t iteration = distributed::no_iteration)
+  {
     status checks = check_scale(logit_scale);
     if (checks.ok())
     {
       (void)(checks = check_loss_scale(loss_scale));
     }
     step::forward_values f;
-    CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(p, logit_scale, checks, dq, dk, true, passes_, iteration, f));
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.forward(p, logit_scale, logit_bias, checks, dq, dk, true, passes_, iteration, f));
     step::backward_values b;
     CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(loss_scale, dq, dk, true, passes_, b));
     passes_ = detail::saturating_increment(passes_);
     out.loss = f.loss;
     out.max_logit = f.max_logit;
     out.grad_logit_scale = b.grad_logit_scale / loss_scale;
+    out.grad_logit_bias = b.grad_logit_bias / loss_scale;
     out.logits_nonfinite = f.logits_nonfinite;
     out.dq_nonfinite = b.dq_nonfinite;
     out.dk_nonfinite = b.dk_nonfinite;
     out.first_nonfinite =
         detail::first_nonfinite(f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, true, out.grad_logit_scale);
+    if (out.first_nonfinite == nonfinite_site::none && p.obj == objective::sigmoid &&
+        !detail::finite(out.grad_logit_bias))
+    {
+      out.first_nonfinite = nonfinite_site::grad_logit_bias;
+    }
     return {};
   }
 

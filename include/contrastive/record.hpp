@@ -18,6 +18,7 @@ enum class nonfinite_site : std::int32_t
   grad_k,           ///< dK after scaling and rounding to the element type
   grad_logit_scale, ///< d(loss)/d(log s), only when the temperature policy uses it
   parameters,       ///< a caller-supplied gradient passed to `unscale_and_check`
+  grad_logit_bias,  ///< d(loss)/d b, the sigmoid objective's logit bias, only when it is learnable
 };
 
 inline const char* to_string(nonfinite_site s) noexcept
@@ -38,6 +39,8 @@ inline const char* to_string(nonfinite_site s) noexcept
     return "grad_logit_scale";
   case nonfinite_site::parameters:
     return "parameters";
+  case nonfinite_site::grad_logit_bias:
+    return "grad_logit_bias";
   }
   return "unknown";
 }
@@ -51,9 +54,12 @@ struct step_record
   float loss_scale = 0.0f;       ///< loss scale used by this step's backward
   float next_loss_scale = 0.0f;  ///< loss scale after the scaler's update
   float grad_logit_scale = 0.0f; ///< unscaled d(loss)/d(log s)
-  float max_logit = 0.0f;        ///< largest logit S_ij of the step (materialized: its element-type value)
+  float max_logit = 0.0f;        ///< largest logit S_ij of the step (materialized: its element-type value; sigmoid:
+                                 ///< of z = S + b)
   bool skipped = false;          ///< a non-finite value was found: the temperature did not move
   nonfinite_site first_nonfinite = nonfinite_site::none;
-  bool pending = false; ///< forward/backward done, `finish_step` not yet called
+  bool pending = false;         ///< forward/backward done, `finish_step` not yet called
+  float grad_logit_bias = 0.0f; ///< unscaled d(loss)/d b (sigmoid objective; 0 otherwise)
+  float logit_bias = 0.0f;      ///< the logit bias used by this step (sigmoid objective; 0 otherwise)
 };
 } // namespace contrastive

@@ -15,18 +15,32 @@
 
 namespace contrastive
 {
-/// Which cross-entropy is taken over the logits S_ij = s <q_i, k_j>.
+/// Which loss is taken over the logits S_ij = s <q_i, k_j>: a softmax cross-entropy (symmetric, info_nce) or the
+/// pairwise sigmoid loss.
 enum class objective : std::int32_t
 {
   /// CLIP's loss: 0.5 * (mean_i CE(S_i., i) + mean_j CE(S_.j, j)); needs n_q == n_k, positives on the diagonal.
   symmetric = 0,
   /// One-directional InfoNCE: mean_i CE(S_i., p_i) with p_i = labels[i] (default i); n_k may exceed n_q (MoCo queue).
   info_nce = 1,
+  /// SigLIP's pairwise sigmoid loss: (1/n_q) sum_ij softplus(-l_ij z_ij) over the logits z_ij = S_ij + b (b: the
+  /// logit bias, a parameter of the call), with l_ij = +1 for the positive pair p_i = labels[i] (default i) and -1
+  /// for every other; n_k may differ from n_q (numeric/sigmoid_math.hpp). Host only so far.
+  sigmoid = 2,
 };
 
 inline const char* to_string(objective o) noexcept
 {
-  return o == objective::symmetric ? "symmetric" : "info_nce";
+  switch (o)
+  {
+  case objective::symmetric:
+    return "symmetric";
+  case objective::info_nce:
+    return "info_nce";
+  case objective::sigmoid:
+    return "sigmoid";
+  }
+  return "unknown";
 }
 
 namespace algorithm

@@ -70,7 +70,9 @@ reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cu
 template <class Problem>
 bool within_device_limits(const Problem& p) noexcept
 {
-  return p.n_q <= (std::size_t(1) << 30) && p.n_k <= (std::size_t(1) << 30) && p.dim <= (std::size_t(1) << 24);
+  // The sigmoid objective runs on the host only so far: the device refuses it instead of computing a softmax loss.
+  return p.n_q <= (std::size_t(1) << 30) && p.n_k <= (std::size_t(1) << 30) && p.dim <= (std::size_t(1) << 24) &&
+         p.obj != objective::sigmoid;
 }
 
 /// The CUB-style two-phase workspace protocol: with a null d_temp, writes `needed` to temp_bytes and answers true

@@ -207,7 +207,7 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
                             "symmetric: the global n_q (" + std::to_string(nq.value) + ") and n_k (" +
                                 std::to_string(nk.value) + ") differ"});
     }
-    else if (all[0].obj == static_cast<std::int64_t>(objective::info_nce) && all[0].has_labels == 0 &&
+    else if (all[0].obj != static_cast<std::int64_t>(objective::symmetric) && all[0].has_labels == 0 &&
              nq.value > nk.value)
     {
       g.bad_rank = 0;

@@ -397,6 +397,10 @@ public:
   {
     comm_.set_stream(stream);
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
+    if (local.ok() && p.obj == objective::sigmoid)
+    {
+      (void)(local = status{errc::invalid_argument, "obj", "objective::sigmoid runs on the host only so far"});
+    }
     if (local.ok() && small_ == nullptr)
     {
       (void)(local = status{errc::resource_exhausted,

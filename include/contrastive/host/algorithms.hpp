@@ -10,6 +10,7 @@
 #include <contrastive/host/engine_state.hpp>
 #include <contrastive/host/fused.hpp>
 #include <contrastive/host/materialized.hpp>
+#include <contrastive/host/sigmoid.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/tags.hpp>
 
@@ -23,15 +24,24 @@ struct algorithm_impl;
 template <>
 struct algorithm_impl<algorithm::fused> : algorithm_traits<algorithm::fused>
 {
+  /// The sigmoid objective runs forward and backward in one pass (host/sigmoid.hpp): its backward only scales.
   template <class T, class Gemm>
   static row_pass forward_rows(engine_state<T, Gemm>& st, float s)
   {
+    if (st.sigmoid())
+    {
+      return fused_sigmoid_forward_rows(st, s);
+    }
     return st.template forward_rows<algorithm::fused>(s);
   }
   template <class T, class Gemm, class Out>
   static backward_result
   backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
   {
+    if (st.sigmoid())
+    {
+      return fused_sigmoid_backward(st, loss_scale, gc, dq, dk);
+    }
     return fused_backward(st, loss_scale, gc, dq, dk);
   }
 };

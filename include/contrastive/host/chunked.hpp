@@ -80,6 +80,22 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                    const std::size_t p = st.positive_of(i);
                    st.pos[i] = x[p];
                    x[p] = -detail::infinity_f;
+                   if (st.sigmoid())
+                   {
+                     const float neg_max = lane_max(st.n_k,
+                                                    -detail::infinity_f,
+                                                    [&](std::size_t j)
+                                                    {
+                                                      return x[j];
+                                                    });
+                     const float neg_loss = lane_sum(st.n_k,
+                                                     [&](std::size_t j)
+                                                     {
+                                                       return sigmoid_negative(x[j]).loss;
+                                                     });
+                     st.set_sigmoid_row(i, neg_loss, neg_max, true);
+                     continue;
+                   }
                    online_lse neg{};
                    neg.rebase(lane_max(st.n_k,
                                        -detail::infinity_f,
@@ -165,6 +181,7 @@ backward_result
 chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   const float out_scale = loss_scale * st.scale;
+  const bool sigmoid = st.sigmoid();
   backward_partials parts;
   float* dk_acc = st.dk_acc.data();
   std::fill(st.dk_acc.begin(), st.dk_acc.end(), 0.0f);
@@ -193,6 +210,10 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
                      const std::size_t cols = std::min(block_n, st.n_k - j0);
                      load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, r, cols, cols, ws);
                      st.gradient_tile(true, i0, j0, r, cols, gc, ws);
+                     if (sigmoid)
+                     {
+                       parts.dbias[w] += tile_sum(r, cols, ws);
+                     }
                      for (std::size_t ii = 0; ii < r; ++ii)
                      {
                        std::copy_n(&ws.tile[ii * block_n], cols, &st.chunk[(r0 + ii) * st.nk_pad + j0]);
@@ -232,7 +253,7 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
                    parts.bad_k[w] |= st.store_row(dk_acc + j * st.dp, out_scale, dk + j * st.d) ? 1 : 0;
                  }
                });
-  return parts.combine(st.workers, static_cast<double>(out_scale));
+  return parts.combine(st.workers, static_cast<double>(out_scale), static_cast<double>(loss_scale));
 }
 } // namespace host
 } // namespace contrastive

@@ -104,7 +104,8 @@ public:
   ///               cblas 16-bit block_m d]
   ///               + 3 block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
   ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place
-  ///                                                  (builtin: d % NR == 0; cblas: always)
+  ///                                                  (builtin: d % NR == 0; cblas: always; never for the sigmoid
+  ///                                                  objective, whose forward accumulates them)
   ///   materialized  K and Q packed for dQ, dK (builtin (nk_pad + nq_pad) dp; cblas n_q d for 16-bit)
   ///                 + n_q n_k elements of T (the logits)
   ///   chunked     as materialized without the n_q n_k logits and the per-worker column statistics, plus the chunk
@@ -142,7 +143,7 @@ public:
     }
     else if constexpr (!materialized)
     {
-      if (!backend::in_place_ok(p.n_k, p.dim))
+      if (!backend::in_place_ok(p.n_k, p.dim) || p.obj == objective::sigmoid)
       {
         floats = floats + (checked_size(p.n_q) + nk_pad) * dp;
       }
@@ -217,7 +218,8 @@ public:
     else
     {
       std::vector<T>().swap(s.logits);
-      const bool in_place = backend::in_place_ok(s.n_k, s.d);
+      // The sigmoid objective's one pass accumulates the gradients during the forward, before dq/dk are known.
+      const bool in_place = backend::in_place_ok(s.n_k, s.d) && !s.sigmoid();
       s.dq_acc.resize(in_place ? 0 : s.n_q * s.dp);
       s.dk_acc.resize(in_place ? 0 : s.nk_pad * s.dp);
     }
@@ -250,10 +252,12 @@ public:
   //   backward      G and the gradients with the batch's coefficients.
   // One process finishes the columns from its own partials; a rank of a distributed step combines every rank's first.
 
-  /// Forward rows with logits S = scale * Q K^T; saves the row statistics for `backward`.
+  /// Forward rows with logits S = scale * Q K^T (sigmoid objective: z = S + bias; the softmax objectives ignore
+  /// `bias`); saves the row statistics for `backward`.
   template <class Algorithm>
-  row_pass forward_rows(float scale)
+  row_pass forward_rows(float scale, float bias = 0.0f)
   {
+    st_.bias = st_.sigmoid() ? bias : 0.0f;
     return algorithm_impl<Algorithm>::forward_rows(st_, scale);
   }
 

@@ -15,6 +15,7 @@
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/numeric/sigmoid_math.hpp>
 #include <contrastive/problem.hpp>
 
 #include <algorithm>
@@ -44,12 +45,14 @@ struct row_pass
   bool logits_nonfinite = false;
 };
 
-/// Result of a backward pass. `grad_logit_scale` is d(loss_scale * loss)/d(log s).
+/// Result of a backward pass. `grad_logit_scale` is d(loss_scale * loss)/d(log s); `grad_logit_bias` is
+/// d(loss_scale * loss)/d b (the sigmoid objective's logit bias; 0 for the softmax objectives).
 struct backward_result
 {
   float grad_logit_scale = 0.0f;
   bool dq_nonfinite = false;
   bool dk_nonfinite = false;
+  float grad_logit_bias = 0.0f;
 };
 
 /// Per-worker partials of a backward pass (d loss / d log s, non-finite dQ / dK), combined in worker order so the
@@ -57,24 +60,44 @@ struct backward_result
 struct backward_partials
 {
   double dlogs[max_threads] = {};
+  double dbias[max_threads] = {}; ///< sigmoid: sums of G (or of its scaled element-type values, materialized)
   unsigned char bad_q[max_threads] = {};
   unsigned char bad_k[max_threads] = {};
 
-  /// The pass's result; `factor` turns the summed partials into d(loss_scale * loss)/d(log s).
-  backward_result combine(unsigned workers, double factor) const noexcept
+  /// The pass's result; `factor` turns the summed partials into d(loss_scale * loss)/d(log s), `bias_factor` the
+  /// bias partials into d(loss_scale * loss)/d b (unless `bias_total` gives that sum already).
+  backward_result combine(unsigned workers, double factor, double bias_factor = 0.0) const noexcept
   {
     backward_result r;
-    double total = 0.0;
+    double total = 0.0, bias_total = 0.0;
     for (unsigned w = 0; w < workers; ++w)
     {
       total += dlogs[w];
+      bias_total += dbias[w];
       r.dq_nonfinite |= bad_q[w] != 0;
       r.dk_nonfinite |= bad_k[w] != 0;
     }
     r.grad_logit_scale = static_cast<float>(factor * total);
+    r.grad_logit_bias = static_cast<float>(bias_factor * bias_total);
     return r;
   }
 };
+
+/// sum of a rows x cols block of ws.tile (row stride block_n), e.g. of a gradient tile for d loss / d b.
+inline double tile_sum(std::size_t rows, std::size_t cols, const worker_scratch& ws) noexcept
+{
+  double total = 0.0;
+  for (std::size_t ii = 0; ii < rows; ++ii)
+  {
+    const float* g = &ws.tile[ii * block_n];
+    total += static_cast<double>(lane_sum(cols,
+                                          [&](std::size_t jj)
+                                          {
+                                            return g[jj];
+                                          }));
+  }
+  return total;
+}
 
 /// A rows x cols block of a stored matrix (row stride `ld`; float, or the element type of the materialized logits)
 /// into ws.tile as float, zero up to block_m rows and `width` (>= cols) columns.
@@ -115,6 +138,8 @@ struct engine_state
   objective obj = objective::symmetric;
   const std::int32_t* labels = nullptr;
   float scale = 1.0f;
+  float bias = 0.0f;          ///< sigmoid: the logit bias b of z = S + b (0 otherwise)
+  double sigmoid_g_sum = 0.0; ///< sigmoid, fused: sum of the unnormalised G the forward formed (d loss / d b)
 
   gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
   std::vector<float> row_lse, row_loss, row_max, pos, col_lse, col_loss;
@@ -135,6 +160,10 @@ struct engine_state
   bool symmetric() const noexcept
   {
     return obj == objective::symmetric;
+  }
+  bool sigmoid() const noexcept
+  {
+    return obj == objective::sigmoid;
   }
   std::size_t positive_of(std::size_t i) const noexcept
   {
@@ -180,12 +209,22 @@ struct engine_state
   }
 
   /// The scaled logits of block (i0, j0) in ws.tile, computed as the forward computed them (fused: s * (q . k) in
-  /// float; materialized: the chain from the stored element-type products). Returns whether any is non-finite.
+  /// float; materialized: the chain from the stored element-type products), the sigmoid objective's bias added
+  /// (z = S + b; materialized: rounded to T, as autocast adds it). Returns whether any is non-finite.
   template <class Algorithm>
   bool scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
   {
+    if (sigmoid())
+    {
+      return scaled_tile<Algorithm, true>(i0, j0, rows, cols, ws);
+    }
+    return scaled_tile<Algorithm, false>(i0, j0, rows, cols, ws);
+  }
+  template <class Algorithm, bool Biased>
+  bool scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
+  {
     float poison = 0.0f;
-    const float s = scale;
+    const float s = scale, b = bias;
     if constexpr (algorithm_traits<Algorithm>::stores_logits)
     {
       for (std::size_t ii = 0; ii < rows; ++ii)
@@ -195,7 +234,11 @@ struct engine_state
         poison += lane_sum(cols,
                            [&](std::size_t jj)
                            {
-                             const float x = materialized_chain<T>::logit(traits::to_float(in[jj]), s);
+                             float x = materialized_chain<T>::logit(traits::to_float(in[jj]), s);
+                             if constexpr (Biased)
+                             {
+                               x = materialized_chain<T>::biased(x, b);
+                             }
                              out[jj] = x;
                              return x * 0.0f;
                            });
@@ -210,13 +253,113 @@ struct engine_state
         poison += lane_sum(cols,
                            [&](std::size_t jj)
                            {
-                             const float x = s * row[jj];
+                             float x = s * row[jj];
+                             if constexpr (Biased)
+                             {
+                               x += b;
+                             }
                              row[jj] = x;
                              return x * 0.0f;
                            });
       }
     }
     return poison != 0.0f;
+  }
+
+  /// Sets each row's positive slot of a tile (rows x cols at (i0, j0)) to -inf, keeping its value in pos (`save`):
+  /// the softmax statistics and the sigmoid negatives' sums then skip it, and the positive is treated apart.
+  void mask_positives(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, bool save)
+  {
+    for (std::size_t ii = 0; ii < rows; ++ii)
+    {
+      const std::size_t p = positive_of(i0 + ii);
+      if (p >= j0 && p < j0 + cols)
+      {
+        float& x = ws.tile[ii * block_n + (p - j0)];
+        if (save)
+        {
+          pos[i0 + ii] = x;
+        }
+        x = -detail::infinity_f;
+      }
+    }
+  }
+
+  /// Sigmoid objective, forward: adds the negatives' terms softplus(z) of a masked tile of z (rows x cols at (i0,
+  /// j0)) to `loss_acc[ii]` and their largest z to `max_acc[ii]`; with `grads`, also turns the tile into the
+  /// unnormalised G (sigmoid(z) for the negatives, -sigmoid(-z_p) for the positive of each row whose positive is
+  /// in the tile, whose term is then added too) from the same exponential, zero outside rows x cols, and returns
+  /// sum G.
+  double sigmoid_tile(std::size_t i0,
+                      std::size_t j0,
+                      std::size_t rows,
+                      std::size_t cols,
+                      worker_scratch& ws,
+                      float* loss_acc,
+                      float* max_acc,
+                      bool grads) const noexcept
+  {
+    double g_sum = 0.0;
+    for (std::size_t ii = 0; ii < (grads ? block_m : rows); ++ii)
+    {
+      float* x = &ws.tile[ii * block_n];
+      if (ii >= rows)
+      {
+        std::fill(x, x + block_n, 0.0f);
+        continue;
+      }
+      max_acc[ii] = detail::max_f(max_acc[ii],
+                                  lane_max(cols,
+                                           -detail::infinity_f,
+                                           [&](std::size_t jj)
+                                           {
+                                             return x[jj];
+                                           }));
+      if (grads)
+      {
+        loss_acc[ii] += lane_sum(cols,
+                                 [&](std::size_t jj)
+                                 {
+                                   const sigmoid_term t = sigmoid_negative(x[jj]);
+                                   x[jj] = t.grad;
+                                   return t.loss;
+                                 });
+        std::fill(x + cols, x + block_n, 0.0f);
+        const std::size_t p = positive_of(i0 + ii);
+        if (p >= j0 && p < j0 + cols)
+        {
+          const sigmoid_term t = sigmoid_positive(pos[i0 + ii]);
+          x[p - j0] = t.grad;
+          loss_acc[ii] += t.loss;
+        }
+        g_sum += static_cast<double>(lane_sum(cols,
+                                              [&](std::size_t jj)
+                                              {
+                                                return x[jj];
+                                              }));
+      }
+      else
+      {
+        loss_acc[ii] += lane_sum(cols,
+                                 [&](std::size_t jj)
+                                 {
+                                   return sigmoid_negative(x[jj]).loss;
+                                 });
+      }
+    }
+    return g_sum;
+  }
+
+  /// Sigmoid objective: row i's statistics from its negatives' summed terms and largest z (the positive's z is in
+  /// pos): row_lse and row_loss hold the row's loss sum_j softplus(-l_ij z_ij), `add_positive`: its term is added
+  /// here (it is not in `negatives_loss`).
+  void set_sigmoid_row(std::size_t i, float negatives_loss, float negatives_max, bool add_positive) noexcept
+  {
+    const float l = add_positive ? negatives_loss + sigmoid_positive(pos[i]).loss : negatives_loss;
+    row_lse[i] = l;
+    row_loss[i] = l;
+    row_log_sum[i] = 0.0f;
+    row_max[i] = negatives_max;
   }
 
   /// Forward over one row block: row log-sum-exps of the negatives, positives taken from the tile that holds them,
@@ -231,6 +374,8 @@ struct engine_state
     const bool sym = symmetric();
     query_block(i0, ws, false);
     online_lse row_state[block_m];
+    float sig_loss[block_m] = {}, sig_max[block_m];
+    std::fill(sig_max, sig_max + block_m, -detail::infinity_f);
     bool bad = false;
     for (std::size_t j0 = 0; j0 < n_k; j0 += block_n)
     {
@@ -250,15 +395,11 @@ struct engine_state
       }
       bad |= scaled_tile<Algorithm>(i0, j0, rows, cols, ws);
       // The positive is kept apart from the negatives' statistics (row and, symmetric, column: the same element).
-      for (std::size_t ii = 0; ii < rows; ++ii)
+      mask_positives(i0, j0, rows, cols, ws, true);
+      if (sigmoid())
       {
-        const std::size_t p = positive_of(i0 + ii);
-        if (p >= j0 && p < j0 + cols)
-        {
-          float& x = tile[ii * block_n + (p - j0)];
-          pos[i0 + ii] = x;
-          x = -detail::infinity_f;
-        }
+        sigmoid_tile(i0, j0, rows, cols, ws, sig_loss, sig_max, false);
+        continue;
       }
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
@@ -320,7 +461,14 @@ struct engine_state
     }
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
-      set_row(i0 + ii, finish_row(row_state[ii], pos[i0 + ii]), row_state[ii].max);
+      if (sigmoid())
+      {
+        set_sigmoid_row(i0 + ii, sig_loss[ii], sig_max[ii], true);
+      }
+      else
+      {
+        set_row(i0 + ii, finish_row(row_state[ii], pos[i0 + ii]), row_state[ii].max);
+      }
     }
     return bad;
   }
@@ -336,6 +484,11 @@ struct engine_state
                      const grad_coefficients& gc,
                      worker_scratch& ws) const noexcept
   {
+    if (sigmoid())
+    {
+      sigmoid_gradient_tile(i0, j0, rows, cols, gc, ws);
+      return;
+    }
     const bool sym = symmetric();
     for (std::size_t ii = 0; ii < block_m; ++ii)
     {
@@ -372,6 +525,38 @@ struct engine_state
     }
   }
 
+  /// The sigmoid objective's G = dL/dz of a tile of z (rows x cols valid, zero elsewhere): gc.row_coef sigmoid(z)
+  /// for the negatives, -gc.row_coef sigmoid(-z_p) for the positive, whose z is read from pos (a cached chunk
+  /// holds -inf in its slot).
+  void sigmoid_gradient_tile(std::size_t i0,
+                             std::size_t j0,
+                             std::size_t rows,
+                             std::size_t cols,
+                             const grad_coefficients& gc,
+                             worker_scratch& ws) const noexcept
+  {
+    const float c = gc.row_coef;
+    for (std::size_t ii = 0; ii < block_m; ++ii)
+    {
+      float* g = &ws.tile[ii * block_n];
+      if (ii >= rows)
+      {
+        std::fill(g, g + block_n, 0.0f);
+        continue;
+      }
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        g[jj] = c * sigmoid_negative(g[jj]).grad;
+      }
+      std::fill(g + cols, g + block_n, 0.0f);
+      const std::size_t p = positive_of(i0 + ii);
+      if (p >= j0 && p < j0 + cols)
+      {
+        g[p - j0] = c * sigmoid_positive(pos[i0 + ii]).grad;
+      }
+    }
+  }
+
   /// Row i's finished statistics (`negatives_max`: the largest negative logit, for the max-logit diagnosis).
   void set_row(std::size_t i, const contrastive::row_loss& rl, float negatives_max) noexcept
   {
@@ -395,6 +580,7 @@ struct engine_state
   row_pass forward_rows(float s)
   {
     scale = s;
+    sigmoid_g_sum = 0.0;
     for (auto& ws : scratch)
     {
       std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);

@@ -3,7 +3,8 @@
 
 /// \file
 /// The materialized algorithm's backward on the host: one elementwise pass turns the stored element-type logits into
-/// dA = round_T(s round_T(loss_scale G)) in place (materialized_chain), then dQ = dA K over row blocks and
+/// dA = round_T(s round_T(loss_scale G)) in place (materialized_chain; sigmoid: G from z = round_T(S + b), and
+/// d b = sum round_T(loss_scale G)), then dQ = dA K over row blocks and
 /// dK = dA^T Q over key tiles, each task owning its output rows (no shared accumulator).
 
 #include <contrastive/host/engine_state.hpp>
@@ -21,6 +22,7 @@ backward_result
 materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   using traits = element_traits<T>;
+  const bool sigmoid = st.sigmoid();
   backward_partials parts;
 
   // 1. dA in place of A, and d(loss_scale * loss)/d log s = s * sum dS * A.
@@ -36,6 +38,15 @@ materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_co
           {
             T* m = &st.logits[(i0 + ii) * st.n_k + j0];
             const float* g = &ws.tile[ii * block_n];
+            if (sigmoid) // d b = sum dS (z = S + b: dz = dS), of the element-type values a framework sums
+            {
+              parts.dbias[w] +=
+                  static_cast<double>(lane_sum(cols,
+                                               [&](std::size_t jj)
+                                               {
+                                                 return materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
+                                               }));
+            }
             parts.dlogs[w] += lane_sum(cols,
                                        [&](std::size_t jj)
                                        {
@@ -89,7 +100,7 @@ materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_co
         parts.bad_k[w] |= bad ? 1 : 0;
       });
 
-  return parts.combine(st.workers, static_cast<double>(st.scale));
+  return parts.combine(st.workers, static_cast<double>(st.scale), 1.0);
 }
 } // namespace host
 } // namespace contrastive

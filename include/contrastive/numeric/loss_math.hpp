@@ -34,6 +34,7 @@ make_grad_coefficients(objective obj, std::size_t n_q, std::size_t n_k) noexcept
     const float c = static_cast<float>(0.5 / static_cast<double>(n_q));
     return {c, static_cast<float>(0.5 / static_cast<double>(n_k)), 2.0f * c};
   }
+  // info_nce; sigmoid: G_ij = row_coef * (-l_ij sigmoid(-l_ij z_ij)) (numeric/sigmoid_math.hpp)
   const float c = static_cast<float>(1.0 / static_cast<double>(n_q));
   return {c, 0.0f, c};
 }
@@ -91,6 +92,11 @@ struct materialized_chain
   CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float logit(float a, float s) noexcept
   {
     return round_to<T>(s * a);
+  }
+  /// The sigmoid objective's z = round_T(S + b): the bias added to the element-type logits, as autocast adds it.
+  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float biased(float logit, float b) noexcept
+  {
+    return round_to<T>(logit + b);
   }
   /// dS = round_T(loss_scale * G).
   CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float scaled_gradient(float g, float loss_scale) noexcept

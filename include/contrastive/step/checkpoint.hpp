@@ -6,6 +6,7 @@
 /// policies (saved byte-deterministically, restored after validation) and the unscale-and-check pass over a caller's
 /// gradient buffer.
 
+#include <contrastive/policy/bias.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 #include <contrastive/step/logic.hpp>
@@ -40,6 +41,7 @@ struct checkpoint
   Temperature temperature;
   Scaler scaler;
   std::int64_t step;
+  logit_bias bias; ///< the sigmoid objective's logit bias and its optimiser state
 };
 
 /// The largest step count `restore` accepts: 2^62 steps is more than any run makes (146 years at 10^9 steps a
@@ -62,7 +64,8 @@ struct has_clear_padding<P, std::void_t<decltype(std::declval<P&>().clear_paddin
 /// and a checkpoint can be checksummed or compared as a blob. A custom policy with implicit padding has to name it
 /// as members and zero them in a `clear_padding()` for the same guarantee.
 template <class Temperature, class Scaler>
-checkpoint<Temperature, Scaler> save_checkpoint(const Temperature& t, const Scaler& s, std::int64_t step) noexcept
+checkpoint<Temperature, Scaler>
+save_checkpoint(const Temperature& t, const Scaler& s, std::int64_t step, const logit_bias& b = logit_bias{}) noexcept
 {
   checkpoint<Temperature, Scaler> c;
   std::memset(static_cast<void*>(&c), 0, sizeof c);
@@ -77,6 +80,7 @@ checkpoint<Temperature, Scaler> save_checkpoint(const Temperature& t, const Scal
     c.scaler.clear_padding();
   }
   c.step = step;
+  std::memcpy(static_cast<void*>(&c.bias), &b, sizeof b);
   return c;
 }
 
@@ -84,8 +88,13 @@ checkpoint<Temperature, Scaler> save_checkpoint(const Temperature& t, const Scal
 /// on error nothing changes. The policies' counters saturate; the step count, which the losses increment, is
 /// refused above max_checkpoint_step.
 template <class Temperature, class Scaler>
-status restore_checkpoint(const checkpoint<Temperature, Scaler>& c, Temperature& t, Scaler& s, std::int64_t& step)
+status restore_checkpoint(
+    const checkpoint<Temperature, Scaler>& c, Temperature& t, Scaler& s, std::int64_t& step, logit_bias& b)
 {
+  if (const char* why = c.bias.validate(); why[0] != '\0')
+  {
+    return {errc::invalid_argument, "checkpoint.bias", why};
+  }
   if (const char* why = c.temperature.validate(); why[0] != '\0')
   {
     return {errc::invalid_temperature, "checkpoint.temperature", why};
@@ -108,6 +117,7 @@ status restore_checkpoint(const checkpoint<Temperature, Scaler>& c, Temperature&
   std::memcpy(static_cast<void*>(&t), &c.temperature, sizeof t);
   std::memcpy(static_cast<void*>(&s), &c.scaler, sizeof s);
   step = c.step;
+  std::memcpy(static_cast<void*>(&b), &c.bias, sizeof b);
   return {};
 }
 

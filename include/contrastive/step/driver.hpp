@@ -174,11 +174,14 @@ public:
     }
   }
 
-  /// Phases 1-6 at logit scale `s` (s = 1/tau). `policies`: the caller's verdict on its own settings (a failure is
-  /// returned, on every rank, after the problem's own checks). `need_grads`: dq/dk must be given (forward_backward:
-  /// they are checked now, so that a refused call writes nothing). `step`, `iteration`: what the ranks agree on.
+  /// Phases 1-6 at logit scale `s` (s = 1/tau) and, for the sigmoid objective, logit bias `bias` (z = S + bias; the
+  /// softmax objectives, invariant to it, take 0 only: invalid_argument "logit_bias"). `policies`: the caller's
+  /// verdict on its own settings (a failure is returned, on every rank, after the problem's own checks).
+  /// `need_grads`: dq/dk must be given (forward_backward: they are checked now, so that a refused call writes
+  /// nothing). `step`, `iteration`: what the ranks agree on.
   status forward(const problem_type& p,
                  float s,
+                 float bias,
                  const status& policies,
                  const Element* dq,
                  const Element* dk,
@@ -191,6 +194,10 @@ public:
     if (local.ok())
     {
       (void)(local = engine_type::check_dim(p.dim));
+    }
+    if (local.ok())
+    {
+      (void)(local = check_bias(p.obj, bias));
     }
     if (local.ok() && !policies.ok())
     {
@@ -227,7 +234,7 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(guarded(
           [&]
           {
-            rp = engine_.template forward_rows<Algorithm>(s);
+            rp = engine_.template forward_rows<Algorithm>(s, bias);
           }));
       double col_loss_sum = 0.0;
       if (p.obj == objective::symmetric)
@@ -269,7 +276,7 @@ public:
       status compute = guarded(
           [&]
           {
-            rp = engine_.template forward_rows<Algorithm>(s);
+            rp = engine_.template forward_rows<Algorithm>(s, bias);
           });
       double col_loss_sum = 0.0;
       if (sym)
@@ -370,18 +377,20 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_, compute));
       const rank_backward mine{static_cast<double>(br.grad_logit_scale),
                                round_into(dq_f_.data(), p_.n_q * d, dq) ? 1.0 : 0.0,
-                               round_into(dk_f_.data(), p_.n_k * d, dk) ? 1.0 : 0.0};
+                               round_into(dk_f_.data(), p_.n_k * d, dk) ? 1.0 : 0.0,
+                               static_cast<double>(br.grad_logit_bias)};
       std::vector<rank_backward> all;
       CONTRASTIVE_RETURN_IF_ERROR(gather(status{}, mine, all));
-      double dlogs = 0.0;
+      double dlogs = 0.0, dbias = 0.0;
       bool dq_bad = false, dk_bad = false;
       for (const rank_backward& r : all)
       {
         dlogs += r.dlogs;
+        dbias += r.dbias;
         dq_bad |= r.dq_bad != 0.0;
         dk_bad |= r.dk_bad != 0.0;
       }
-      bwd_ = {static_cast<float>(dlogs), dq_bad, dk_bad};
+      bwd_ = {static_cast<float>(dlogs), dq_bad, dk_bad, static_cast<float>(dbias)};
     }
     ready_ = false;
     out = bwd_;
@@ -395,8 +404,26 @@ private:
   };
   struct rank_backward
   {
-    double dlogs, dq_bad, dk_bad;
+    double dlogs, dq_bad, dk_bad, dbias;
   };
+
+  /// The logit bias: finite, and 0 unless the objective is sigmoid (a softmax is invariant to it, so a nonzero one
+  /// would do nothing: refused instead).
+  static status check_bias(objective obj, float bias)
+  {
+    if (!contrastive::detail::finite(bias))
+    {
+      return {errc::invalid_argument, "logit_bias", "logit_bias = " + std::to_string(bias) + "; it must be finite"};
+    }
+    if (obj != objective::sigmoid && bias != 0.0f)
+    {
+      return {errc::invalid_argument,
+              "logit_bias",
+              "logit_bias = " + std::to_string(bias) + " with objective " + to_string(obj) +
+                  ": the bias applies to objective::sigmoid only (a softmax is invariant to it); pass 0"};
+    }
+    return {};
+  }
 
   /// The loss of the batch from its row (and column) loss sums.
   float batch_loss(objective obj, double row_loss_sum, double col_loss_sum) const noexcept

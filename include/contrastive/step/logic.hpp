@@ -58,6 +58,7 @@ struct pass_outcome
   bool logits_bad;
   bool dq_bad;
   bool dk_bad;
+  float grad_logit_bias_scaled = 0.0f; ///< d(loss_scale * loss)/d b (sigmoid objective)
 };
 
 /// The pending record of steps 1-3 (host `loss::forward_backward` and the device's finish kernel).
@@ -70,6 +71,7 @@ make_record(std::int64_t step, float tau, float loss_scale, bool wants_gradient,
   rec.tau = tau;
   rec.loss_scale = loss_scale;
   rec.grad_logit_scale = o.grad_logit_scale_scaled / loss_scale;
+  rec.grad_logit_bias = o.grad_logit_bias_scaled / loss_scale;
   rec.max_logit = o.max_logit;
   rec.pending = true;
   rec.first_nonfinite = first_nonfinite(o.logits_bad, o.loss, o.dq_bad, o.dk_bad, wants_gradient, rec.grad_logit_scale);

@@ -29,6 +29,7 @@
 #include <contrastive/distributed/agreement.hpp>
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/policy/bias.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
 #include <contrastive/problem.hpp>
@@ -39,6 +40,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -131,22 +133,41 @@ public:
     }
   }
 
+  /// The sigmoid objective's logit bias (z = s <q, k> + b): `logit_bias::fixed(b)` or `logit_bias::learnable(b,
+  /// optimizer)` (SigLIP: learnable from -10). Default: fixed at 0. Refused, changing nothing, when out of its domain
+  /// (invalid_argument "logit_bias"). A step of a softmax objective refuses a nonzero or learnable bias. Ranks: local;
+  /// set the same on every rank.
+  status set_logit_bias(const logit_bias& b)
+  {
+    if (const char* why = b.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_argument, "logit_bias", why};
+    }
+    bias_ = b;
+    return {};
+  }
+  const logit_bias& bias() const noexcept
+  {
+    return bias_;
+  }
+
   /// The whole state. Byte-deterministic (padding zeroed, members copied as bytes): two saves of the same state
   /// compare equal with memcmp, so a checkpoint can be checksummed or compared as a blob.
   checkpoint save() const noexcept
   {
-    return detail::save_checkpoint(temperature_, scaler_, step_);
+    return detail::save_checkpoint(temperature_, scaler_, step_, bias_);
   }
 
   /// Restores a checkpoint after validating it; on error nothing changes. Ranks: local; restore the same checkpoint
   /// on every rank.
   status restore(const checkpoint& c)
   {
-    return detail::restore_checkpoint(c, temperature_, scaler_, step_);
+    return detail::restore_checkpoint(c, temperature_, scaler_, step_, bias_);
   }
 
-  /// Loss at the current temperature; per-row (and, symmetric, per-column) log-sum-exps if the pointers are given
-  /// (this rank's n_q and n_k floats). Changes no policy state. Keep `p` alive until `backward`. Ranks: collective.
+  /// Loss at the current temperature (and logit bias); per-row (and, symmetric, per-column) log-sum-exps if the
+  /// pointers are given (this rank's n_q and n_k floats; sigmoid: each row's loss sum_j softplus(-l_ij z_ij) in
+  /// row_lse, nothing in col_lse). Changes no policy state. Keep `p` alive until `backward`. Ranks: collective.
   status forward(const problem_type& p,
                  float& loss_value,
                  float* row_lse = nullptr,
@@ -154,8 +175,8 @@ public:
                  std::int64_t iteration = distributed::no_iteration)
   {
     step::forward_values fr;
-    CONTRASTIVE_RETURN_IF_ERROR(
-        driver_.forward(p, temperature_.scale(), policies(), nullptr, nullptr, false, step_, iteration, fr));
+    CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(
+        p, temperature_.scale(), bias_.value, policies(p), nullptr, nullptr, false, step_, iteration, fr));
     loss_value = fr.loss;
     driver_.copy_lse(row_lse, col_lse);
     return {};
@@ -189,15 +210,25 @@ public:
     const float ls = scaler_.loss_scale();
     step::forward_values fr;
     CONTRASTIVE_RETURN_IF_ERROR(
-        driver_.forward(p, temperature_.scale(), policies(), dq, dk, true, step_, iteration, fr));
+        driver_.forward(p, temperature_.scale(), bias_.value, policies(p), dq, dk, true, step_, iteration, fr));
     step::backward_values br;
     CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(ls, dq, dk, true, step_, br));
-    rec = detail::make_record(
-        step_,
-        temperature_.tau(),
-        ls,
-        temperature_.wants_gradient(),
-        {fr.loss, fr.max_logit, br.grad_logit_scale, fr.logits_nonfinite, br.dq_nonfinite, br.dk_nonfinite});
+    rec = detail::make_record(step_,
+                              temperature_.tau(),
+                              ls,
+                              temperature_.wants_gradient(),
+                              {fr.loss,
+                               fr.max_logit,
+                               br.grad_logit_scale,
+                               fr.logits_nonfinite,
+                               br.dq_nonfinite,
+                               br.dk_nonfinite,
+                               br.grad_logit_bias});
+    rec.logit_bias = bias_.value;
+    if (bias_.is_learnable() && rec.first_nonfinite == nonfinite_site::none && !detail::finite(rec.grad_logit_bias))
+    {
+      rec.first_nonfinite = nonfinite_site::grad_logit_bias;
+    }
     return {};
   }
 
@@ -231,6 +262,10 @@ public:
       rec.first_nonfinite = static_cast<nonfinite_site>(site);
     }
     detail::finish_step<Element>(temperature_, scaler_, rec);
+    if (!rec.skipped)
+    {
+      bias_.advance(rec.grad_logit_bias);
+    }
     step_ = detail::saturating_increment(step_);
     return {};
   }
@@ -249,8 +284,15 @@ public:
 
 private:
   /// The policies' own settings, checked before any step (a failure is returned after the problem's checks).
-  status policies() const
+  status policies(const problem_type& p) const
   {
+    if (bias_.is_learnable() && p.obj != objective::sigmoid)
+    {
+      return {errc::invalid_argument,
+              "logit_bias",
+              std::string("a learnable logit bias with objective ") + to_string(p.obj) +
+                  ": the bias applies to objective::sigmoid only (a softmax is invariant to it)"};
+    }
     if (const char* why = temperature_.validate(); why[0] != '\0')
     {
       return {errc::invalid_temperature, "temperature", why};
@@ -264,6 +306,7 @@ private:
 
   Temperature temperature_;
   Scaler scaler_;
+  logit_bias bias_{};
   std::int64_t step_ = 0;
 };
 } // namespace contrastive

@@ -1,0 +1,143 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The fused algorithm for the sigmoid objective on the host: one pass over the tiles. The sigmoid loss has no
+/// normaliser (each logit's term needs its own z only), so the forward forms each tile's z = s Q K^T + b, its loss
+/// terms and its gradient G from one exponential per logit, and multiplies G into the float accumulators
+/// dQ += G K and dK += G^T Q at once: 6 n_q n_k d flops for forward and backward together (the softmax fused path
+/// needs 8), memory O((n_q + n_k) d). The backward then only scales (loss_scale * s / n_q), rounds and checks.
+///
+/// Work is split as fused.hpp splits its backward (row groups x key groups in W rounds, every dQ and dK row written
+/// by one worker per round, a fixed order for a given thread count); each row's loss is summed by the one worker
+/// that owns its row group.
+
+#include <contrastive/host/engine_state.hpp>
+
+#include <algorithm>
+#include <cstddef>
+
+namespace contrastive
+{
+namespace host
+{
+/// Forward of the sigmoid objective, fused: the loss and the unnormalised gradient accumulators (st.dq_acc,
+/// st.dk_acc, st.sigmoid_g_sum) in one pass.
+template <class T, class Gemm>
+row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
+{
+  st.scale = s;
+  const std::size_t row_blocks = st.nq_pad / block_m;
+  const std::size_t key_tiles = st.nk_pad / block_n;
+  const unsigned groups = static_cast<unsigned>(std::min<std::size_t>(st.workers, row_blocks));
+  float* dq_acc = st.dq_acc.data();
+  float* dk_acc = st.dk_acc.data();
+  const std::size_t ld = st.dp;
+  parallel_for(st.pool,
+               groups,
+               groups,
+               [&](std::size_t g, unsigned)
+               {
+                 const std::size_t q0 = st.n_q * g / groups, q1 = st.n_q * (g + 1) / groups;
+                 std::fill(dq_acc + q0 * ld, dq_acc + q1 * ld, 0.0f);
+                 const std::size_t k0 = st.nk_pad * g / groups, k1 = st.nk_pad * (g + 1) / groups;
+                 std::fill(dk_acc + k0 * ld, dk_acc + k1 * ld, 0.0f);
+                 std::fill(st.row_loss.begin() + static_cast<std::ptrdiff_t>(q0),
+                           st.row_loss.begin() + static_cast<std::ptrdiff_t>(q1),
+                           0.0f);
+                 std::fill(st.row_max.begin() + static_cast<std::ptrdiff_t>(q0),
+                           st.row_max.begin() + static_cast<std::ptrdiff_t>(q1),
+                           -detail::infinity_f);
+               });
+
+  double g_sum[max_threads] = {};
+  unsigned char bad[max_threads] = {};
+  for (unsigned round = 0; round < groups; ++round)
+  {
+    st.pool.run(groups,
+                [&](unsigned w)
+                {
+                  worker_scratch& ws = st.scratch[w];
+                  const unsigned kg = (w + round) % groups;
+                  const std::size_t b0 = row_blocks * w / groups, b1 = row_blocks * (w + 1) / groups;
+                  const std::size_t t0 = key_tiles * kg / groups, t1 = key_tiles * (kg + 1) / groups;
+                  for (std::size_t t = t0; t < t1; ++t)
+                  {
+                    const std::size_t j0 = t * block_n;
+                    if (j0 >= st.n_k)
+                    {
+                      break;
+                    }
+                    const std::size_t cols = std::min(block_n, st.n_k - j0);
+                    st.mm.key_tile(j0, cols, ws);
+                    for (std::size_t b = b0; b < b1; ++b)
+                    {
+                      const std::size_t i0 = b * block_m;
+                      const std::size_t rows = std::min(block_m, st.n_q - i0);
+                      st.query_block(i0, ws, true);
+                      bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws) ? 1 : 0;
+                      st.mask_positives(i0, j0, rows, cols, ws, true);
+                      g_sum[w] += st.sigmoid_tile(
+                          i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
+                      st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
+                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
+                    }
+                  }
+                });
+  }
+  bool any_bad = false;
+  st.sigmoid_g_sum = 0.0;
+  for (unsigned w = 0; w < st.workers; ++w)
+  {
+    any_bad |= bad[w] != 0;
+    st.sigmoid_g_sum += g_sum[w];
+  }
+  for (std::size_t i = 0; i < st.n_q; ++i) // the positives' terms are in row_loss already
+  {
+    st.set_sigmoid_row(i, st.row_loss[i], st.row_max[i], false);
+  }
+  return st.finish_rows(any_bad);
+}
+
+/// Backward of `loss_scale * loss` for the sigmoid objective, fused, after its forward: dQ = (loss_scale s / n) G K
+/// and dK likewise from the accumulators, rounded and checked; d loss / d log s = sum_i <dQ_i, q_i>, d loss / d b
+/// from the forward's sum of G.
+template <class T, class Gemm, class Out>
+backward_result
+fused_sigmoid_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
+{
+  const float out_scale = loss_scale * st.scale * gc.row_coef;
+  const std::size_t ld = st.dp;
+  backward_partials parts;
+  constexpr std::size_t chunk = 64;
+  parallel_for(st.pool,
+               (st.n_q + chunk - 1) / chunk,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 const std::size_t end = std::min(st.n_q, (t + 1) * chunk);
+                 for (std::size_t i = t * chunk; i < end; ++i)
+                 {
+                   const float* acc = st.dq_acc.data() + i * ld;
+                   parts.dlogs[w] += static_cast<double>(st.dot_query(acc, i));
+                   parts.bad_q[w] |= st.store_row(acc, out_scale, dq + i * st.d) ? 1 : 0;
+                 }
+               });
+  parallel_for(st.pool,
+               (st.n_k + chunk - 1) / chunk,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 const std::size_t end = std::min(st.n_k, (t + 1) * chunk);
+                 for (std::size_t j = t * chunk; j < end; ++j)
+                 {
+                   parts.bad_k[w] |= st.store_row(st.dk_acc.data() + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
+                 }
+               });
+  backward_result r = parts.combine(st.workers, static_cast<double>(out_scale));
+  r.grad_logit_bias =
+      static_cast<float>(static_cast<double>(loss_scale) * static_cast<double>(gc.row_coef) * st.sigmoid_g_sum);
+  return r;
+}
+} // namespace host
+} // namespace contrastive

@@ -1,0 +1,72 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The logit bias b of the sigmoid objective (z = s <q, k> + b, objective::sigmoid): fixed, or learnable with its own
+/// scalar optimiser, as SigLIP learns it (initialised at -10 in the paper and in open_clip, with t = s = 10; the bias
+/// keeps the initial loss small when almost every pair is a negative). The softmax objectives are invariant to a
+/// bias and refuse a nonzero or learnable one. A setting of `loss::set_logit_bias`, saved in its checkpoint.
+
+#include <contrastive/detail/config.hpp>
+#include <contrastive/policy/optimizer.hpp>
+
+#include <cstdint>
+
+namespace contrastive
+{
+struct logit_bias
+{
+  float value = 0.0f;
+  std::int32_t trained = 0; ///< 1: `advance` applies the optimiser to the bias's gradient; 0: fixed
+  optimizer opt{};
+  optimizer_state state{};
+
+  /// A bias that stays at `b`.
+  static constexpr logit_bias fixed(float b) noexcept
+  {
+    return logit_bias{b, 0, optimizer{}, optimizer_state{}};
+  }
+  /// A bias trained from `b` by `o` (default Adam, lr 1e-3).
+  static constexpr logit_bias learnable(float b, optimizer o = optimizer::adam()) noexcept
+  {
+    return logit_bias{b, 1, o, optimizer_state{}};
+  }
+  bool is_learnable() const noexcept
+  {
+    return trained != 0;
+  }
+
+  /// "" when every setting is in its domain, else why not.
+  const char* validate() const noexcept
+  {
+    if (!(value - value == 0.0f))
+    {
+      return "the logit bias is not finite";
+    }
+    if (trained != 0 && trained != 1)
+    {
+      return "trained must be 0 or 1";
+    }
+    if (!opt.valid())
+    {
+      return "bias optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)";
+    }
+    if (!state.valid())
+    {
+      return "bias optimizer state is not one a run could reach";
+    }
+    return "";
+  }
+
+  /// One optimiser step on d(loss)/d b, for a learnable bias (a finite step only: the caller skips otherwise).
+  void advance(float grad) noexcept
+  {
+    if (trained != 0)
+    {
+      value = apply_update(opt, state, value, grad);
+    }
+  }
+};
+static_assert(sizeof(logit_bias) == 2 * sizeof(float) + sizeof(optimizer) + sizeof(optimizer_state),
+              "logit_bias must have no padding (it is saved byte for byte in a checkpoint)");
+} // namespace contrastive
