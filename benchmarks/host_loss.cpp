@@ -2,13 +2,16 @@
 //
 // Host suite: one benchmark per (objective, pass, element type, algorithm) over the size axes N x D.
 //
-//   host/<symmetric|info_nce>/<fwd|fwd_bwd>/<float|half|bfloat16>/<fused|materialized|chunked>/N:<n>/D:<d>/manual_time
+//   host/<symmetric|info_nce|sigmoid>/<fwd|fwd_bwd>/<float|half|bfloat16>/<fused|materialized|chunked>/N:<n>/D:<d>/manual_time
+//
+// The softmax objectives run at tau = 0.07 (CLIP's initial temperature); the sigmoid objective at SigLIP's
+// initialisation, t = 1/tau = 10 and bias -10.
 //
 // The materialized algorithm is the naive baseline: it builds the N x N logits in the element type, as a framework's
 // autocast does. Counters (see docs/performance.md for the method):
 //   useful_flops     FLOP/s counting the products the math needs: 2 N_q N_k D forward, 6 N_q N_k D forward+backward
 //   exec_flops       FLOP/s counting the products the algorithm executes (fused forward+backward recomputes the
-//                    logits: 8 N_q N_k D)
+//                    logits: 8 N_q N_k D; sigmoid fused runs forward and backward in one pass: 6 N_q N_k D for either)
 //   fma_peak_frac    exec_flops / the FMA peak measured by this binary at startup
 //   cpu_busy         process CPU time / (wall time x threads) during the calls (1: every thread busy throughout)
 //   fma_peak_frac_cpu executed FLOPs / (process CPU seconds x the FMA loop's FLOPs per CPU second): efficiency per
@@ -69,13 +72,18 @@ struct work_model
 };
 
 template <class T, class Algorithm>
-work_model model(std::size_t n_q, std::size_t n_k, std::size_t d, pass p)
+work_model model(std::size_t n_q, std::size_t n_k, std::size_t d, pass p, contrastive::objective obj)
 {
   const double nn = static_cast<double>(n_q) * static_cast<double>(n_k);
   const double product = 2.0 * nn * static_cast<double>(d);
   const double es = sizeof(T);
   const double operands = static_cast<double>(n_q + n_k) * static_cast<double>(d) * es;
   constexpr bool fused = std::is_same_v<Algorithm, contrastive::algorithm::fused>;
+  if (fused && obj == contrastive::objective::sigmoid)
+  {
+    // One pass: Q K^T, G K and G^T Q whether or not a backward follows.
+    return {(p == pass::forward ? 1.0 : 3.0) * product, 3.0 * product, (p == pass::forward ? 1.0 : 2.0) * operands};
+  }
   if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::chunked>)
   {
     // Float chunk buffer: forward writes S_c and reads it for the row and column statistics; backward (one chunk
@@ -141,8 +149,14 @@ struct fixture : fixture_base
 
   fixture(std::size_t n, std::size_t d, contrastive::objective obj, pass ps, unsigned threads)
       : q(n * d), k(n * d), dq(ps == pass::forward ? 0 : n * d), dk(ps == pass::forward ? 0 : n * d),
-        loss(contrastive::temperature::fixed(0.07f), contrastive::scaler::static_scale(1.0f), threads)
+        loss(contrastive::temperature::fixed(obj == contrastive::objective::sigmoid ? 0.1f : 0.07f),
+             contrastive::scaler::static_scale(1.0f),
+             threads)
   {
+    if (obj == contrastive::objective::sigmoid)
+    {
+      (void)loss.set_logit_bias(contrastive::logit_bias::fixed(-10.0f));
+    }
     const auto seed = static_cast<std::uint32_t>(0x5eed0000u + n * 7 + d);
     q = contrastive_test::random_rows<T>(n, d, seed);
     k = contrastive_test::random_rows<T>(n, d, seed + 1);
@@ -251,7 +265,7 @@ void run(benchmark::State& state, const std::string& key, contrastive::objective
   }
 
   fx.mem_call = std::max(fx.mem_call, heap::peak() > fx.heap_baseline ? heap::peak() - fx.heap_baseline : 0);
-  const work_model w = model<T, Algorithm>(n, n, d, ps);
+  const work_model w = model<T, Algorithm>(n, n, d, ps, obj);
   using benchmark::Counter;
   const double calls = static_cast<double>(state.iterations());
   const double exec_rate = w.exec_flops * calls / seconds;
@@ -326,7 +340,8 @@ void register_host_benchmarks()
       {
         continue;
       }
-      for (contrastive::objective obj : {contrastive::objective::symmetric, contrastive::objective::info_nce})
+      for (contrastive::objective obj :
+           {contrastive::objective::symmetric, contrastive::objective::info_nce, contrastive::objective::sigmoid})
       {
         for (pass ps : {pass::forward_backward, pass::forward})
         {

@@ -69,6 +69,12 @@ int main(int argc, char** argv)
               static_cast<unsigned long long>(s.seed),
               cd::to_string(s.scaler),
               s.eval_pairs);
+  if (s.sigmoid)
+  {
+    std::printf("objective sigmoid (SigLIP): logit bias from %g, %s\n\n",
+                static_cast<double>(s.bias_init),
+                s.bias_lr > 0.0f ? ("learnable, Adam lr " + std::to_string(s.bias_lr)).c_str() : "fixed");
+  }
   if (s.beta2 != cd::settings{}.beta2)
   {
     std::printf("encoders' Adam beta2 %g\n\n", s.beta2);

@@ -3,7 +3,11 @@
 """The host library beside PyTorch's CPU CLIP loss, same N, D, dtype and thread count, interleaved in one run.
 
     .venv-torch/bin/python scripts/cpu_side_by_side.py [--bench build/benchmarks/contrastive_bench] [--n 4096 8192]
-        [--d 512] [--threads 0] [--rounds 3] [--dtypes float half bfloat16]
+        [--d 512] [--threads 0] [--rounds 3] [--dtypes float half bfloat16] [--objective symmetric|sigmoid]
+
+--objective sigmoid puts the library's sigmoid objective beside open_clip's own SigLipLoss (from the open-clip-torch
+package, not a copy) at SigLIP's initialisation (t = 10, b = -10): logits = t img @ txt.T + b, -logsigmoid(labels *
+logits).sum() / N, backward() to img, txt, t and b.
 
 PyTorch (the Python running this script: the venv of scripts/setup.sh test) runs the loss as the issue describes open_clip's ClipLoss:
 logits = s * img @ txt.T, cross-entropy over rows and over columns (logits.T), backward() to img, txt and s. Each
@@ -35,6 +39,12 @@ img = F.normalize(torch.randn(n, d, generator=g), dim=1).requires_grad_()
 txt = F.normalize(torch.randn(n, d, generator=g), dim=1).requires_grad_()
 logit_scale = torch.tensor(1.0 / 0.07).log().requires_grad_()
 labels = torch.arange(n)
+objective = sys.argv[5]
+if objective == "sigmoid":
+    import open_clip.loss
+    siglip = open_clip.loss.SigLipLoss()
+    logit_scale = torch.tensor(10.0).log().requires_grad_()
+    logit_bias = torch.tensor(-10.0).requires_grad_()
 
 def hwm():
     with open("/proc/self/status") as f:
@@ -45,8 +55,12 @@ def hwm():
 
 def step():
     img.grad = txt.grad = logit_scale.grad = None
-    logits = logit_scale.exp() * img @ txt.t()
-    loss = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels))
+    if objective == "sigmoid":
+        logit_bias.grad = None
+        loss = siglip(img, txt, logit_scale.exp(), logit_bias)
+    else:
+        logits = logit_scale.exp() * img @ txt.t()
+        loss = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels))
     loss.backward()
     return loss
 
@@ -78,16 +92,16 @@ def cpu_description():
     return model, isa, os.cpu_count()
 
 
-def run_torch(n, d, threads, steps):
-    out = subprocess.run([sys.executable, "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps)],
+def run_torch(n, d, threads, steps, objective):
+    out = subprocess.run([sys.executable, "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps), objective],
                          check=True, capture_output=True, text=True).stdout.split()
     return float(out[0]), int(out[1]), out[2]
 
 
-def run_library(bench, n, d, dtype, algo, threads, min_time):
+def run_library(bench, n, d, dtype, algo, threads, min_time, objective):
     # N >= 16384 runs one iteration per repetition and says so in the name.
-    pattern = f"^host/symmetric/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}(/iterations:1)?/manual_time$"
-    name = f"host/symmetric/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}"
+    pattern = f"^host/{objective}/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}(/iterations:1)?/manual_time$"
+    name = f"host/{objective}/fwd_bwd/{dtype}/{algo}/N:{n}/D:{d}"
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         cmd = [bench, f"--benchmark_filter={pattern}", f"--contrastive_max_n={n}",
                f"--contrastive_max_d={d}", f"--benchmark_min_time={min_time}", "--benchmark_format=json",
@@ -119,29 +133,32 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.5, help="Google Benchmark min time per library run (s)")
     ap.add_argument("--dtypes", nargs="+", default=["float", "half", "bfloat16"])
     ap.add_argument("--algorithms", nargs="+", default=["materialized", "fused"])
+    ap.add_argument("--objective", choices=["symmetric", "sigmoid"], default="symmetric")
     args = ap.parse_args()
 
     threads = args.threads or os.cpu_count()
     model, isa, cores = cpu_description()
     print(f"CPU: {model} ({cores} logical cores), ISA: {isa}; threads: {threads}; D = {args.d}; "
-          f"rounds: {args.rounds} (medians)", flush=True)
+          f"rounds: {args.rounds} (medians); objective: {args.objective}", flush=True)
     rows = []
     for n in args.n:
         torch_t, torch_m, lib = [], [], {}
         version = "?"
         for r in range(args.rounds):
-            t, m, version = run_torch(n, args.d, threads, args.torch_steps)
+            t, m, version = run_torch(n, args.d, threads, args.torch_steps, args.objective)
             torch_t.append(t)
             torch_m.append(m)
             for dtype in args.dtypes:
                 for algo in args.algorithms:
-                    t_l, m_l, _ = run_library(args.bench, n, args.d, dtype, algo, args.threads, args.min_time)
+                    t_l, m_l, _ = run_library(args.bench, n, args.d, dtype, algo, args.threads, args.min_time,
+                                              args.objective)
                     lib.setdefault((dtype, algo), ([], []))
                     lib[(dtype, algo)][0].append(t_l)
                     lib[(dtype, algo)][1].append(m_l)
             print(f"  N = {n}: round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         tt, tm = statistics.median(torch_t), statistics.median(torch_m)
-        rows.append((n, f"PyTorch {version} ClipLoss (float)", tt, tm, 1.0, 1.0))
+        baseline = "open_clip SigLipLoss" if args.objective == "sigmoid" else "ClipLoss"
+        rows.append((n, f"PyTorch {version} {baseline} (float)", tt, tm, 1.0, 1.0))
         float_fused = None
         for (dtype, algo), (ts, ms) in lib.items():
             t, m = statistics.median(ts), statistics.median(ms)

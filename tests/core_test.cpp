@@ -595,3 +595,32 @@ TEST(Sigmoid, Fp16MaterializedLogitsOverflowWhereFusedDoesNot)
   EXPECT_TRUE(std::isfinite(v.loss));
   EXPECT_GT(v.max_logit, 65504.0f);
 }
+
+// forward_backward with float outputs whose rows the GEMM can write (dim a multiple of the kernel's NR, from the
+// code's own constant): the sigmoid objective's fused pass accumulates in the caller's dq / dk instead of the engine's
+// (n_q + nk_pad) dp floats, with the same bits as forward then backward, which cannot.
+TEST(Sigmoid, FusedFloatStepAccumulatesInTheOutputs)
+{
+  const std::size_t n_q = 50, n_k = 77, dim = 2 * cl::host::kernel_nr;
+  const auto q = ct::random_rows<float>(n_q, dim, 61), k = ct::random_rows<float>(n_k, dim, 62);
+  const cl::problem<float> p{q.data(), k.data(), n_q, n_k, dim, nullptr, cl::objective::sigmoid};
+  cl::core<float, cl::algorithm::fused> step_core(2), split_core(2);
+  auto dq = poisoned<float>(n_q * dim), dk = poisoned<float>(n_k * dim);
+  auto dq2 = poisoned<float>(n_q * dim), dk2 = poisoned<float>(n_k * dim);
+  cl::core_values v;
+  ASSERT_TRUE(step_core.step(p, 10.0f, -10.0f, 4.0f, dq.data(), dk.data(), v).ok());
+  cl::step::forward_values f;
+  cl::step::backward_values b;
+  ASSERT_TRUE(split_core.forward(p, 10.0f, -10.0f, f).ok());
+  ASSERT_TRUE(split_core.backward(4.0f, dq2.data(), dk2.data(), b).ok());
+  EXPECT_TRUE(same_bits(dq, dq2));
+  EXPECT_TRUE(same_bits(dk, dk2));
+  EXPECT_EQ(v.loss, f.loss);
+  EXPECT_EQ(v.grad_logit_bias, b.grad_logit_bias / 4.0f);
+  const std::size_t nk_pad = (n_k + cl::host::block_n - 1) / cl::host::block_n * cl::host::block_n;
+  EXPECT_EQ(split_core.bytes_held() - step_core.bytes_held(), (n_q + nk_pad) * dim * sizeof(float));
+  const ct::reference ref =
+      ct::compute_sigmoid_reference(ct::to_double(q), ct::to_double(k), n_q, n_k, dim, nullptr, 10.0, -10.0);
+  EXPECT_LE(ct::max_rel_error(dq, ref.dq, 0.25), 1e-5);
+  EXPECT_LE(ct::max_rel_error(dk, ref.dk, 0.25), 1e-5);
+}

@@ -204,6 +204,10 @@ bool apply_preset(const std::string& name, settings& s)
 
 std::string validate(const settings& s)
 {
+  if (s.bias_lr < 0.0f)
+  {
+    return "--bias-lr must be >= 0";
+  }
   if (s.steps < 1)
   {
     return "--steps must be >= 1";

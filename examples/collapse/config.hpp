@@ -99,6 +99,12 @@ struct settings
   std::int64_t eval_every = 50;
   std::int64_t collapse_window = 50; ///< a run that ends with this many consecutive skipped steps has collapsed
   unsigned threads = 1;              ///< threads of the loss engine; 1 keeps runs bit-reproducible (0: all cores)
+  /// --objective sigmoid: SigLIP's pairwise sigmoid loss over z = <a, b> / tau + bias instead of CLIP's symmetric
+  /// cross-entropy (the same model, data and policies; tau = 1/t). It also sets tau_init and fixed_tau to SigLIP's
+  /// t = 10 (later options override).
+  bool sigmoid = false;
+  float bias_init = -10.0f; ///< sigmoid: the initial logit bias (SigLIP's and open_clip's -10)
+  float bias_lr = 1.0f;     ///< sigmoid: Adam learning rate of the bias (beta2 tau_beta2), as log(1/tau)'s; 0: fixed
 };
 
 /// Named settings. "default": the fast reproduction (the values above; its tau optimiser, Adam lr 1.0 and beta2 0.9,

@@ -224,6 +224,31 @@ std::vector<option> make_table()
               0,
               big,
               &settings::warmup),
+      row("--objective",
+          "NAME",
+          "symmetric (CLIP's loss, default) | sigmoid (SigLIP's: z = <a, b> / tau + bias;\n"
+          "sets --tau-init and --fixed-tau to SigLIP's t = 1/tau = 10; later options override)",
+          [](cli_options& o, const std::string& v)
+          {
+            if (v == "symmetric")
+            {
+              o.s.sigmoid = false;
+            }
+            else if (v == "sigmoid")
+            {
+              o.s.sigmoid = true;
+              o.s.tau_init = 0.1f;
+              o.s.fixed_tau = 0.1f;
+            }
+            else
+            {
+              reject("unknown --objective '" + v + "' (symmetric, sigmoid)");
+            }
+          }),
+      float_row("--bias-init", "sigmoid: initial logit bias" + dflt(g(d.bias_init)), &settings::bias_init),
+      float_row("--bias-lr",
+                "sigmoid: Adam learning rate of the bias, 0: fixed" + dflt(g(d.bias_lr) + ", as log(1/tau)'s"),
+                &settings::bias_lr),
       float_row("--tau-init", "initial tau of learnable policies" + dflt(g(d.tau_init)), &settings::tau_init),
       float_row("--tau-min", "clamped: smallest tau (default " + g(d.tau_min) + ", open_clip)", &settings::tau_min),
       float_row("--fixed-tau", "fixed, and scheduled before unfreezing" + dflt(g(d.fixed_tau)), &settings::fixed_tau),

@@ -31,15 +31,21 @@ std::string format_table(const std::vector<run_result>& results)
 {
   std::ostringstream os;
   char line[512];
+  bool sigmoid = false; // SigLIP runs add the logit bias after tau
+  for (const run_result& r : results)
+  {
+    sigmoid |= r.sigmoid;
+  }
   std::snprintf(line,
                 sizeof line,
-                "%-9s %-10s %-12s %10s %7s %10s %10s %10s %8s %10s  %s\n",
+                "%-9s %-10s %-12s %10s %7s %10s%s %10s %10s %8s %10s  %s\n",
                 "type",
                 "policy",
                 "algorithm",
                 "loss",
                 "top-1",
                 "tau",
+                sigmoid ? "       bias" : "",
                 "min scale",
                 "scale",
                 "skipped",
@@ -62,15 +68,21 @@ std::string format_table(const std::vector<run_result>& results)
     {
       diag = "error: " + r.error;
     }
+    char bias[32] = "";
+    if (sigmoid)
+    {
+      std::snprintf(bias, sizeof bias, " %10s", format_number(r.final_bias, "%.3g").c_str());
+    }
     std::snprintf(line,
                   sizeof line,
-                  "%-9s %-10s %-12s %10s %6.1f%% %10s %10s %10s %8lld %10s  %s\n",
+                  "%-9s %-10s %-12s %10s %6.1f%% %10s%s %10s %10s %8lld %10s  %s\n",
                   to_string(r.config.element),
                   to_string(r.config.policy),
                   to_string(r.config.algorithm),
                   format_number(r.final_loss, "%.4g").c_str(),
                   100.0 * r.final_accuracy,
                   format_number(r.final_tau, "%.3g").c_str(),
+                  bias,
                   format_number(r.min_loss_scale, "%.3g").c_str(),
                   format_number(r.final_loss_scale, "%.3g").c_str(),
                   static_cast<long long>(r.skipped),
@@ -88,12 +100,14 @@ bool write_csv(const std::string& path, const run_result& r)
   {
     return false;
   }
-  std::fprintf(f, "step,loss,tau,loss_scale,skipped,accuracy,max_logit,first_nonfinite\n");
+  // SigLIP runs append the logit bias as a last column (the softmax runs' files are unchanged).
+  std::fprintf(f, "step,loss,tau,loss_scale,skipped,accuracy,max_logit,first_nonfinite%s\n", r.sigmoid ? ",bias" : "");
   for (const step_row& row : r.rows)
   {
     const std::string acc = std::isnan(row.accuracy) ? "" : format_number(row.accuracy, "%.4f");
+    const std::string bias = r.sigmoid ? "," + format_number(row.bias, "%.6g") : std::string();
     std::fprintf(f,
-                 "%lld,%s,%s,%s,%d,%s,%s,%s\n",
+                 "%lld,%s,%s,%s,%d,%s,%s,%s%s\n",
                  static_cast<long long>(row.step),
                  format_number(row.loss, "%.6g").c_str(),
                  format_number(row.tau, "%.6g").c_str(),
@@ -101,7 +115,8 @@ bool write_csv(const std::string& path, const run_result& r)
                  row.skipped ? 1 : 0,
                  acc.c_str(),
                  format_number(row.max_logit, "%.6g").c_str(),
-                 cl::to_string(row.site));
+                 cl::to_string(row.site),
+                 bias.c_str());
   }
   return std::fclose(f) == 0;
 }

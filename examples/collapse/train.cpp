@@ -125,7 +125,19 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
   cl::problem<T> p;
   p.n_q = p.n_k = n;
   p.dim = d;
-  p.obj = cl::objective::symmetric;
+  p.obj = s.sigmoid ? cl::objective::sigmoid : cl::objective::symmetric;
+  res.sigmoid = s.sigmoid;
+  if (s.sigmoid)
+  {
+    const cl::logit_bias b =
+        s.bias_lr > 0.0f ? cl::logit_bias::learnable(s.bias_init, cl::optimizer::adam(s.bias_lr, 0.9f, s.tau_beta2))
+                         : cl::logit_bias::fixed(s.bias_init);
+    if (const cl::status st = L.set_logit_bias(b); !st.ok())
+    {
+      res.error = st.message();
+      return res;
+    }
+  }
 
   auto evaluate = [&]()
   {
@@ -156,6 +168,16 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
           res.error = "step " + std::to_string(step) + ": " + st.message();
           break;
         }
+      }
+    }
+    if (s.sigmoid && s.bias_lr > 0.0f && step <= s.warmup)
+    {
+      cl::logit_bias b = L.bias(); // the same warm-up as log(1/tau)'s, its optimiser state kept
+      b.opt.lr = s.bias_lr * warm;
+      if (const cl::status st = L.set_logit_bias(b); !st.ok())
+      {
+        res.error = "step " + std::to_string(step) + ": " + st.message();
+        break;
       }
     }
     data.sample(train_rng, n, xa, xb);
@@ -198,6 +220,7 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
     row.max_logit = rec.max_logit;
     row.skipped = rec.skipped;
     row.site = rec.first_nonfinite;
+    row.bias = rec.logit_bias;
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps)
     {
       row.accuracy = evaluate();
@@ -217,6 +240,7 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
     res.final_accuracy = std::isnan(last.accuracy) ? evaluate() : last.accuracy;
   }
   res.final_tau = L.tau();
+  res.final_bias = L.bias().value;
   res.final_loss_scale = L.loss_scale();
   if (streak >= s.collapse_window && streak > 0)
   {

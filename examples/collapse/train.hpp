@@ -28,6 +28,7 @@ struct step_row
   bool skipped = false;
   contrastive::nonfinite_site site = contrastive::nonfinite_site::none;
   float accuracy = std::numeric_limits<float>::quiet_NaN(); ///< held-out top-1, only on evaluation steps
+  float bias = 0.0f;                                        ///< sigmoid: the logit bias of this step
 };
 
 struct run_result
@@ -46,6 +47,8 @@ struct run_result
   contrastive::nonfinite_site first_nonfinite_site = contrastive::nonfinite_site::none;
   contrastive::nonfinite_site collapse_site = contrastive::nonfinite_site::none; ///< the site at collapse_step
   std::int64_t guard_events = 0;                                                 ///< range_guard only
+  bool sigmoid = false;                                                          ///< SigLIP's loss (--objective)
+  float final_bias = 0.0f;                                                       ///< sigmoid: the logit bias
   double seconds = 0.0;
   std::string error; ///< non-empty if the library refused a call
 

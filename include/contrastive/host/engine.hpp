@@ -110,8 +110,10 @@ public:
   ///                 + n_q n_k elements of T (the logits)
   ///   chunked     as materialized without the n_q n_k logits and the per-worker column statistics, plus the chunk
   ///               B nk_pad, the dK accumulator nk_pad dp [+ 2 n_k running column statistics]
+  /// `outputs_known`: the forward_backward case of `prepare` (its dq and dk given), where the sigmoid objective's
+  /// fused accumulators can be the caller's float outputs.
   template <class Algorithm, class Problem>
-  detail::checked_size bytes_for(const Problem& p) const noexcept
+  detail::checked_size bytes_for(const Problem& p, bool outputs_known = false) const noexcept
   {
     using detail::checked_size;
     constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
@@ -143,7 +145,8 @@ public:
     }
     else if constexpr (!materialized)
     {
-      if (!backend::in_place_ok(p.n_k, p.dim) || p.obj == objective::sigmoid)
+      const bool sigmoid_in_place = outputs_known && p.obj == objective::sigmoid;
+      if (!backend::in_place_ok(p.n_k, p.dim) || (p.obj == objective::sigmoid && !sigmoid_in_place))
       {
         floats = floats + (checked_size(p.n_q) + nk_pad) * dp;
       }
@@ -170,9 +173,11 @@ public:
 
   /// Sizes every buffer for `p` (the only place the engine allocates; may throw std::bad_alloc or
   /// std::length_error, which `loss` turns into errc::resource_exhausted) and packs K (and, materialized, Q). The
-  /// caller's q and k are read again by forward and backward: keep them alive until backward.
+  /// caller's q and k are read again by forward and backward: keep them alive until backward. `dq`, `dk`: the
+  /// outputs the following backward writes, when known now (forward_backward): the sigmoid objective's fused pass
+  /// then accumulates in them where the element type is float and the GEMM allows it (as the softmax backward does).
   template <class Algorithm, class Problem>
-  void prepare(const Problem& p)
+  void prepare(const Problem& p, T* dq = nullptr, T* dk = nullptr)
   {
     engine_state<T, Gemm>& s = st_;
     s.q = p.q;
@@ -186,6 +191,7 @@ public:
     s.obj = p.obj;
     s.labels = p.labels;
     s.workers = workers_for(p);
+    s.out_dq = s.out_dk = nullptr;
     constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
     constexpr bool materialized = algorithm_traits<Algorithm>::whole_products;
     const bool sym = s.symmetric();
@@ -218,8 +224,15 @@ public:
     else
     {
       std::vector<T>().swap(s.logits);
-      // The sigmoid objective's one pass accumulates the gradients during the forward, before dq/dk are known.
-      const bool in_place = backend::in_place_ok(s.n_k, s.d) && !s.sigmoid();
+      // The sigmoid objective's one pass accumulates the gradients during the forward: in place only where the
+      // outputs are known then.
+      const bool sigmoid_out = s.sigmoid() && dq != nullptr && dk != nullptr && backend::in_place_ok(s.n_k, s.d);
+      const bool in_place = backend::in_place_ok(s.n_k, s.d) && (!s.sigmoid() || sigmoid_out);
+      if constexpr (std::is_same_v<T, float>)
+      {
+        s.out_dq = sigmoid_out ? dq : nullptr;
+        s.out_dk = sigmoid_out ? dk : nullptr;
+      }
       s.dq_acc.resize(in_place ? 0 : s.n_q * s.dp);
       s.dk_acc.resize(in_place ? 0 : s.nk_pad * s.dp);
     }

@@ -140,6 +140,10 @@ struct engine_state
   float scale = 1.0f;
   float bias = 0.0f;          ///< sigmoid: the logit bias b of z = S + b (0 otherwise)
   double sigmoid_g_sum = 0.0; ///< sigmoid, fused: sum of the unnormalised G the forward formed (d loss / d b)
+  /// sigmoid, fused: the caller's float dq / dk of the backward that follows, where the forward accumulates G K and
+  /// G^T Q in place (row stride d; engine::prepare with known outputs); null: st.dq_acc / st.dk_acc
+  float* out_dq = nullptr;
+  float* out_dk = nullptr;
 
   gemm_backend<Gemm, T> mm; // the prepared keys (and queries) and the products
   std::vector<float> row_lse, row_loss, row_max, pos, col_lse, col_loss;

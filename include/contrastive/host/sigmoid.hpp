@@ -30,9 +30,12 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
   const std::size_t row_blocks = st.nq_pad / block_m;
   const std::size_t key_tiles = st.nk_pad / block_n;
   const unsigned groups = static_cast<unsigned>(std::min<std::size_t>(st.workers, row_blocks));
-  float* dq_acc = st.dq_acc.data();
-  float* dk_acc = st.dk_acc.data();
-  const std::size_t ld = st.dp;
+  // The caller's float outputs (row stride d) where prepare was given them, else the engine's (stride dp).
+  const bool in_place = st.out_dq != nullptr;
+  float* dq_acc = in_place ? st.out_dq : st.dq_acc.data();
+  float* dk_acc = in_place ? st.out_dk : st.dk_acc.data();
+  const std::size_t ld = in_place ? st.d : st.dp;
+  const std::size_t dk_rows = in_place ? st.n_k : st.nk_pad;
   parallel_for(st.pool,
                groups,
                groups,
@@ -40,7 +43,7 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
                {
                  const std::size_t q0 = st.n_q * g / groups, q1 = st.n_q * (g + 1) / groups;
                  std::fill(dq_acc + q0 * ld, dq_acc + q1 * ld, 0.0f);
-                 const std::size_t k0 = st.nk_pad * g / groups, k1 = st.nk_pad * (g + 1) / groups;
+                 const std::size_t k0 = dk_rows * g / groups, k1 = dk_rows * (g + 1) / groups;
                  std::fill(dk_acc + k0 * ld, dk_acc + k1 * ld, 0.0f);
                  std::fill(st.row_loss.begin() + static_cast<std::ptrdiff_t>(q0),
                            st.row_loss.begin() + static_cast<std::ptrdiff_t>(q1),
@@ -107,7 +110,11 @@ backward_result
 fused_sigmoid_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   const float out_scale = loss_scale * st.scale * gc.row_coef;
-  const std::size_t ld = st.dp;
+  // Accumulated in place (the forward was given these outputs: each row is scaled where it lies) or in the engine.
+  const bool in_place = st.out_dq != nullptr;
+  const float* dq_acc = in_place ? st.out_dq : st.dq_acc.data();
+  const float* dk_acc = in_place ? st.out_dk : st.dk_acc.data();
+  const std::size_t ld = in_place ? st.d : st.dp;
   backward_partials parts;
   constexpr std::size_t chunk = 64;
   parallel_for(st.pool,
@@ -118,7 +125,7 @@ fused_sigmoid_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_c
                  const std::size_t end = std::min(st.n_q, (t + 1) * chunk);
                  for (std::size_t i = t * chunk; i < end; ++i)
                  {
-                   const float* acc = st.dq_acc.data() + i * ld;
+                   const float* acc = dq_acc + i * ld;
                    parts.dlogs[w] += static_cast<double>(st.dot_query(acc, i));
                    parts.bad_q[w] |= st.store_row(acc, out_scale, dq + i * st.d) ? 1 : 0;
                  }
@@ -131,7 +138,7 @@ fused_sigmoid_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_c
                  const std::size_t end = std::min(st.n_k, (t + 1) * chunk);
                  for (std::size_t j = t * chunk; j < end; ++j)
                  {
-                   parts.bad_k[w] |= st.store_row(st.dk_acc.data() + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
+                   parts.bad_k[w] |= st.store_row(dk_acc + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
                  }
                });
   backward_result r = parts.combine(st.workers, static_cast<double>(out_scale));

@@ -183,8 +183,8 @@ public:
                  float s,
                  float bias,
                  const status& policies,
-                 const Element* dq,
-                 const Element* dk,
+                 Element* dq,
+                 Element* dk,
                  bool need_grads,
                  std::int64_t step,
                  std::int64_t iteration,
@@ -220,11 +220,13 @@ public:
       n_q_total_ = p.n_q;
       n_k_total_ = p.n_k;
       q_off_ = k_off_ = 0;
-      const std::size_t bytes = engine_.template bytes_for<Algorithm>(p).value;
+      // forward_backward: the outputs are known now (the sigmoid objective's fused pass may accumulate in them).
+      const std::size_t bytes = engine_.template bytes_for<Algorithm>(p, need_grads).value;
       CONTRASTIVE_RETURN_IF_ERROR(needs(guarded(
                                             [&]
                                             {
-                                              engine_.template prepare<Algorithm>(p);
+                                              engine_.template prepare<Algorithm>(
+                                                  p, need_grads ? dq : nullptr, need_grads ? dk : nullptr);
                                             }),
                                         "the host engine",
                                         bytes,
