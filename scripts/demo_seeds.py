@@ -39,25 +39,31 @@ def run_demo(path, seed, extra, out_dir):
     for line in text.splitlines():
         if line.startswith("type "):
             header_seen = True
+            # SigLIP runs (--objective sigmoid) print the logit bias after tau: every later column moves by one.
+            shift = 1 if " bias " in line else 0
             continue
         if not header_seen or not line.strip() or line.startswith("per-step"):
             continue
         f = line.split()
-        # type policy algorithm loss top-1 tau min-scale scale skipped collapsed(no | step N) ...
+        # type policy algorithm loss top-1 tau [bias] min-scale scale skipped collapsed(no | step N) ...
         run_id = "%s-%s-%s" % (f[0], f[1], f[2])
-        collapsed = f[9] != "no"
+        collapsed = f[9 + shift] != "no"
         rows[run_id] = {
             "top1": float(f[4].rstrip("%")),
             "tau": float(f[5]),
-            "skipped": int(f[8]),
+            "bias": float(f[6]) if shift else float("nan"),
+            "skipped": int(f[8 + shift]),
             "collapsed": collapsed,
         }
     for run_id, r in rows.items():
-        taus = []
+        taus, logits = [], []
         with open(os.path.join(out_dir, run_id + ".csv")) as fh:
             for rec in csv.DictReader(fh):
                 taus.append(float(rec["tau"]))
+                logits.append(float(rec["max_logit"]))
         r["min_tau"] = min(taus) if taus else float("nan")
+        finite = [x for x in logits if x == x and abs(x) != float("inf")]
+        r["max_logit"] = max(finite) if finite else float("nan")
     return rows
 
 
@@ -96,9 +102,10 @@ def main():
                 print("%s seed %d done" % (label, seed), file=sys.stderr)
 
     print("seeds %s; demo options: %s" % (args.seeds, " ".join(extra) if extra else "(defaults)"))
-    print("%-8s %-34s %9s %8s %7s %-16s %-16s %s" %
+    sigmoid = any(r["bias"] == r["bias"] for rs in results.values() for _, r, _ in rs)
+    print("%-8s %-34s %9s %8s %7s %-16s %-16s %-20s%s" %
           ("build", "configuration", "collapsed", "degraded", "through", "top-1 range", "final tau range",
-           "smallest tau (seed)"))
+           "smallest tau (seed)", "  final bias range   largest finite logit" if sigmoid else ""))
     for key in order:
         label, run_id = key
         rs = results[key]
@@ -115,9 +122,14 @@ def main():
                     "degraded" if r["top1"] < ref - 5.0 or r["skipped"] >= 20 else "through")
                 print("    seed %d: %-9s top-1 %.1f%% (float %.1f%%), tau %.3g, smallest tau %.3g, %d skipped" %
                       (seed, verdict, r["top1"], ref, r["tau"], r["min_tau"], r["skipped"]))
-        print("%-8s %-34s %9d %8d %7d %-16s %-16s %.3g (%d)" %
+        extra_cols = ""
+        if sigmoid:
+            biases = [r["bias"] for _, r, _ in rs]
+            extra_cols = "  %-18s %.3g" % ("%.3g to %.3g" % (min(biases), max(biases)),
+                                           max(r["max_logit"] for _, r, _ in rs))
+        print("%-8s %-34s %9d %8d %7d %-16s %-16s %-20s%s" %
               (label, run_id, n_col, n_deg, n_ok, "%.1f-%.1f%%" % (min(tops), max(tops)),
-               "%.3g-%.3g" % (min(taus), max(taus)), low, low_seed))
+               "%.3g-%.3g" % (min(taus), max(taus)), "%.3g (%d)" % (low, low_seed), extra_cols))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ std::string format_table(const std::vector<run_result>& results)
                 "loss",
                 "top-1",
                 "tau",
-                sigmoid ? "       bias" : "",
+                sigmoid ? "       bias lost grad" : "",
                 "min scale",
                 "scale",
                 "skipped",
@@ -68,10 +68,14 @@ std::string format_table(const std::vector<run_result>& results)
     {
       diag = "error: " + r.error;
     }
-    char bias[32] = "";
+    char bias[48] = "";
     if (sigmoid)
     {
-      std::snprintf(bias, sizeof bias, " %10s", format_number(r.final_bias, "%.3g").c_str());
+      std::snprintf(bias,
+                    sizeof bias,
+                    " %10s %9s",
+                    format_number(r.final_bias, "%.3g").c_str(),
+                    std::isnan(r.lost_gradient) ? "-" : format_number(100.0f * r.lost_gradient, "%.2g%%").c_str());
     }
     std::snprintf(line,
                   sizeof line,

@@ -101,6 +101,36 @@ void record(const cl::step_record& rec, const step_row& row, std::int64_t& strea
   }
 }
 
+/// The sigmoid objective's gradient mass lost to underflow in the materialized path on one batch: the share of
+/// sum_ij |dL/dz_ij| whose dS_ij = round_T(loss_scale dL/dz_ij) is 0 (z = s <a_i, b_j> + bias from the element-type
+/// features, as the loss computes it in float).
+template <class T>
+float lost_gradient_share(
+    const std::vector<T>& fa, const std::vector<T>& fb, std::size_t n, std::size_t d, float s, float bias, float ls)
+{
+  double lost = 0.0, total = 0.0;
+  for (std::size_t i = 0; i < n; ++i)
+  {
+    for (std::size_t j = 0; j < n; ++j)
+    {
+      float dot = 0.0f;
+      for (std::size_t c = 0; c < d; ++c)
+      {
+        dot += cl::element_traits<T>::to_float(fa[i * d + c]) * cl::element_traits<T>::to_float(fb[j * d + c]);
+      }
+      const float z = s * dot + bias;
+      const cl::sigmoid_term t = i == j ? cl::sigmoid_positive(z) : cl::sigmoid_negative(z);
+      const double g = std::fabs(static_cast<double>(t.grad)) / static_cast<double>(n);
+      total += g;
+      if (cl::round_to<T>(ls * static_cast<float>(g)) == 0.0f)
+      {
+        lost += g;
+      }
+    }
+  }
+  return total > 0.0 ? static_cast<float>(lost / total) : 0.0f;
+}
+
 template <class T, class Temperature, class Algorithm>
 run_result train_typed(const settings& s, const run_config& cfg, const progress_fn& progress)
 {
@@ -223,6 +253,11 @@ run_result train_typed(const settings& s, const run_config& cfg, const progress_
     row.bias = rec.logit_bias;
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.steps)
     {
+      if (s.sigmoid && std::is_same_v<Algorithm, cl::algorithm::materialized> && !rec.skipped)
+      {
+        const float share = lost_gradient_share(fa, fb, n, d, 1.0f / rec.tau, rec.logit_bias, rec.loss_scale);
+        res.lost_gradient = std::isnan(res.lost_gradient) ? share : std::max(res.lost_gradient, share);
+      }
       row.accuracy = evaluate();
       res.best_accuracy = std::max(res.best_accuracy, row.accuracy);
     }

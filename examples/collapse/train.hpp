@@ -49,6 +49,9 @@ struct run_result
   std::int64_t guard_events = 0;                                                 ///< range_guard only
   bool sigmoid = false;                                                          ///< SigLIP's loss (--objective)
   float final_bias = 0.0f;                                                       ///< sigmoid: the logit bias
+  /// sigmoid, materialized: the largest share (over the evaluation steps) of the batch's gradient mass sum |dL/dz|
+  /// whose scaled value round_T(loss_scale dL/dz) is 0 in the element type (lost to underflow); NaN otherwise
+  float lost_gradient = std::numeric_limits<float>::quiet_NaN();
   double seconds = 0.0;
   std::string error; ///< non-empty if the library refused a call
 
