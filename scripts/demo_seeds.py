@@ -39,8 +39,9 @@ def run_demo(path, seed, extra, out_dir):
     for line in text.splitlines():
         if line.startswith("type "):
             header_seen = True
-            # SigLIP runs (--objective sigmoid) print the logit bias after tau: every later column moves by one.
-            shift = 1 if " bias " in line else 0
+            # SigLIP runs (--objective sigmoid) print the logit bias and the gradient share lost to underflow after
+            # tau: every later column moves by two.
+            shift = 2 if " bias " in line else 0
             continue
         if not header_seen or not line.strip() or line.startswith("per-step"):
             continue
@@ -52,6 +53,7 @@ def run_demo(path, seed, extra, out_dir):
             "top1": float(f[4].rstrip("%")),
             "tau": float(f[5]),
             "bias": float(f[6]) if shift else float("nan"),
+            "lost": float(f[7].rstrip("%")) if shift and f[7] != "-" else float("nan"),
             "skipped": int(f[8 + shift]),
             "collapsed": collapsed,
         }
@@ -105,7 +107,8 @@ def main():
     sigmoid = any(r["bias"] == r["bias"] for rs in results.values() for _, r, _ in rs)
     print("%-8s %-34s %9s %8s %7s %-16s %-16s %-20s%s" %
           ("build", "configuration", "collapsed", "degraded", "through", "top-1 range", "final tau range",
-           "smallest tau (seed)", "  final bias range   largest finite logit" if sigmoid else ""))
+           "smallest tau (seed)",
+           "  final bias range   largest finite logit  most gradient lost" if sigmoid else ""))
     for key in order:
         label, run_id = key
         rs = results[key]
@@ -125,8 +128,10 @@ def main():
         extra_cols = ""
         if sigmoid:
             biases = [r["bias"] for _, r, _ in rs]
-            extra_cols = "  %-18s %.3g" % ("%.3g to %.3g" % (min(biases), max(biases)),
-                                           max(r["max_logit"] for _, r, _ in rs))
+            lost = [r["lost"] for _, r, _ in rs if r["lost"] == r["lost"]]
+            extra_cols = "  %-18s %-21.3g %s" % ("%.3g to %.3g" % (min(biases), max(biases)),
+                                                 max(r["max_logit"] for _, r, _ in rs),
+                                                 "%.2g%%" % max(lost) if lost else "-")
         print("%-8s %-34s %9d %8d %7d %-16s %-16s %-20s%s" %
               (label, run_id, n_col, n_deg, n_ok, "%.1f-%.1f%%" % (min(tops), max(tops)),
                "%.3g-%.3g" % (min(taus), max(taus)), "%.3g (%d)" % (low, low_seed), extra_cols))

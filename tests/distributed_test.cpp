@@ -100,11 +100,17 @@ void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed, Com
   const std::vector<std::int32_t> labels_mine(all_labels.begin() + sq.offset,
                                               all_labels.begin() + sq.offset + sq.count);
   const float scale = std::is_same_v<T, float> ? 1.0f : 256.0f;
-  const auto temp = cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f));
+  const bool sigmoid = obj == cl::objective::sigmoid;
+  const auto temp = cl::temperature::learnable(sigmoid ? 0.1f : 0.05f, cl::optimizer::adam(1e-2f));
 
   cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm> one(temp, scaler_at(scale), 1);
   cl::distributed::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm, Comm> dist(
       comm, temp, scaler_at(scale), 1);
+  if (sigmoid) // SigLIP: a learnable bias from -10, trained in lockstep on every rank
+  {
+    ASSERT_TRUE(one.set_logit_bias(cl::logit_bias::learnable(-10.0f, cl::optimizer::adam(1e-1f))).ok());
+    ASSERT_TRUE(dist.set_logit_bias(cl::logit_bias::learnable(-10.0f, cl::optimizer::adam(1e-1f))).ok());
+  }
   for (int step = 0; step < 2; ++step)
   {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -134,6 +140,8 @@ void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed, Com
     EXPECT_EQ(r.first_nonfinite, r1.first_nonfinite);
     EXPECT_EQ(dist.tau(), one.tau());
     EXPECT_EQ(dist.loss_scale(), one.loss_scale());
+    EXPECT_NEAR(r.grad_logit_bias, r1.grad_logit_bias, 1e-5 * (1.0 + std::fabs(r1.grad_logit_bias)));
+    EXPECT_EQ(dist.bias().value, one.bias().value);
   }
 }
 } // namespace
@@ -141,7 +149,7 @@ void matches_one_process(cl::objective obj, bool labels, std::uint32_t seed, Com
 TEST(Distributed, MatchesOneProcessOnTheConcatenatedBatch)
 {
   std::uint32_t seed = 300;
-  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce})
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce, cl::objective::sigmoid})
   {
     for (bool labels : {false, true})
     {

@@ -281,8 +281,8 @@ struct fuzz_problem
 
   fuzz_problem(byte_reader& in, std::size_t max_q, std::size_t max_k, std::size_t max_dim)
       : n_q(in.below(max_q)), n_k(in.below(max_k)), dim(in.below(max_dim)),
-        obj(in.byte() % 2 == 0 ? cl::objective::symmetric : cl::objective::info_nce), with_labels(in.byte() % 3 == 0),
-        q(n_q * dim + 1), k(n_k * dim + 1), labels(n_q + 1)
+        obj(static_cast<cl::objective>(in.byte() % 3)), with_labels(in.byte() % 3 == 0), q(n_q * dim + 1),
+        k(n_k * dim + 1), labels(n_q + 1)
   {
     for (auto& x : q)
     {
