@@ -196,6 +196,7 @@ bool apply_preset(const std::string& name, settings& s)
     s.beta2 = 0.98;
     s.tau_lr = 5e-4f;
     s.tau_beta2 = 0.98f;
+    s.bias_lr = 5e-4f; // SigLIP trains t and b with the same optimiser
     s.eval_every = 500;
     return true;
   }

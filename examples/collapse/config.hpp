@@ -109,7 +109,7 @@ struct settings
 
 /// Named settings. "default": the fast reproduction (the values above; its tau optimiser, Adam lr 1.0 and beta2 0.9,
 /// is accelerated so that the drift of tau over a long CLIP run fits in 1200 steps). "open_clip": open_clip's
-/// optimiser settings (Adam lr 5e-4, beta1 0.9, beta2 0.98 for the encoders and for log(1/tau) alike) over 20000
+/// optimiser settings (Adam lr 5e-4, beta1 0.9, beta2 0.98 for the encoders, log(1/tau) and the bias alike) over 20000
 /// steps, the rest as the default. Returns false for an unknown name (and leaves `s` alone).
 bool apply_preset(const std::string& name, settings& s);
 

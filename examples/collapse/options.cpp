@@ -182,7 +182,7 @@ std::vector<option> make_table()
       row("--preset",
           "NAME",
           "default: the fast reproduction below (its tau optimiser is accelerated)\n"
-          "open_clip: open_clip's Adam (lr 5e-4, beta2 0.98, encoders and tau alike),\n"
+          "open_clip: open_clip's Adam (lr 5e-4, beta2 0.98, encoders, tau and bias alike),\n"
           "20000 steps, evaluation every 500; later options override a preset",
           [](cli_options& o, const std::string& v)
           {
