@@ -639,12 +639,18 @@ static void run_core(byte_reader& in)
   const cl::problem<T> p = fp.problem();
   const float tau = in.setting(0.07f), ls = in.setting(256.0f);
   const float s = cl::temperature::fixed(tau).scale(); // the loss's s for this tau, so both see the same bits
+  // The logit bias: SigLIP's -10 scaled for the sigmoid objective, 0 for the softmax ones, and sometimes any value
+  // (non-finite, or nonzero for a softmax: both refused, naming it).
+  const bool any_bias = in.byte() % 5 == 0;
+  const float bias = any_bias ? in.value() : (fp.obj == cl::objective::sigmoid ? in.setting(-10.0f) : 0.0f);
   const T seven = cl::element_traits<T>::from_float(7.0f);
   std::vector<T> dq(fp.n_q * fp.dim + 1, seven), dk(fp.n_k * fp.dim + 1, seven);
   std::vector<T> dq1(fp.n_q * fp.dim + 1), dk1(fp.n_k * fp.dim + 1);
   cl::core<T, Algorithm> core(1 + static_cast<unsigned>(in.below(2)));
   cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm> l(
       cl::temperature::fixed(tau), cl::scaler::static_scale(ls), 1);
+  const bool bias_set = l.set_logit_bias(cl::logit_bias::fixed(bias)).ok();
+  require(bias_set == std::isfinite(bias), "set_logit_bias: a finite bias refused or a non-finite one accepted");
   cl::step::backward_values b;
   const cl::status early = core.backward(ls, dq.data(), dk.data(), b);
   require(!early.ok() && all_sentinel(dq) && all_sentinel(dk),
@@ -656,7 +662,7 @@ static void run_core(byte_reader& in)
   if (split)
   {
     cl::step::forward_values f;
-    st = core.forward(p, s, f);
+    st = core.forward(p, s, bias, f);
     if (st.ok())
     {
       // Outputs over the inputs are refused and keep the forward ready.
@@ -673,11 +679,20 @@ static void run_core(byte_reader& in)
       }
       v.loss = f.loss;
       v.grad_logit_scale = b.grad_logit_scale / ls;
+      v.grad_logit_bias = b.grad_logit_bias / ls;
     }
   }
   else
   {
-    st = core.step(p, s, ls, dq.data(), dk.data(), v);
+    st = core.step(p, s, bias, ls, dq.data(), dk.data(), v);
+  }
+  if (st.ok() && (!bias_set || (p.obj != cl::objective::sigmoid && bias != 0.0f)))
+  {
+    require(false, "core: a non-finite logit bias, or a nonzero one for a softmax objective, was accepted");
+  }
+  if (!bias_set)
+  {
+    return; // the loss holds no such bias to compare with
   }
   cl::step_record rec;
   const cl::status st1 = l.step(p, dq1.data(), dk1.data(), rec);
@@ -704,7 +719,8 @@ static void run_core(byte_reader& in)
   require(std::memcmp(dq.data(), dq1.data(), (dq.size() - 1) * sizeof(T)) == 0 &&
               std::memcmp(dk.data(), dk1.data(), (dk.size() - 1) * sizeof(T)) == 0,
           "core and the loss wrote different gradients");
-  require(same_bytes(v.loss, rec.loss) && same_bytes(v.grad_logit_scale, rec.grad_logit_scale),
+  require(same_bytes(v.loss, rec.loss) && same_bytes(v.grad_logit_scale, rec.grad_logit_scale) &&
+              same_bytes(v.grad_logit_bias, rec.grad_logit_bias),
           "core and the loss report different values");
 }
 
