@@ -98,6 +98,7 @@ public:
   {
     CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(
         p, logit_scale, logit_bias, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
+    sigmoid_ = p.obj == objective::sigmoid;
     driver_.copy_lse(row_lse, col_lse);
     return {};
   }
@@ -142,6 +143,7 @@ public:
     step::forward_values f;
     CONTRASTIVE_RETURN_IF_ERROR(
         driver_.forward(p, logit_scale, logit_bias, checks, dq, dk, true, passes_, iteration, f));
+    sigmoid_ = p.obj == objective::sigmoid;
     step::backward_values b;
     CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(loss_scale, dq, dk, true, passes_, b));
     passes_ = detail::saturating_increment(passes_);
@@ -163,10 +165,11 @@ public:
   }
 
   /// The first non-finite site of the last forward + backward pair (d loss / d log s counts unless
-  /// `wants_gradient` is false, e.g. for a fixed temperature).
+  /// `wants_gradient` is false, e.g. for a fixed temperature; d loss / d b for the sigmoid objective), as `step`
+  /// reports it.
   nonfinite_site diagnose(bool wants_gradient = true) const noexcept
   {
-    return base::first_nonfinite(wants_gradient);
+    return base::first_nonfinite(wants_gradient, sigmoid_);
   }
 
 private:
@@ -190,5 +193,6 @@ private:
   }
 
   std::int64_t passes_ = 0;
+  bool sigmoid_ = false; ///< the last forward's objective was sigmoid (its d loss / d b counts in diagnose)
 };
 } // namespace contrastive

@@ -160,6 +160,11 @@ public:
   {
     return bwd_;
   }
+  /// The loss scale of the last backward (what its gradients are multiplied by).
+  float last_loss_scale() const noexcept
+  {
+    return loss_scale_;
+  }
   /// The last forward's finished log-sum-exps: this rank's rows (n_q floats), and (symmetric) this rank's keys'
   /// columns (n_k floats).
   void copy_lse(float* row_lse, float* col_lse) const
@@ -395,6 +400,7 @@ public:
       bwd_ = {static_cast<float>(dlogs), dq_bad, dk_bad, static_cast<float>(dbias)};
     }
     ready_ = false;
+    loss_scale_ = loss_scale;
     out = bwd_;
     return {};
   }
@@ -692,6 +698,7 @@ private:
   grad_coefficients gc_{};
   forward_values fwd_{};
   backward_values bwd_{};
+  float loss_scale_ = 1.0f;
   std::size_t n_q_total_ = 0, n_k_total_ = 0, q_off_ = 0, k_off_ = 0;
   // Ranks only: the agreed counts, the gathered keys, the rows' global labels, float partials, column statistics.
   std::vector<int> k_rows_, dk_counts_;
@@ -767,13 +774,21 @@ protected:
   {
   }
   /// The first non-finite site of the last forward + backward pair, in the order of `step_record::first_nonfinite`
-  /// (d loss / d log s counts when `wants_gradient`).
-  nonfinite_site first_nonfinite(bool wants_gradient) const noexcept
+  /// (d loss / d log s counts when `wants_gradient`, d loss / d b when `wants_bias_gradient`), from the unscaled
+  /// gradients as a step record has them (a scaled value can be finite where its division by a small loss scale is
+  /// not).
+  nonfinite_site first_nonfinite(bool wants_gradient, bool wants_bias_gradient = false) const noexcept
   {
     const forward_values& f = driver_.last_forward();
     const backward_values& b = driver_.last_backward();
-    return detail::first_nonfinite(
-        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, wants_gradient, b.grad_logit_scale);
+    const float ls = driver_.last_loss_scale();
+    const nonfinite_site site = detail::first_nonfinite(
+        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, wants_gradient, b.grad_logit_scale / ls);
+    if (site == nonfinite_site::none && wants_bias_gradient && !detail::finite(b.grad_logit_bias / ls))
+    {
+      return nonfinite_site::grad_logit_bias;
+    }
+    return site;
   }
 
   Driver driver_;

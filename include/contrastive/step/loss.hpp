@@ -185,7 +185,7 @@ public:
   /// The first non-finite site of the last forward + backward pair, in the order of `step_record::first_nonfinite`.
   nonfinite_site diagnose() const noexcept
   {
-    return base::first_nonfinite(temperature_.wants_gradient());
+    return base::first_nonfinite(temperature_.wants_gradient(), bias_.is_learnable());
   }
 
   /// Backward of the last `forward` at the current loss scale: dq, dk (Element, multiplied by the loss scale) and
