@@ -20,7 +20,10 @@ applies (bfloat16 and float32 are unaffected), and `last_step` holds device tens
 `first_nonfinite_code` indexes NONFINITE_SITES. Input checks on CUDA (finiteness, label range) synchronise once.
 
 ClipLoss takes open_clip's constructor arguments (local_loss, gather_with_grad, cache_labels, rank, world_size,
-use_horovod) and call (logit_bias, output_dict); one process only for now (world_size > 1 raises NotImplementedError).
+use_horovod) and call (logit_bias, output_dict). With world_size > 1 (or group=a torch.distributed process group) it
+computes the loss of the global batch over torch.distributed (gloo; CPU tensors): each rank passes its own rows, the
+library gathers the text features, runs the rank's rows and reduce-scatters their gradients (python/README.md: the
+gradient convention, which is open_clip's).
 On PyTorch >= 2.4 the CPU loss is also the torch.library custom operators contrastive_torch::loss and
 contrastive_torch::loss_backward, which torch.compile traces (fullgraph=True works); eager calls use the
 autograd.Function, whose backward reuses the forward's engine instead of recomputing the forward.
@@ -280,6 +283,134 @@ class _CudaFunction(torch.autograd.Function):
         return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None, None
 
 
+# --- torch.distributed ------------------------------------------------------------------------------------------
+
+_ALGORITHMS = ("fused", "materialized", "chunked")
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# The Python exception kinds `agree` carries from the failing rank to every rank.
+_KINDS = {1: TypeError, 2: ValueError, 3: NotImplementedError, 4: RuntimeError, 5: MemoryError, 6: OverflowError}
+
+
+def _kind_of(error):
+    for code in (3, 1, 2, 5, 6):  # NotImplementedError before RuntimeError (it is one)
+        if isinstance(error, _KINDS[code]):
+            return code
+    return 4
+
+
+def _with_rank(rank, text):
+    """'argument: what' -> 'argument: rank r: what', as the library's agreed errors read."""
+    head, sep, rest = text.partition(": ")
+    if sep and " " not in head.strip():
+        return f"{head}: rank {rank}: {rest}"
+    return f"rank {rank}: {text}"
+
+
+def _agree(group, error, values):
+    """Every rank's verdict on its own checks (`error`: None or the exception it would raise) and its `values`,
+    all-gathered over `group`: if any rank failed, every rank raises the first failing rank's error, naming it.
+    Returns every rank's values."""
+    kind = 0 if error is None else _kind_of(error)
+    bad, bad_kind, text, got = extension().agree(group, kind, "" if error is None else str(error),
+                                                 [float(v) for v in values])
+    if bad >= 0:
+        raised = _KINDS.get(bad_kind, RuntimeError)(_with_rank(bad, text))
+        if error is not None and bad == group.rank():
+            raise raised from error
+        raise raised
+    return got
+
+
+def _first_other(got, i):
+    """The first rank whose value i differs from rank 0's (bitwise: NaN differs from everything), or None."""
+    import struct
+
+    bits = [struct.pack("<d", v[i]) for v in got]
+    for r in range(1, len(got)):
+        if bits[r] != bits[0]:
+            return r
+    return None
+
+
+def _check_same(got, symmetric):
+    """The ranks' dtype, algorithm, objective and logit_scale must agree (the same error on every rank)."""
+    names = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
+    r = _first_other(got, 0)
+    if r is not None:
+        what = "image_features" if symmetric else "query"
+        raise TypeError(f"{what}: rank {r}: dtype {names.get(int(got[r][0]))} where rank 0 has "
+                        f"{names.get(int(got[0][0]))}; every rank must pass the same dtype")
+    r = _first_other(got, 1)
+    if r is not None:
+        raise ValueError(f"algorithm: rank {r}: '{_ALGORITHMS[int(got[r][1])]}' where rank 0 has "
+                         f"'{_ALGORITHMS[int(got[0][1])]}'; every rank must use the same algorithm")
+    r = _first_other(got, 3)
+    if r is not None:
+        raise ValueError(f"labels: rank {r} {'passes' if got[r][3] else 'omits'} labels where rank 0 "
+                         f"{'passes' if got[0][3] else 'omits'} them")
+    r = _first_other(got, 4)
+    if r is not None:
+        raise ValueError(f"logit_scale: rank {r}: {got[r][4]!r} where rank 0 has {got[0][4]!r}; every rank must "
+                         "pass the same logit_scale (a parameter that DDP keeps equal on every rank)")
+
+
+_eager_only = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda f: f)
+
+
+class _DistFunction(torch.autograd.Function):
+    """The loss of the global batch over a process group: forward and backward are collectives of every rank. The
+    backward runs the library's at loss scale grad_ranks x the incoming gradient (which every rank must share), so the
+    features get grad_ranks x d(global loss)/d(this rank's rows): open_clip's gather-with-grad convention for
+    grad_ranks = world size (see python/README.md)."""
+
+    @staticmethod
+    def forward(ctx, q, k, logit_scale, labels, symmetric, owner, key, group, scale, grad_ranks, report):
+        handle = owner._take_handle(key, group)
+        try:
+            value, _tau = handle.forward(q, k, scale, labels, symmetric)
+        except Exception:
+            owner._give_handle(key, group, handle)
+            raise
+        report["loss"] = value
+        ctx.owner, ctx.key, ctx.handle, ctx.group = owner, key, handle, group
+        ctx.scale, ctx.grad_ranks, ctx.report = scale, grad_ranks, report
+        ctx.scale_shape = logit_scale.shape if isinstance(logit_scale, torch.Tensor) else None
+        ctx.scale_dtype = logit_scale.dtype if isinstance(logit_scale, torch.Tensor) else torch.float32
+        if not any(ctx.needs_input_grad[:3]):
+            report["first_nonfinite"], report["max_logit"] = handle.diagnosis()
+            owner._give_handle(key, group, handle)
+            ctx.handle = None
+        return torch.tensor(value, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        handle, g, c = ctx.handle, float(grad), ctx.grad_ranks
+        ctx.handle = None
+        try:
+            error = None if handle is not None else RuntimeError(
+                "contrastive_torch: backward called twice, or after a forward without grad")
+            got = _agree(ctx.group, error, [g])
+            r = _first_other(got, 0)
+            if r is not None:
+                raise ValueError(f"loss: rank {r}: the incoming gradient is {got[r][0]!r} where rank 0's is "
+                                 f"{got[0][0]!r}; the global loss's backward takes one loss scale, the same on every "
+                                 "rank (GradScaler's scale, or 1)")
+            # As _ContrastiveFunction: the incoming gradient (times c) is the library's loss scale when it can be.
+            direct = g > 0.0 and g * c < 3.0e38
+            dq, dk, dlogs = handle.backward(g * c if direct else float(c))
+            ctx.report["first_nonfinite"], ctx.report["max_logit"] = handle.diagnosis()
+        finally:
+            if handle is not None:
+                ctx.owner._give_handle(ctx.key, ctx.group, handle)
+        if not direct:
+            dq, dk, dlogs = dq * g, dk * g, dlogs * g
+        d_scale = None
+        if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
+            # The library's d(loss)/d(log s) is of the global loss on every rank (not scaled by c).
+            d_scale = (dlogs / (c * ctx.scale)).to(ctx.scale_dtype).reshape(ctx.scale_shape)
+        return dq, dk, d_scale, None, None, None, None, None, None, None, None
+
+
 def _host_forward(q, k, scale, labels, symmetric, algorithm, threads):
     """Loss value of one host forward; the engine goes back to the pool (nothing is kept for a backward)."""
     key = (_DTYPES[q.dtype], algorithm, threads)
@@ -431,6 +562,9 @@ class _Base(torch.nn.Module):
         # CUDA, algorithm="chunked", bfloat16/float16: the library's tensor-core logits tiles (chunk_options::
         # fused_tiles); ignored on the CPU, for float32 and for the other algorithms.
         self.fused_tiles = fused_tiles
+        self.group = None  # ClipLoss(group=...): the torch.distributed process group (None: the default group)
+        self._dist_free = {}
+        self._dist_lock = threading.Lock()
         self.last_step = {}
         """Diagnosis of the last call: loss, first_nonfinite ('none', 'logits', 'loss', 'grad_q', 'grad_k',
         'grad_logit_scale'), max_logit. Filled by forward and completed by backward."""
@@ -477,6 +611,77 @@ class _Base(torch.nn.Module):
                                                          self.fused_tiles)[0]
         return torch.ops.contrastive_torch.loss(q, k, logit_scale, labels, symmetric, self.algorithm, self.threads)
 
+    def _take_handle(self, key, group):
+        """A distributed engine for (dtype, algorithm, threads) over `group`, reused across steps. Per module: every
+        rank's module makes the same calls, so every rank takes its engines in the same order."""
+        with self._dist_lock:
+            held = self._dist_free.get(key)
+            if held is not None and held[0] is group and held[1]:
+                return held[1].pop()
+            if held is None or held[0] is not group:  # engines over another (perhaps destroyed) group are dropped
+                self._dist_free[key] = (group, [])
+        return extension().Loss(key[0], key[1], key[2], group)
+
+    def _give_handle(self, key, group, handle):
+        with self._dist_lock:
+            held = self._dist_free.get(key)
+            if held is not None and held[0] is group:
+                held[1].append(handle)
+
+    @_eager_only  # a collective of the process group: torch.compile runs it eagerly (a graph break)
+    def _run_dist(self, q, k, logit_scale, labels, symmetric, grad_ranks_of):
+        """The loss of the global batch over the process group (every rank calls it). Every check whose outcome could
+        differ between ranks is agreed on first (one all-gather), so a bad input on one rank raises on every rank,
+        naming it; the library's own checks (shapes, finiteness, labels against the global keys) are agreed on inside
+        its forward. `grad_ranks_of(size)`: the factor of the features' gradients (python/README.md)."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not getattr(extension(), "HAS_DISTRIBUTED", False):
+            raise NotImplementedError("world_size > 1: this PyTorch (or the extension) has no torch.distributed")
+        if not dist.is_initialized():
+            raise RuntimeError("world_size > 1: torch.distributed is not initialized (call "
+                               "torch.distributed.init_process_group first, on every rank)")
+        group = self.group if self.group is not None else dist.group.WORLD
+        rank, size = group.rank(), group.size()
+        error, values, labels32, scale = None, [], None, None
+        try:
+            qn, kn = ("image_features", "text_features") if symmetric else ("query", "keys")
+            _check_features(qn, q)
+            _check_features(kn, k)
+            if q.device.type == "cuda" or k.device.type == "cuda":
+                raise NotImplementedError(
+                    f"{qn}: CUDA tensors with world_size > 1: the distributed loss runs on the CPU (gloo) only for "
+                    "now (the device engine has no torch.distributed path yet); pass CPU tensors, or all-gather the "
+                    "features yourself and use world_size=1")
+            if q.dtype != k.dtype:
+                raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype})")
+            if q.shape[1] != k.shape[1]:
+                raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
+            if self.world_size > 1 and self.world_size != size:
+                raise ValueError(f"world_size: {self.world_size}, but the process group has {size} ranks")
+            if self.world_size > 1 and self.rank != rank:
+                raise ValueError(f"rank: {self.rank}, but this process is rank {rank} of the process group")
+            scale = _scale_value(logit_scale)
+            labels32 = _labels_tensor(labels, q.shape[0])
+            if labels32 is not None and labels32.device.type != "cpu":
+                raise ValueError(f"labels: on {labels32.device} while the features are on the CPU")
+            values = [_DTYPE_CODES[q.dtype], _ALGORITHMS.index(self.algorithm), float(symmetric),
+                      float(labels32 is not None), scale]
+        except Exception as e:  # raised below on every rank, after the agreement
+            error = e
+        try:
+            got = _agree(group, error, values)
+        except RuntimeError as e:
+            if isinstance(error, NotImplementedError) and not isinstance(e, NotImplementedError):
+                raise error from e  # e.g. a CUDA-only (NCCL) group cannot run the agreement on the CPU
+            raise
+        _check_same(got, symmetric)
+        report = {}
+        self.last_step = report
+        key = (_DTYPES[q.dtype], self.algorithm, self.threads)
+        return _DistFunction.apply(q, k, logit_scale, labels32, symmetric, self, key, group, scale,
+                                   grad_ranks_of(size), report)
+
     def _run_cuda(self, q, k, logit_scale, labels32, symmetric, report):
         labels32 = _check_cuda_values(q, k, labels32, symmetric)
         return _CudaFunction.apply(q, k, logit_scale, labels32, symmetric, self.algorithm, self.fused_tiles, report)
@@ -509,12 +714,21 @@ class ClipLoss(_Base):
     feature tensors and to logit_scale. open_clip's arguments mean what they mean there: `local_loss` and
     `gather_with_grad` choose how a multi-process loss is formed (with one process, world_size=1, both change
     nothing, as in open_clip); `cache_labels` caches open_clip's label tensor (nothing to cache here: the diagonal is
-    implied); `rank`, `world_size`: this process in the job. world_size > 1 (the loss of the global batch over
-    torch.distributed) is not supported yet and raises NotImplementedError; so does use_horovod=True (never
-    supported). The keyword-only options are this library's (see _Base)."""
+    implied); `rank`, `world_size`: this process in the job. use_horovod=True raises NotImplementedError (never
+    supported). The keyword-only options are this library's (see _Base).
+
+    world_size > 1, or `group` (a torch.distributed ProcessGroup; default: the default group), computes the loss of
+    the global batch: every rank of the group calls it with its own rows (CPU tensors, gloo), and every rank gets the
+    global loss (also for local_loss=True, whose open_clip value is the rank's share: their mean over ranks is this).
+    Gradients follow open_clip's (python/README.md): each rank's features get world_size x d(global loss)/d(its rows)
+    with gather_with_grad=True or local_loss=True (DDP's averaging then gives the exact gradient), 1 x with neither;
+    logit_scale gets d(global loss)/d(logit_scale) on every rank. rank and world_size, where world_size > 1, must be
+    the group's. Every rank must pass the same dtype, algorithm and logit_scale; an error on one rank is raised on
+    every rank, naming it."""
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
-                 use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False):
+                 use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False,
+                 group=None):
         super().__init__(algorithm=algorithm, threads=threads, fused_tiles=fused_tiles, custom_ops=custom_ops)
         self.local_loss = _flag("local_loss", local_loss)
         self.gather_with_grad = _flag("gather_with_grad", gather_with_grad)
@@ -528,17 +742,26 @@ class ClipLoss(_Base):
             raise ValueError(f"rank: must be in [0, world_size) = [0, {self.world_size}), got {self.rank}")
         if self.use_horovod:
             raise NotImplementedError("use_horovod: Horovod is not supported by contrastive_torch (use_horovod=True)")
-        if self.world_size > 1:
+        if group is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+                raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+        self.group = group
+        self.distributed = self.world_size > 1 or group is not None
+        if self.distributed and custom_ops:
             raise NotImplementedError(
-                f"world_size: {self.world_size} processes: the loss over torch.distributed is not supported yet; "
-                "contrastive_torch.ClipLoss runs one process (world_size=1). Until then, all-gather the features "
-                "yourself (torch.distributed.nn.all_gather) and pass the global batch with world_size=1")
+                "custom_ops: the torch.library operators run one process; with world_size > 1 (or a group) the loss "
+                "is a collective run eagerly (torch.compile runs it as a graph break); use custom_ops=False")
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
         """open_clip's forward. open_clip adds `logit_bias` to every logit; one value (open_clip's CLIP models pass
         None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
         gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused."""
-        loss = self._run(image_features, text_features, logit_scale, None, True)
+        if self.distributed:
+            loss = self._run_dist(image_features, text_features, logit_scale, None, True, self._grad_ranks)
+        else:
+            loss = self._run(image_features, text_features, logit_scale, None, True)
         if logit_bias is not None:
             if not isinstance(logit_bias, (torch.Tensor, float, int)) or isinstance(logit_bias, bool):
                 raise TypeError(f"logit_bias: expected None, a number or a one-element tensor, got "
@@ -550,6 +773,14 @@ class ClipLoss(_Base):
                 if logit_bias.requires_grad:
                     loss = loss + (logit_bias.reshape(()) * 0).to(loss.dtype)
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+    def _grad_ranks(self, size):
+        """open_clip's factor on the features' gradients: its all-gather with grad sums every rank's gradient of the
+        (global, or with local_loss=True the rank's share of the) loss, size x d(global loss)/d(rows); with neither
+        option only the rank's own slot of the gathered features has a gradient, 1 x. open_clip's local_loss=True
+        without gather_with_grad drops the cross-rank terms (python/README.md); the exact size x is given there."""
+        return size if (self.gather_with_grad or self.local_loss) else 1
 
 
 class InfoNCELoss(_Base):

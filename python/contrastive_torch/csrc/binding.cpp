@@ -3,17 +3,31 @@
 // PyTorch binding of the host library: one `Loss` object per (element type, algorithm), holding the library's
 // engine between the forward and the backward of one autograd call. Errors become Python exceptions: the library's
 // status as ValueError (its message names the argument), wrong dtypes as TypeError.
+//
+// `Loss(dtype, algorithm, threads, group)` runs over a torch.distributed process group (torch_comm.hpp): each call
+// is a collective of the global batch (contrastive::core over ranks). `agree` is the Python side's own agreement:
+// every rank's verdict on its checks and a few values, all-gathered, so an error found on one rank raises on all.
 
 #include <torch/extension.h>
 
 #include "problem_of.hpp"
 
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroup.hpp>)
+#define CONTRASTIVE_TORCH_DISTRIBUTED 1
+#include "torch_comm.hpp"
+#else
+#define CONTRASTIVE_TORCH_DISTRIBUTED 0
+#endif
+
 #include <contrastive/contrastive.hpp>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace cl = contrastive;
@@ -61,11 +75,12 @@ struct memory_error : std::runtime_error
   }
 }
 
-template <class T, class Algorithm>
+template <class T, class Algorithm, class Comm = cl::distributed::comm::self>
 class handle final : public handle_base
 {
 public:
   explicit handle(unsigned threads) : core_(threads) {}
+  handle(Comm comm, unsigned threads) : core_(std::move(comm), threads) {}
 
   std::vector<double> forward(const torch::Tensor& q,
                               const torch::Tensor& k,
@@ -115,20 +130,22 @@ public:
   }
 
 private:
-  cl::core<T, Algorithm> core_;
+  cl::core<T, Algorithm, cl::gemm::builtin, Comm> core_;
   torch::Tensor q_, k_, labels_; // kept alive from forward to backward (the engine reads them again)
   std::size_t n_q_ = 0, n_k_ = 0, dim_ = 0;
 };
 
-template <class T>
-std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned threads)
+/// A handle for (T, algorithm): one process, or over `comm...` (a communicator) when given.
+template <class T, class... Comm>
+std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned threads, Comm... comm)
 {
   std::unique_ptr<handle_base> h;
-  const bool known = cl::algorithm::dispatch(algorithm.c_str(),
-                                             [&](auto tag)
-                                             {
-                                               h = std::make_unique<handle<T, decltype(tag)>>(threads);
-                                             });
+  const bool known =
+      cl::algorithm::dispatch(algorithm.c_str(),
+                              [&](auto tag)
+                              {
+                                h = std::make_unique<handle<T, decltype(tag), Comm...>>(comm..., threads);
+                              });
   if (!known)
   {
     throw std::invalid_argument("contrastive: algorithm: '" + algorithm + "' is not one of " + cl::algorithm::names());
@@ -136,34 +153,48 @@ std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned thr
   return h;
 }
 
+template <class... Comm>
+std::unique_ptr<handle_base>
+make_handle(const std::string& dtype, const std::string& algorithm, std::int64_t threads, Comm... comm)
+{
+  if (threads < 0)
+  {
+    throw std::invalid_argument("contrastive: threads: must be >= 0 (0 = all cores)");
+  }
+  const unsigned t = static_cast<unsigned>(threads);
+  if (dtype == "float32")
+  {
+    return make_for<float>(algorithm, t, comm...);
+  }
+  if (dtype == "bfloat16")
+  {
+    return make_for<__nv_bfloat16>(algorithm, t, comm...);
+  }
+  if (dtype == "float16")
+  {
+    return make_for<__half>(algorithm, t, comm...);
+  }
+  throw pybind11::type_error("contrastive: dtype: " + dtype + " is not float32, bfloat16 or float16");
+}
+
 /// The Python-visible object.
 class Loss
 {
 public:
   Loss(const std::string& dtype, const std::string& algorithm, std::int64_t threads)
+      : impl_(make_handle(dtype, algorithm, threads))
   {
-    if (threads < 0)
-    {
-      throw std::invalid_argument("contrastive: threads: must be >= 0 (0 = all cores)");
-    }
-    const unsigned t = static_cast<unsigned>(threads);
-    if (dtype == "float32")
-    {
-      impl_ = make_for<float>(algorithm, t);
-    }
-    else if (dtype == "bfloat16")
-    {
-      impl_ = make_for<__nv_bfloat16>(algorithm, t);
-    }
-    else if (dtype == "float16")
-    {
-      impl_ = make_for<__half>(algorithm, t);
-    }
-    else
-    {
-      throw pybind11::type_error("contrastive: dtype: " + dtype + " is not float32, bfloat16 or float16");
-    }
   }
+#if CONTRASTIVE_TORCH_DISTRIBUTED
+  /// Over a process group: every forward and backward is a collective of the group's ranks (the global batch).
+  Loss(const std::string& dtype,
+       const std::string& algorithm,
+       std::int64_t threads,
+       const c10::intrusive_ptr<c10d::ProcessGroup>& group)
+      : impl_(make_handle(dtype, algorithm, threads, contrastive_torch::torch_comm(group)))
+  {
+  }
+#endif
 
   std::vector<double> forward(const torch::Tensor& q,
                               const torch::Tensor& k,
@@ -192,6 +223,62 @@ public:
 private:
   std::unique_ptr<handle_base> impl_;
 };
+
+#if CONTRASTIVE_TORCH_DISTRIBUTED
+/// What each rank says in `agree`: its verdict (0: fine, else the Python exception kind) and up to 8 values.
+struct agree_msg
+{
+  std::int32_t kind;
+  std::int32_t n;
+  double values[8];
+};
+
+/// The Python side's agreement (one all-gather; one broadcast more when a rank failed): returns (the first rank whose
+/// kind is not 0, or -1; its kind; its message; every rank's values). Every rank gets the same answer, so every rank
+/// raises the same error. A failing collective raises RuntimeError (communication_error) on the ranks it fails on.
+std::tuple<int, int, std::string, std::vector<std::vector<double>>>
+agree(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+      std::int64_t kind,
+      const std::string& message,
+      const std::vector<double>& values)
+{
+  const contrastive_torch::torch_comm comm(group);
+  agree_msg mine;
+  std::memset(&mine, 0, sizeof mine);
+  mine.kind = static_cast<std::int32_t>(kind);
+  mine.n = static_cast<std::int32_t>(std::min<std::size_t>(values.size(), 8));
+  std::copy_n(values.begin(), mine.n, mine.values);
+  std::vector<agree_msg> all(static_cast<std::size_t>(comm.size()));
+  if (const cl::status st = comm.allgather(&mine, sizeof mine, all.data()); !st.ok())
+  {
+    raise(st);
+  }
+  std::vector<std::vector<double>> got;
+  for (const agree_msg& m : all)
+  {
+    got.emplace_back(m.values, m.values + std::max(0, std::min(m.n, 8)));
+  }
+  for (int r = 0; r < comm.size(); ++r)
+  {
+    const agree_msg& m = all[static_cast<std::size_t>(r)];
+    if (m.kind == 0)
+    {
+      continue;
+    }
+    char text[1024] = {};
+    if (r == comm.rank())
+    {
+      std::strncpy(text, message.c_str(), sizeof text - 1);
+    }
+    if (const cl::status st = comm.broadcast(text, sizeof text, r); !st.ok())
+    {
+      raise(st);
+    }
+    return {r, m.kind, std::string(text), got};
+  }
+  return {-1, 0, std::string(), got};
+}
+#endif
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -230,5 +317,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::arg("loss_scale"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("bytes_held", &Loss::bytes_held)
-      .def("diagnosis", &Loss::diagnosis);
+      .def("diagnosis", &Loss::diagnosis)
+#if CONTRASTIVE_TORCH_DISTRIBUTED
+      .def(pybind11::init<const std::string&,
+                          const std::string&,
+                          std::int64_t,
+                          const c10::intrusive_ptr<c10d::ProcessGroup>&>(),
+           pybind11::arg("dtype"),
+           pybind11::arg("algorithm"),
+           pybind11::arg("threads"),
+           pybind11::arg("group"))
+#endif
+      ;
+  m.attr("HAS_DISTRIBUTED") = static_cast<bool>(CONTRASTIVE_TORCH_DISTRIBUTED);
+#if CONTRASTIVE_TORCH_DISTRIBUTED
+  m.def("agree",
+        &agree,
+        pybind11::arg("group"),
+        pybind11::arg("kind"),
+        pybind11::arg("message"),
+        pybind11::arg("values"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+#endif
 }

@@ -1,0 +1,217 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+//
+// `contrastive_torch::torch_comm`: the library's communicator policy (contrastive/distributed/communicator.hpp) over a
+// torch.distributed process group (c10d::ProcessGroup, e.g. gloo), so that contrastive::core computes the loss of the
+// global batch with PyTorch's own collectives. Host buffers are wrapped as CPU tensors (from_blob: no copy) and each
+// collective is waited for before it returns (call it with the GIL released). A failing collective (a c10 exception:
+// a rank that left, the group's timeout) comes back as errc::communication_error naming the collective and the
+// backend, never as an exception through the library.
+//
+// Gloo's allgather needs equal sizes: allgatherv_rows with unequal row counts pads every rank's rows to the largest
+// count (one staging copy of the gathered rows); reduce_scatter takes unequal counts as they are.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/extension.h>
+
+#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/status.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace contrastive_torch
+{
+class torch_comm
+{
+public:
+  static constexpr const char* name = "torch.distributed";
+
+  explicit torch_comm(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)), rank_(group_->getRank()), size_(group_->getSize())
+  {
+  }
+
+  int rank() const noexcept
+  {
+    return rank_;
+  }
+  int size() const noexcept
+  {
+    return size_;
+  }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const noexcept
+  {
+    return group_;
+  }
+
+  contrastive::status allgather(const void* mine, std::size_t bytes, void* all) const
+  {
+    if (bytes == 0)
+    {
+      return {};
+    }
+    return run("allgather",
+               [&]
+               {
+                 std::vector<at::Tensor> in{bytes_of(const_cast<void*>(mine), bytes)};
+                 std::vector<std::vector<at::Tensor>> out(1);
+                 for (int r = 0; r < size_; ++r)
+                 {
+                   out[0].push_back(bytes_of(static_cast<char*>(all) + static_cast<std::size_t>(r) * bytes, bytes));
+                 }
+                 group_->allgather(out, in)->wait();
+               });
+  }
+
+  contrastive::status allgatherv_rows(const void* mine, const int* rows, std::size_t row_bytes, void* all) const
+  {
+    const int most = *std::max_element(rows, rows + size_);
+    const bool equal = std::all_of(rows,
+                                   rows + size_,
+                                   [&](int r)
+                                   {
+                                     return r == most;
+                                   });
+    if (most == 0 || row_bytes == 0)
+    {
+      return {};
+    }
+    if (equal)
+    {
+      return allgather(mine, static_cast<std::size_t>(most) * row_bytes, all);
+    }
+    return run("allgatherv_rows (padded allgather)",
+               [&]
+               {
+                 const std::size_t block = static_cast<std::size_t>(most) * row_bytes;
+                 at::Tensor staging = at::empty({static_cast<std::int64_t>(block * (size_ + 1))}, at::kByte);
+                 char* base = static_cast<char*>(staging.data_ptr());
+                 char* in = base + static_cast<std::size_t>(size_) * block; // this rank's rows, padded
+                 std::memcpy(in, mine, static_cast<std::size_t>(rows[rank_]) * row_bytes);
+                 std::vector<at::Tensor> input{bytes_of(in, block)};
+                 std::vector<std::vector<at::Tensor>> out(1);
+                 for (int r = 0; r < size_; ++r)
+                 {
+                   out[0].push_back(bytes_of(base + static_cast<std::size_t>(r) * block, block));
+                 }
+                 group_->allgather(out, input)->wait();
+                 char* to = static_cast<char*>(all);
+                 for (int r = 0; r < size_; ++r)
+                 {
+                   const std::size_t n = static_cast<std::size_t>(rows[r]) * row_bytes;
+                   std::memcpy(to, base + static_cast<std::size_t>(r) * block, n);
+                   to += n;
+                 }
+               });
+  }
+
+  contrastive::status reduce_scatter_sum(const float* all, const int* counts, float* mine) const
+  {
+    if (std::all_of(counts,
+                    counts + size_,
+                    [](int c)
+                    {
+                      return c == 0;
+                    }))
+    {
+      return {};
+    }
+    return run("reduce_scatter",
+               [&]
+               {
+                 std::vector<at::Tensor> out{floats_of(mine, counts[rank_])};
+                 std::vector<std::vector<at::Tensor>> in(1);
+                 std::size_t at = 0;
+                 for (int r = 0; r < size_; ++r)
+                 {
+                   in[0].push_back(floats_of(const_cast<float*>(all) + at, counts[r]));
+                   at += static_cast<std::size_t>(counts[r]);
+                 }
+                 group_->reduce_scatter(out, in)->wait();
+               });
+  }
+
+  contrastive::status broadcast(void* buf, std::size_t bytes, int root) const
+  {
+    if (bytes == 0)
+    {
+      return {};
+    }
+    return run("broadcast",
+               [&]
+               {
+                 std::vector<at::Tensor> t{bytes_of(buf, bytes)};
+                 c10d::BroadcastOptions opts;
+                 opts.rootRank = root;
+                 group_->broadcast(t, opts)->wait();
+               });
+  }
+
+  contrastive::status allreduce(float* data, std::size_t n, contrastive::distributed::reduce_op op) const
+  {
+    if (n == 0)
+    {
+      return {};
+    }
+    return run(op == contrastive::distributed::reduce_op::sum ? "allreduce (sum)" : "allreduce (max)",
+               [&]
+               {
+                 std::vector<at::Tensor> t{floats_of(data, static_cast<std::int64_t>(n))};
+                 c10d::AllreduceOptions opts;
+                 opts.reduceOp =
+                     op == contrastive::distributed::reduce_op::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+                 group_->allreduce(t, opts)->wait();
+               });
+  }
+
+private:
+  static at::Tensor bytes_of(void* p, std::size_t bytes)
+  {
+    return at::from_blob(p, {static_cast<std::int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+  }
+  static at::Tensor floats_of(float* p, std::int64_t n)
+  {
+    return at::from_blob(p, {n}, at::TensorOptions().dtype(at::kFloat));
+  }
+
+  /// Runs one collective; a c10 (or other) exception becomes communication_error naming the collective and backend.
+  template <class F>
+  contrastive::status run(const char* what, F&& f) const
+  {
+    std::string why;
+    try
+    {
+      f();
+      return {};
+    }
+    catch (const c10::Error& e)
+    {
+      why = e.what_without_backtrace();
+    }
+    catch (const std::exception& e)
+    {
+      why = e.what();
+    }
+    catch (...)
+    {
+      why = "an unknown exception";
+    }
+    const std::string where = std::string("torch.distributed ") + what + " (" + group_->getBackendName() + ")";
+    return {contrastive::errc::communication_error, where, "failed on rank " + std::to_string(rank_) + ": " + why};
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+static_assert(contrastive::distributed::is_communicator_v<torch_comm>,
+              "torch_comm must offer the collectives of contrastive/distributed/communicator.hpp");
+} // namespace contrastive_torch
