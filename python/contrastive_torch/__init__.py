@@ -367,9 +367,9 @@ class _DistFunction(torch.autograd.Function):
     def forward(ctx, q, k, logit_scale, labels, symmetric, owner, key, group, scale, grad_ranks, report):
         handle = owner._take_handle(key, group)
         try:
-            value, _tau = handle.forward(q, k, scale, labels, symmetric)
+            value, _tau = handle.forward(q, k, scale, labels, symmetric, group)
         except Exception:
-            owner._give_handle(key, group, handle)
+            owner._give_handle(key, handle)
             raise
         report["loss"] = value
         ctx.owner, ctx.key, ctx.handle, ctx.group = owner, key, handle, group
@@ -378,8 +378,8 @@ class _DistFunction(torch.autograd.Function):
         ctx.scale_dtype = logit_scale.dtype if isinstance(logit_scale, torch.Tensor) else torch.float32
         if not any(ctx.needs_input_grad[:3]):
             report["first_nonfinite"], report["max_logit"] = handle.diagnosis()
-            owner._give_handle(key, group, handle)
-            ctx.handle = None
+            owner._give_handle(key, handle)
+            ctx.handle = ctx.group = None
         return torch.tensor(value, dtype=torch.float32)
 
     @staticmethod
@@ -397,11 +397,12 @@ class _DistFunction(torch.autograd.Function):
                                  "rank (GradScaler's scale, or 1)")
             # As _ContrastiveFunction: the incoming gradient (times c) is the library's loss scale when it can be.
             direct = g > 0.0 and g * c < 3.0e38
-            dq, dk, dlogs = handle.backward(g * c if direct else float(c))
+            dq, dk, dlogs = handle.backward(g * c if direct else float(c), ctx.group)
             ctx.report["first_nonfinite"], ctx.report["max_logit"] = handle.diagnosis()
         finally:
+            ctx.group = None  # not kept with the graph (see _take_handle)
             if handle is not None:
-                ctx.owner._give_handle(ctx.key, ctx.group, handle)
+                ctx.owner._give_handle(ctx.key, handle)
         if not direct:
             dq, dk, dlogs = dq * g, dk * g, dlogs * g
         d_scale = None
@@ -612,21 +613,19 @@ class _Base(torch.nn.Module):
         return torch.ops.contrastive_torch.loss(q, k, logit_scale, labels, symmetric, self.algorithm, self.threads)
 
     def _take_handle(self, key, group):
-        """A distributed engine for (dtype, algorithm, threads) over `group`, reused across steps. Per module: every
-        rank's module makes the same calls, so every rank takes its engines in the same order."""
+        """A distributed engine for key = (dtype, algorithm, threads, rank, size), reused across steps (per module:
+        every rank's module makes the same calls, so every rank takes its engines in the same order). The group is
+        passed with each call, never kept: a process group alive at interpreter exit (after destroy_process_group) can
+        abort the process, so no engine or pool here holds one."""
         with self._dist_lock:
-            held = self._dist_free.get(key)
-            if held is not None and held[0] is group and held[1]:
-                return held[1].pop()
-            if held is None or held[0] is not group:  # engines over another (perhaps destroyed) group are dropped
-                self._dist_free[key] = (group, [])
+            stack = self._dist_free.get(key)
+            if stack:
+                return stack.pop()
         return extension().Loss(key[0], key[1], key[2], group)
 
-    def _give_handle(self, key, group, handle):
+    def _give_handle(self, key, handle):
         with self._dist_lock:
-            held = self._dist_free.get(key)
-            if held is not None and held[0] is group:
-                held[1].append(handle)
+            self._dist_free.setdefault(key, []).append(handle)
 
     @_eager_only  # a collective of the process group: torch.compile runs it eagerly (a graph break)
     def _run_dist(self, q, k, logit_scale, labels, symmetric, grad_ranks_of):
@@ -678,7 +677,7 @@ class _Base(torch.nn.Module):
         _check_same(got, symmetric)
         report = {}
         self.last_step = report
-        key = (_DTYPES[q.dtype], self.algorithm, self.threads)
+        key = (_DTYPES[q.dtype], self.algorithm, self.threads, rank, size)
         return _DistFunction.apply(q, k, logit_scale, labels32, symmetric, self, key, group, scale,
                                    grad_ranks_of(size), report)
 

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -191,7 +192,8 @@ public:
        const std::string& algorithm,
        std::int64_t threads,
        const c10::intrusive_ptr<c10d::ProcessGroup>& group)
-      : impl_(make_handle(dtype, algorithm, threads, contrastive_torch::torch_comm(group)))
+      : comm_(std::make_unique<contrastive_torch::torch_comm>(group->getRank(), group->getSize())),
+        impl_(make_handle(dtype, algorithm, threads, *comm_))
   {
   }
 #endif
@@ -200,13 +202,16 @@ public:
                               const torch::Tensor& k,
                               double scale,
                               const c10::optional<torch::Tensor>& labels,
-                              bool symmetric)
+                              bool symmetric,
+                              const pybind11::object& group)
   {
+    const bound b(*this, group);
     return impl_->forward(q, k, scale, labels.has_value() ? *labels : torch::Tensor(), symmetric);
   }
 
-  std::vector<torch::Tensor> backward(double loss_scale)
+  std::vector<torch::Tensor> backward(double loss_scale, const pybind11::object& group)
   {
+    const bound b(*this, group);
     return impl_->backward(loss_scale);
   }
 
@@ -221,6 +226,37 @@ public:
   }
 
 private:
+#if CONTRASTIVE_TORCH_DISTRIBUTED
+  /// The process group a distributed engine's call runs over (passed with each call, never kept: see torch_comm).
+  struct bound
+  {
+    std::optional<contrastive_torch::torch_comm::scope> scope;
+    bound(const Loss& loss, const pybind11::object& group)
+    {
+      if (!loss.comm_)
+      {
+        return;
+      }
+      if (group.is_none())
+      {
+        throw std::invalid_argument("contrastive: group: this engine runs over a process group; pass it");
+      }
+      // Cast with the GIL held (the caller holds it for this); the Python object keeps the group alive for the call.
+      c10::intrusive_ptr<c10d::ProcessGroup> g;
+      {
+        const pybind11::gil_scoped_acquire gil;
+        g = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+      }
+      scope.emplace(*loss.comm_, *g);
+    }
+  };
+  std::unique_ptr<contrastive_torch::torch_comm> comm_;
+#else
+  struct bound
+  {
+    bound(const Loss&, const pybind11::object&) {}
+  };
+#endif
   std::unique_ptr<handle_base> impl_;
 };
 
@@ -242,7 +278,7 @@ agree(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
       const std::string& message,
       const std::vector<double>& values)
 {
-  const contrastive_torch::torch_comm comm(group);
+  const contrastive_torch::torch_comm comm(*group); // bound for this call; the caller holds the group
   agree_msg mine;
   std::memset(&mine, 0, sizeof mine);
   mine.kind = static_cast<std::int32_t>(kind);
@@ -311,10 +347,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::arg("scale"),
            pybind11::arg("labels"),
            pybind11::arg("symmetric"),
+           pybind11::arg("group") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("backward",
            &Loss::backward,
            pybind11::arg("loss_scale"),
+           pybind11::arg("group") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("bytes_held", &Loss::bytes_held)
       .def("diagnosis", &Loss::diagnosis)

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,25 +32,62 @@ namespace contrastive_torch
 {
 class torch_comm
 {
+  struct binding
+  {
+    c10d::ProcessGroup* group = nullptr; // bound for the duration of a call (scope), else null
+    int rank = 0;
+    int size = 1;
+  };
+
 public:
   static constexpr const char* name = "torch.distributed";
 
-  explicit torch_comm(c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : group_(std::move(group)), rank_(group_->getRank()), size_(group_->getSize())
+  /// For this process's rank in a group of `size` ranks; the group itself is bound per call (`bind`), so an engine
+  /// kept between steps never keeps a process group alive (a ProcessGroupGloo destroyed at interpreter exit, after
+  /// destroy_process_group, can abort the process). Copies share the binding.
+  torch_comm(int rank, int size) : b_(std::make_shared<binding>())
   {
+    b_->rank = rank;
+    b_->size = size;
   }
+  /// Bound to `group` for this object's whole life (the caller keeps the group alive meanwhile).
+  explicit torch_comm(c10d::ProcessGroup& group) : torch_comm(group.getRank(), group.getSize())
+  {
+    b_->group = &group;
+  }
+
+  /// Binds `group` until the scope ends (it must have the rank and size this communicator was made for).
+  class scope
+  {
+  public:
+    scope(const torch_comm& c, c10d::ProcessGroup& group) : b_(c.b_)
+    {
+      if (group.getRank() != b_->rank || group.getSize() != b_->size)
+      {
+        throw std::invalid_argument("contrastive: group: rank " + std::to_string(group.getRank()) + " of " +
+                                    std::to_string(group.getSize()) + ", but this engine was made for rank " +
+                                    std::to_string(b_->rank) + " of " + std::to_string(b_->size));
+      }
+      b_->group = &group;
+    }
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope()
+    {
+      b_->group = nullptr;
+    }
+
+  private:
+    std::shared_ptr<binding> b_;
+  };
 
   int rank() const noexcept
   {
-    return rank_;
+    return b_->rank;
   }
   int size() const noexcept
   {
-    return size_;
-  }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const noexcept
-  {
-    return group_;
+    return b_->size;
   }
 
   contrastive::status allgather(const void* mine, std::size_t bytes, void* all) const
@@ -62,19 +101,19 @@ public:
                {
                  std::vector<at::Tensor> in{bytes_of(const_cast<void*>(mine), bytes)};
                  std::vector<std::vector<at::Tensor>> out(1);
-                 for (int r = 0; r < size_; ++r)
+                 for (int r = 0; r < size(); ++r)
                  {
                    out[0].push_back(bytes_of(static_cast<char*>(all) + static_cast<std::size_t>(r) * bytes, bytes));
                  }
-                 group_->allgather(out, in)->wait();
+                 group()->allgather(out, in)->wait();
                });
   }
 
   contrastive::status allgatherv_rows(const void* mine, const int* rows, std::size_t row_bytes, void* all) const
   {
-    const int most = *std::max_element(rows, rows + size_);
+    const int most = *std::max_element(rows, rows + size());
     const bool equal = std::all_of(rows,
-                                   rows + size_,
+                                   rows + size(),
                                    [&](int r)
                                    {
                                      return r == most;
@@ -91,19 +130,19 @@ public:
                [&]
                {
                  const std::size_t block = static_cast<std::size_t>(most) * row_bytes;
-                 at::Tensor staging = at::empty({static_cast<std::int64_t>(block * (size_ + 1))}, at::kByte);
+                 at::Tensor staging = at::empty({static_cast<std::int64_t>(block * (size() + 1))}, at::kByte);
                  char* base = static_cast<char*>(staging.data_ptr());
-                 char* in = base + static_cast<std::size_t>(size_) * block; // this rank's rows, padded
-                 std::memcpy(in, mine, static_cast<std::size_t>(rows[rank_]) * row_bytes);
+                 char* in = base + static_cast<std::size_t>(size()) * block; // this rank's rows, padded
+                 std::memcpy(in, mine, static_cast<std::size_t>(rows[rank()]) * row_bytes);
                  std::vector<at::Tensor> input{bytes_of(in, block)};
                  std::vector<std::vector<at::Tensor>> out(1);
-                 for (int r = 0; r < size_; ++r)
+                 for (int r = 0; r < size(); ++r)
                  {
                    out[0].push_back(bytes_of(base + static_cast<std::size_t>(r) * block, block));
                  }
-                 group_->allgather(out, input)->wait();
+                 group()->allgather(out, input)->wait();
                  char* to = static_cast<char*>(all);
-                 for (int r = 0; r < size_; ++r)
+                 for (int r = 0; r < size(); ++r)
                  {
                    const std::size_t n = static_cast<std::size_t>(rows[r]) * row_bytes;
                    std::memcpy(to, base + static_cast<std::size_t>(r) * block, n);
@@ -115,7 +154,7 @@ public:
   contrastive::status reduce_scatter_sum(const float* all, const int* counts, float* mine) const
   {
     if (std::all_of(counts,
-                    counts + size_,
+                    counts + size(),
                     [](int c)
                     {
                       return c == 0;
@@ -126,15 +165,15 @@ public:
     return run("reduce_scatter",
                [&]
                {
-                 std::vector<at::Tensor> out{floats_of(mine, counts[rank_])};
+                 std::vector<at::Tensor> out{floats_of(mine, counts[rank()])};
                  std::vector<std::vector<at::Tensor>> in(1);
                  std::size_t at = 0;
-                 for (int r = 0; r < size_; ++r)
+                 for (int r = 0; r < size(); ++r)
                  {
                    in[0].push_back(floats_of(const_cast<float*>(all) + at, counts[r]));
                    at += static_cast<std::size_t>(counts[r]);
                  }
-                 group_->reduce_scatter(out, in)->wait();
+                 group()->reduce_scatter(out, in)->wait();
                });
   }
 
@@ -150,7 +189,7 @@ public:
                  std::vector<at::Tensor> t{bytes_of(buf, bytes)};
                  c10d::BroadcastOptions opts;
                  opts.rootRank = root;
-                 group_->broadcast(t, opts)->wait();
+                 group()->broadcast(t, opts)->wait();
                });
   }
 
@@ -167,7 +206,7 @@ public:
                  c10d::AllreduceOptions opts;
                  opts.reduceOp =
                      op == contrastive::distributed::reduce_op::sum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
-                 group_->allreduce(t, opts)->wait();
+                 group()->allreduce(t, opts)->wait();
                });
   }
 
@@ -181,35 +220,46 @@ private:
     return at::from_blob(p, {n}, at::TensorOptions().dtype(at::kFloat));
   }
 
+  c10d::ProcessGroup* group() const noexcept
+  {
+    return b_->group;
+  }
+
   /// Runs one collective; a c10 (or other) exception becomes communication_error naming the collective and backend.
   template <class F>
   contrastive::status run(const char* what, F&& f) const
   {
     std::string why;
-    try
+    if (group() == nullptr)
     {
-      f();
-      return {};
+      why = "no process group is bound to the call (an internal error of contrastive_torch)";
     }
-    catch (const c10::Error& e)
+    else
     {
-      why = e.what_without_backtrace();
+      try
+      {
+        f();
+        return {};
+      }
+      catch (const c10::Error& e)
+      {
+        why = e.what_without_backtrace();
+      }
+      catch (const std::exception& e)
+      {
+        why = e.what();
+      }
+      catch (...)
+      {
+        why = "an unknown exception";
+      }
     }
-    catch (const std::exception& e)
-    {
-      why = e.what();
-    }
-    catch (...)
-    {
-      why = "an unknown exception";
-    }
-    const std::string where = std::string("torch.distributed ") + what + " (" + group_->getBackendName() + ")";
-    return {contrastive::errc::communication_error, where, "failed on rank " + std::to_string(rank_) + ": " + why};
+    const std::string where = std::string("torch.distributed ") + what +
+                              (group() != nullptr ? " (" + group()->getBackendName() + ")" : std::string());
+    return {contrastive::errc::communication_error, where, "failed on rank " + std::to_string(rank()) + ": " + why};
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  int rank_ = 0;
-  int size_ = 1;
+  std::shared_ptr<binding> b_;
 };
 
 static_assert(contrastive::distributed::is_communicator_v<torch_comm>,
