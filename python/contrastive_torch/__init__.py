@@ -354,7 +354,17 @@ def _check_same(got, symmetric):
                          "pass the same logit_scale (a parameter that DDP keeps equal on every rank)")
 
 
-_eager_only = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda f: f)
+def _eager_only(f):
+    """torch.compile runs `f` eagerly (a graph break; fullgraph=True refuses it, giving the reason)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:
+        return f
+    reason = ("contrastive_torch: with world_size > 1 the loss is a torch.distributed collective, run eagerly "
+              "(a graph break); fullgraph=True needs world_size=1")
+    try:
+        return disable(f, reason=reason)
+    except TypeError:  # PyTorch before reason=
+        return disable(f)
 
 
 class _DistFunction(torch.autograd.Function):
