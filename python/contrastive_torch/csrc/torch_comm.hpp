@@ -25,11 +25,32 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace contrastive_torch
 {
+namespace detail
+{
+/// Whether this PyTorch's ProcessGroup has the flat (one-tensor) collectives `all_gather_single` and
+/// `reduce_scatter_single` (newer PyTorch; older ones name the first `_allgather_base`): gloo's run them without
+/// flattening the per-rank tensor lists into a staging copy.
+template <class G, class = void>
+struct has_single_collectives : std::false_type
+{
+};
+template <class G>
+struct has_single_collectives<
+    G,
+    std::void_t<
+        decltype(std::declval<G&>().all_gather_single(std::declval<at::Tensor&>(), std::declval<at::Tensor&>())),
+        decltype(std::declval<G&>().reduce_scatter_single(std::declval<at::Tensor&>(), std::declval<at::Tensor&>()))>>
+    : std::true_type
+{
+};
+} // namespace detail
+
 class torch_comm
 {
   struct binding
@@ -96,6 +117,16 @@ public:
     {
       return {};
     }
+    if constexpr (detail::has_single_collectives<c10d::ProcessGroup>::value)
+    {
+      return run("allgather",
+                 [&]
+                 {
+                   at::Tensor in = bytes_of(const_cast<void*>(mine), bytes);
+                   at::Tensor out = bytes_of(all, bytes * static_cast<std::size_t>(size()));
+                   group()->all_gather_single(out, in)->wait();
+                 });
+    }
     return run("allgather",
                [&]
                {
@@ -161,6 +192,25 @@ public:
                     }))
     {
       return {};
+    }
+    const bool equal = std::all_of(counts,
+                                   counts + size(),
+                                   [&](int c)
+                                   {
+                                     return c == counts[0];
+                                   });
+    if constexpr (detail::has_single_collectives<c10d::ProcessGroup>::value)
+    {
+      if (equal)
+      {
+        return run("reduce_scatter",
+                   [&]
+                   {
+                     at::Tensor out = floats_of(mine, counts[rank()]);
+                     at::Tensor in = floats_of(const_cast<float*>(all), static_cast<std::int64_t>(counts[0]) * size());
+                     group()->reduce_scatter_single(out, in)->wait();
+                   });
+      }
     }
     return run("reduce_scatter",
                [&]
