@@ -182,8 +182,9 @@ def test_open_clip_create_loss_builds_ours(open_clip_loss, monkeypatch, seed):
     theirs = loss_and_grads(open_clip_loss.ClipLoss(), img, txt, 20.0)
     for name, a, b in zip(NAMES, got, theirs):
         assert rel(a, b) <= 256 * EPS32, f"{name} (seed {seed})"
-    with pytest.raises(NotImplementedError, match="world_size"):
-        factory.create_loss(open_clip_args(world_size=2, rank=1))
+    # open_clip's distributed arguments build the distributed loss (run over gloo in test_distributed.py).
+    dist_fn = factory.create_loss(open_clip_args(world_size=2, rank=1))
+    assert isinstance(dist_fn, ct.ClipLoss) and dist_fn.distributed and (dist_fn.rank, dist_fn.world_size) == (1, 2)
     with pytest.raises(NotImplementedError, match="use_horovod"):
         factory.create_loss(open_clip_args(horovod=True))
 
@@ -217,8 +218,7 @@ def test_constructor_and_call_are_open_clips(open_clip_loss):
 def test_constructor_errors_name_the_argument():
     with pytest.raises(NotImplementedError, match="use_horovod"):
         ct.ClipLoss(use_horovod=True)
-    with pytest.raises(NotImplementedError, match="world_size.*torch.distributed"):
-        ct.ClipLoss(rank=0, world_size=4)
+    assert ct.ClipLoss(rank=0, world_size=4).distributed  # the loss over torch.distributed (test_distributed.py)
     with pytest.raises(ValueError, match="rank"):
         ct.ClipLoss(rank=1, world_size=1)
     with pytest.raises(ValueError, match="rank"):
