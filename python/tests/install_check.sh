@@ -44,4 +44,5 @@ if os.environ.get("CONTRASTIVE_TORCH_CUDA") == "1":
     print(f"CUDA extension built and loaded: {cuda.__file__}")
 print(f"installed: {ct.__file__}; extension {ext.__file__}; torch {ct.torch.__version__}")
 PY
-"$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$src/tests"
+# The distributed tests spawn 2 ranks only here (the build tree's run spawns 2 and 4).
+CONTRASTIVE_TORCH_DIST_WORLDS=${CONTRASTIVE_TORCH_DIST_WORLDS:-2} "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$src/tests"
