@@ -37,10 +37,10 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["ClipLoss", "InfoNCELoss", "clamp_logit_scale", "freeze_then_learn", "extension", "cuda_extension",
-           "NONFINITE_SITES"]
+__all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "clamp_logit_scale", "freeze_then_learn", "extension",
+           "cuda_extension", "NONFINITE_SITES"]
 
-NONFINITE_SITES = ("none", "logits", "loss", "grad_q", "grad_k", "grad_logit_scale", "parameters")
+NONFINITE_SITES = ("none", "logits", "loss", "grad_q", "grad_k", "grad_logit_scale", "parameters", "grad_logit_bias")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # An installed package carries the headers (setup.py copies them); a source checkout has them two levels up.
@@ -165,6 +165,31 @@ def _scale_value(logit_scale):
     return value
 
 
+def _bias_value(logit_bias):
+    """SigLIP's logit bias as a float (None: 0); one finite value."""
+    if logit_bias is None:
+        return 0.0
+    if isinstance(logit_bias, bool) or not isinstance(logit_bias, (torch.Tensor, float, int)):
+        raise TypeError(f"logit_bias: expected None, a number or a one-element tensor, got {type(logit_bias).__name__}")
+    if isinstance(logit_bias, torch.Tensor):
+        if logit_bias.numel() != 1:
+            raise ValueError(f"logit_bias: expected one value (a per-logit bias is not supported), got shape "
+                             f"{tuple(logit_bias.shape)}")
+        value = float(logit_bias.detach().reshape(()))
+    else:
+        value = float(logit_bias)
+    if not (abs(value) < float("inf")):
+        raise ValueError(f"logit_bias: must be finite, got {value}")
+    return value
+
+
+def _like(value, param):
+    """A 0-dim gradient `value` (a float64 tensor) in the dtype and shape of `param` (a tensor; None for a number)."""
+    if not isinstance(param, torch.Tensor):
+        return None
+    return value.to(param.dtype).reshape(param.shape)
+
+
 class _Pool:
     """Loss engines by (dtype, algorithm, threads), reused across steps (their buffers stay allocated)."""
 
@@ -232,6 +257,51 @@ class _ContrastiveFunction(torch.autograd.Function):
             # d loss / d s = (d loss / d log s) / s.
             d_scale = (dlogs / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
         return dq, dk, d_scale, None, None, None, None, None
+
+
+class _SigmoidFunction(torch.autograd.Function):
+    """SigLIP's sigmoid loss on the host (one process): as _ContrastiveFunction, with the logit bias an input whose
+    gradient the library returns."""
+
+    @staticmethod
+    def forward(ctx, q, k, logit_scale, logit_bias, labels, algorithm, threads, report):
+        key = (_DTYPES[q.dtype], algorithm, threads)
+        handle = _pool.take(key)
+        scale, bias = _scale_value(logit_scale), _bias_value(logit_bias)
+        try:
+            value, _tau = handle.forward_sigmoid(q, k, scale, bias, labels)
+        except Exception:
+            _pool.give(key, handle)
+            raise
+        report["loss"] = value
+        ctx.key, ctx.handle, ctx.scale, ctx.report = key, handle, scale, report
+        ctx.params = (logit_scale if isinstance(logit_scale, torch.Tensor) else None,
+                      logit_bias if isinstance(logit_bias, torch.Tensor) else None)
+        if not any(ctx.needs_input_grad[:4]):
+            report["first_nonfinite"], report["max_logit"] = handle.diagnosis()
+            _pool.give(key, handle)
+            ctx.handle = None
+        return torch.tensor(value, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        handle = ctx.handle
+        if handle is None:
+            raise RuntimeError("contrastive_torch: backward called twice, or after a forward without grad")
+        g = float(grad)
+        direct = g > 0.0 and g < 3.0e38  # as _ContrastiveFunction: the incoming gradient is the loss scale
+        try:
+            dq, dk, dlogs, dbias = handle.backward_sigmoid(g if direct else 1.0)
+            ctx.report["first_nonfinite"], ctx.report["max_logit"] = handle.diagnosis()
+        finally:
+            ctx.handle = None
+            _pool.give(ctx.key, handle)
+        if not direct:
+            dq, dk, dlogs, dbias = dq * g, dk * g, dlogs * g, dbias * g
+        scale_param, bias_param = ctx.params
+        d_scale = _like(dlogs / ctx.scale, scale_param) if ctx.needs_input_grad[2] else None
+        d_bias = _like(dbias, bias_param) if ctx.needs_input_grad[3] else None
+        return dq, dk, d_scale, d_bias, None, None, None, None
 
 
 def _check_cuda_values(q, k, labels32, symmetric):
@@ -352,19 +422,30 @@ def _check_same(got, symmetric):
     if r is not None:
         raise ValueError(f"logit_scale: rank {r}: {got[r][4]!r} where rank 0 has {got[0][4]!r}; every rank must "
                          "pass the same logit_scale (a parameter that DDP keeps equal on every rank)")
+    r = _first_other(got, 5)
+    if r is not None:
+        raise ValueError(f"logit_bias: rank {r}: {got[r][5]!r} where rank 0 has {got[0][5]!r}; every rank must "
+                         "pass the same logit_bias (a parameter that DDP keeps equal on every rank)")
 
 
-def _eager_only(f):
-    """torch.compile runs `f` eagerly (a graph break; fullgraph=True refuses it, giving the reason)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    if disable is None:
-        return f
-    reason = ("contrastive_torch: with world_size > 1 the loss is a torch.distributed collective, run eagerly "
-              "(a graph break); fullgraph=True needs world_size=1")
-    try:
-        return disable(f, reason=reason)
-    except TypeError:  # PyTorch before reason=
-        return disable(f)
+def _run_eagerly(reason):
+    """A decorator: torch.compile runs the function eagerly (a graph break; fullgraph=True refuses it, giving
+    `reason`)."""
+
+    def wrap(f):
+        disable = getattr(getattr(torch, "compiler", None), "disable", None)
+        if disable is None:
+            return f
+        try:
+            return disable(f, reason=reason)
+        except TypeError:  # PyTorch before reason=
+            return disable(f)
+
+    return wrap
+
+
+_eager_only = _run_eagerly("contrastive_torch: with world_size > 1 the loss is a torch.distributed collective, run "
+                           "eagerly (a graph break); fullgraph=True needs world_size=1")
 
 
 class _DistFunction(torch.autograd.Function):
@@ -374,10 +455,17 @@ class _DistFunction(torch.autograd.Function):
     grad_ranks = world size (see python/README.md)."""
 
     @staticmethod
-    def forward(ctx, q, k, logit_scale, labels, symmetric, owner, key, group, scale, grad_ranks, report):
+    def forward(ctx, q, k, logit_scale, labels, symmetric, owner, key, group, scale, grad_ranks, report,
+                logit_bias=None, bias=None):
+        # bias None: a softmax objective (symmetric or InfoNCE); a float: SigLIP's sigmoid loss with that bias.
         handle = owner._take_handle(key, group)
+        ctx.sigmoid = bias is not None
+        ctx.bias_param = logit_bias if isinstance(logit_bias, torch.Tensor) else None
         try:
-            value, _tau = handle.forward(q, k, scale, labels, symmetric, group)
+            if ctx.sigmoid:
+                value, _tau = handle.forward_sigmoid(q, k, scale, bias, labels, group)
+            else:
+                value, _tau = handle.forward(q, k, scale, labels, symmetric, group)
         except Exception:
             owner._give_handle(key, handle)
             raise
@@ -386,7 +474,7 @@ class _DistFunction(torch.autograd.Function):
         ctx.scale, ctx.grad_ranks, ctx.report = scale, grad_ranks, report
         ctx.scale_shape = logit_scale.shape if isinstance(logit_scale, torch.Tensor) else None
         ctx.scale_dtype = logit_scale.dtype if isinstance(logit_scale, torch.Tensor) else torch.float32
-        if not any(ctx.needs_input_grad[:3]):
+        if not (any(ctx.needs_input_grad[:3]) or (ctx.sigmoid and ctx.needs_input_grad[11])):
             report["first_nonfinite"], report["max_logit"] = handle.diagnosis()
             owner._give_handle(key, handle)
             ctx.handle = ctx.group = None
@@ -407,7 +495,11 @@ class _DistFunction(torch.autograd.Function):
                                  "rank (GradScaler's scale, or 1)")
             # As _ContrastiveFunction: the incoming gradient (times c) is the library's loss scale when it can be.
             direct = g > 0.0 and g * c < 3.0e38
-            dq, dk, dlogs = handle.backward(g * c if direct else float(c), ctx.group)
+            dbias = None
+            if ctx.sigmoid:
+                dq, dk, dlogs, dbias = handle.backward_sigmoid(g * c if direct else float(c), ctx.group)
+            else:
+                dq, dk, dlogs = handle.backward(g * c if direct else float(c), ctx.group)
             ctx.report["first_nonfinite"], ctx.report["max_logit"] = handle.diagnosis()
         finally:
             ctx.group = None  # not kept with the graph (see _take_handle)
@@ -415,11 +507,15 @@ class _DistFunction(torch.autograd.Function):
                 ctx.owner._give_handle(ctx.key, handle)
         if not direct:
             dq, dk, dlogs = dq * g, dk * g, dlogs * g
+            dbias = dbias * g if dbias is not None else None
         d_scale = None
         if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
             # The library's d(loss)/d(log s) is of the global loss on every rank (not scaled by c).
             d_scale = (dlogs / (c * ctx.scale)).to(ctx.scale_dtype).reshape(ctx.scale_shape)
-        return dq, dk, d_scale, None, None, None, None, None, None, None, None
+        d_bias = None
+        if dbias is not None and ctx.needs_input_grad[11]:
+            d_bias = _like(dbias / c, ctx.bias_param)  # likewise d(global loss)/d b on every rank
+        return dq, dk, d_scale, None, None, None, None, None, None, None, None, d_bias, None
 
 
 def _host_forward(q, k, scale, labels, symmetric, algorithm, threads):
@@ -638,7 +734,7 @@ class _Base(torch.nn.Module):
             self._dist_free.setdefault(key, []).append(handle)
 
     @_eager_only  # a collective of the process group: torch.compile runs it eagerly (a graph break)
-    def _run_dist(self, q, k, logit_scale, labels, symmetric, grad_ranks_of):
+    def _run_dist(self, q, k, logit_scale, labels, symmetric, grad_ranks_of, sigmoid=False, logit_bias=None):
         """The loss of the global batch over the process group (every rank calls it). Every check whose outcome could
         differ between ranks is agreed on first (one all-gather), so a bad input on one rank raises on every rank,
         naming it; the library's own checks (shapes, finiteness, labels against the global keys) are agreed on inside
@@ -671,11 +767,12 @@ class _Base(torch.nn.Module):
             if self.world_size > 1 and self.rank != rank:
                 raise ValueError(f"rank: {self.rank}, but this process is rank {rank} of the process group")
             scale = _scale_value(logit_scale)
+            bias = _bias_value(logit_bias) if sigmoid else 0.0
             labels32 = _labels_tensor(labels, q.shape[0])
             if labels32 is not None and labels32.device.type != "cpu":
                 raise ValueError(f"labels: on {labels32.device} while the features are on the CPU")
             values = [_DTYPE_CODES[q.dtype], _ALGORITHMS.index(self.algorithm), float(symmetric),
-                      float(labels32 is not None), scale]
+                      float(labels32 is not None), scale, bias]
         except Exception as e:  # raised below on every rank, after the agreement
             error = e
         try:
@@ -689,7 +786,8 @@ class _Base(torch.nn.Module):
         self.last_step = report
         key = (_DTYPES[q.dtype], self.algorithm, self.threads, rank, size)
         return _DistFunction.apply(q, k, logit_scale, labels32, symmetric, self, key, group, scale,
-                                   grad_ranks_of(size), report)
+                                   grad_ranks_of(size), report, logit_bias if sigmoid else None,
+                                   bias if sigmoid else None)
 
     def _run_cuda(self, q, k, logit_scale, labels32, symmetric, report):
         labels32 = _check_cuda_values(q, k, labels32, symmetric)
@@ -790,6 +888,81 @@ class ClipLoss(_Base):
         option only the rank's own slot of the gathered features has a gradient, 1 x. open_clip's local_loss=True
         without gather_with_grad drops the cross-rank terms (python/README.md); the exact size x is given there."""
         return size if (self.gather_with_grad or self.local_loss) else 1
+
+
+_DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
+
+
+class SigLipLoss(_Base):
+    """open_clip's SigLipLoss: same constructor, same call.
+
+        loss_fn = SigLipLoss(cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm="fused",
+                             threads=0, group=None)
+        loss = loss_fn(image_features, text_features, logit_scale, logit_bias)  # logit_scale = t = exp(t')
+
+    SigLIP's pairwise sigmoid loss (Zhai et al. 2023): logits z = t I T^T + b, loss -(1/n) sum log sigmoid(l z) with
+    l = +1 on the diagonal and -1 elsewhere, n the number of images; gradients to both feature tensors, to
+    logit_scale and to logit_bias (None: no bias). The library's objective::sigmoid on the host engine (CPU tensors;
+    the fused algorithm runs forward and backward in one pass and never forms the n x n logits). `cache_labels` caches
+    open_clip's label matrix (nothing to cache here: the diagonal is implied); `dist_impl` picks open_clip's exchange
+    for world_size > 1 ('bidir', 'shift', 'reduce', 'gather', default 'bidir'): all four give the same loss and
+    gradients, and so does this one, which gathers the text features once and reduce-scatters their gradients
+    whichever is named.
+
+    world_size > 1, or `group`, computes the loss of the global batch over torch.distributed (gloo; CPU tensors):
+    each rank passes its own images and texts (positives on the global diagonal) and gets the global loss, (1/N)
+    sum over all N x N pairs: the mean over ranks of open_clip's per-rank values (each of which is normalised by the
+    rank's own batch). Gradients are open_clip's (its exchanges carry gradients back): each rank's features get
+    world_size x d(global loss)/d(its rows), which DDP's averaging turns into the exact gradient; logit_scale and
+    logit_bias get d(global loss)/d(them) on every rank. Every rank must pass the same dtype, algorithm, logit_scale
+    and logit_bias; an error on one rank is raised on every rank, naming it."""
+
+    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm="fused", threads=0,
+                 group=None):
+        super().__init__(algorithm=algorithm, threads=threads)
+        self.cache_labels = _flag("cache_labels", cache_labels)
+        self.rank = _index("rank", rank)
+        self.world_size = _index("world_size", world_size)
+        if self.world_size < 1:
+            raise ValueError(f"world_size: must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: must be in [0, world_size) = [0, {self.world_size}), got {self.rank}")
+        if dist_impl is not None and dist_impl not in _DIST_IMPLS:
+            raise ValueError(f"dist_impl: '{dist_impl}' is not one of {', '.join(repr(d) for d in _DIST_IMPLS)}")
+        self.dist_impl = dist_impl or "bidir"
+        if group is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+                raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+        self.group = group
+        self.distributed = self.world_size > 1 or group is not None
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        if self.distributed:
+            loss = self._run_dist(image_features, text_features, logit_scale, None, False, lambda size: size,
+                                  sigmoid=True, logit_bias=logit_bias)
+        else:
+            loss = self._run_sigmoid(image_features, text_features, logit_scale, logit_bias)
+        return {"contrastive_loss": loss} if output_dict else loss
+
+    @_run_eagerly("contrastive_torch: SigLipLoss has no torch.library operator yet; torch.compile runs it eagerly "
+                  "(a graph break)")
+    def _run_sigmoid(self, q, k, logit_scale, logit_bias):
+        _check_features("image_features", q)
+        _check_features("text_features", k)
+        if q.dtype != k.dtype:
+            raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype})")
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
+        if q.device.type != "cpu" or k.device.type != "cpu":
+            raise NotImplementedError(
+                "image_features: CUDA tensors: SigLipLoss runs on the host engine only for now (the device paths "
+                "have no sigmoid objective yet); pass CPU tensors")
+        _bias_value(logit_bias)  # its type and value, before any work
+        report = {}
+        self.last_step = report
+        return _SigmoidFunction.apply(q, k, logit_scale, logit_bias, None, self.algorithm, self.threads, report)
 
 
 class InfoNCELoss(_Base):

@@ -42,8 +42,14 @@ class handle_base
 {
 public:
   virtual ~handle_base() = default;
-  virtual std::vector<double> forward(
-      const torch::Tensor& q, const torch::Tensor& k, double scale, const torch::Tensor& labels, bool symmetric) = 0;
+  /// The loss of (q, k) at logit scale `scale` and (sigmoid) logit bias `bias` for `obj`.
+  virtual std::vector<double> forward(const torch::Tensor& q,
+                                      const torch::Tensor& k,
+                                      double scale,
+                                      double bias,
+                                      const torch::Tensor& labels,
+                                      cl::objective obj) = 0;
+  /// {dq, dk, d(loss_scale loss)/d log s, d(loss_scale loss)/d b} of the last forward.
   virtual std::vector<torch::Tensor> backward(double loss_scale) = 0;
   virtual std::size_t bytes_held() const = 0;
   /// {first non-finite site of the last forward + backward ("none", "logits", ...), largest logit}.
@@ -86,12 +92,13 @@ public:
   std::vector<double> forward(const torch::Tensor& q,
                               const torch::Tensor& k,
                               double scale,
+                              double bias,
                               const torch::Tensor& labels,
-                              bool symmetric) override
+                              cl::objective obj) override
   {
-    const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
+    const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, obj);
     cl::step::forward_values f;
-    const cl::status st = core_.forward(p, static_cast<float>(scale), f);
+    const cl::status st = core_.forward(p, static_cast<float>(scale), static_cast<float>(bias), f);
     if (!st.ok())
     {
       raise(st);
@@ -117,7 +124,10 @@ public:
       raise(st);
     }
     q_ = k_ = labels_ = torch::Tensor();
-    return {dq, dk, torch::tensor(static_cast<double>(b.grad_logit_scale), torch::kFloat64)};
+    return {dq,
+            dk,
+            torch::tensor(static_cast<double>(b.grad_logit_scale), torch::kFloat64),
+            torch::tensor(static_cast<double>(b.grad_logit_bias), torch::kFloat64)};
   }
 
   std::size_t bytes_held() const override
@@ -206,10 +216,36 @@ public:
                               const pybind11::object& group)
   {
     const bound b(*this, group);
-    return impl_->forward(q, k, scale, labels.has_value() ? *labels : torch::Tensor(), symmetric);
+    return impl_->forward(q,
+                          k,
+                          scale,
+                          0.0,
+                          labels.has_value() ? *labels : torch::Tensor(),
+                          symmetric ? cl::objective::symmetric : cl::objective::info_nce);
+  }
+
+  /// The sigmoid objective (SigLIP): logits scale * q k^T + bias.
+  std::vector<double> forward_sigmoid(const torch::Tensor& q,
+                                      const torch::Tensor& k,
+                                      double scale,
+                                      double bias,
+                                      const c10::optional<torch::Tensor>& labels,
+                                      const pybind11::object& group)
+  {
+    const bound b(*this, group);
+    return impl_->forward(q, k, scale, bias, labels.has_value() ? *labels : torch::Tensor(), cl::objective::sigmoid);
   }
 
   std::vector<torch::Tensor> backward(double loss_scale, const pybind11::object& group)
+  {
+    const bound b(*this, group);
+    std::vector<torch::Tensor> g = impl_->backward(loss_scale);
+    g.pop_back(); // the softmax objectives' d loss / d b is 0
+    return g;
+  }
+
+  /// {dq, dk, d(loss_scale loss)/d log s, d(loss_scale loss)/d b} of a forward_sigmoid.
+  std::vector<torch::Tensor> backward_sigmoid(double loss_scale, const pybind11::object& group)
   {
     const bound b(*this, group);
     return impl_->backward(loss_scale);
@@ -351,6 +387,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("backward",
            &Loss::backward,
+           pybind11::arg("loss_scale"),
+           pybind11::arg("group") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_sigmoid",
+           &Loss::forward_sigmoid,
+           pybind11::arg("q"),
+           pybind11::arg("k"),
+           pybind11::arg("scale"),
+           pybind11::arg("bias"),
+           pybind11::arg("labels"),
+           pybind11::arg("group") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("backward_sigmoid",
+           &Loss::backward_sigmoid,
            pybind11::arg("loss_scale"),
            pybind11::arg("group") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())

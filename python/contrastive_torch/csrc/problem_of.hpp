@@ -15,7 +15,7 @@ namespace contrastive_torch
 {
 template <class T>
 contrastive::problem<T>
-problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels, bool symmetric)
+problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels, contrastive::objective obj)
 {
   contrastive::problem<T> p;
   p.q = reinterpret_cast<const T*>(q.data_ptr());
@@ -24,7 +24,13 @@ problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& 
   p.n_k = static_cast<std::size_t>(k.size(0));
   p.dim = static_cast<std::size_t>(q.size(1));
   p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
-  p.obj = symmetric ? contrastive::objective::symmetric : contrastive::objective::info_nce;
+  p.obj = obj;
   return p;
+}
+template <class T>
+contrastive::problem<T>
+problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels, bool symmetric)
+{
+  return problem_of<T>(q, k, labels, symmetric ? contrastive::objective::symmetric : contrastive::objective::info_nce);
 }
 } // namespace contrastive_torch

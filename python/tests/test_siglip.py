@@ -1,0 +1,228 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""SigLipLoss (the library's sigmoid objective) against open_clip's own SigLipLoss (open-clip-torch's loss.py, not a
+re-implementation): one process for every dtype and algorithm, and 2 and 4 processes over gloo (one spawn per world
+size) against one process on the concatenated batch and against open_clip's distributed SigLipLoss; errors.
+
+open_clip runs in float64 on the same (dtype-rounded) values: the exact answer. Differences are normwise relative
+(max |a - b| / max |b|), bounded by multiples of the type's eps: 256 for float32, 8 for the 16-bit types (the issue's
+targets). d logit_bias = sum_ij dL/dz_ij is a sum whose terms cancel (the positives' pull against the negatives'), so
+its bound is relative to sum_ij |dL/dz_ij| (`_bias_condition`): the materialized algorithm sums the element-type
+dS = round_T(dL/dz) as a framework's autocast does, and a sum of rounded terms is accurate to the terms' size, not to
+the sum's."""
+
+import datetime
+import gc
+import json
+import math
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import contrastive_torch as ct
+from conftest import require
+from test_distributed import JOIN_TIMEOUT_S, PG_TIMEOUT_S, _draw, _free_port, _open_clip_loss_module, _rel
+
+ALGORITHMS = ("fused", "materialized", "chunked")
+BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8, torch.float16: 8}
+NAMES = ("loss", "d image_features", "d text_features", "d logit_scale", "d logit_bias")
+
+
+def _bias_condition(img, txt, t, b):
+    """sum |dL/dz| / |sum dL/dz| of the sigmoid loss (float64; >= 1): how much the bias gradient's sum cancels."""
+    z = t * img.double() @ txt.double().T + b
+    labels = -torch.ones_like(z)
+    labels[torch.arange(z.shape[0]), torch.arange(z.shape[0])] = 1.0
+    g = -labels * torch.sigmoid(-labels * z) / z.shape[0]
+    return float(g.abs().sum() / g.sum().abs().clamp_min(1e-300))
+
+
+def _bounds(dtype, img, txt, t, b):
+    """The bound of each of NAMES for `dtype` (see the file comment)."""
+    tol = BOUND_EPS[dtype] * torch.finfo(dtype).eps
+    return (tol, tol, tol, tol, tol * max(1.0, _bias_condition(img, txt, t, b)))
+
+
+def _step(fn, img, txt, scale, bias, grad_factor=1.0, dtype=None):
+    """loss and the gradients of img, txt, logit_scale and logit_bias for fn(img, txt, t, b) (leaves made here; img
+    and txt in `dtype` when given)."""
+    img = img.detach().clone().to(dtype or img.dtype).requires_grad_()
+    txt = txt.detach().clone().to(dtype or txt.dtype).requires_grad_()
+    t = torch.tensor(float(scale), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                     requires_grad=True)
+    b = torch.tensor(float(bias), dtype=t.dtype, requires_grad=True)
+    loss = fn(img, txt, t, b)
+    (loss * grad_factor).backward()
+    return loss.detach(), img.grad, txt.grad, t.grad, b.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_matches_open_clip(dtype, algorithm, seed):
+    oc = _open_clip_loss_module()
+    require("open_clip", oc is not None, "open-clip-torch is not installed")
+    # SigLIP's initialisation (t = 10, b = -10) and a trained state (t = 30, b = -12).
+    for n, d, t, b in ((48, 32, 10.0, -10.0), (37, 24, 30.0, -12.0)):
+        img, txt = _draw(n, d, seed + n)
+        I, T = img.to(dtype), txt.to(dtype)
+        got = _step(ct.SigLipLoss(algorithm=algorithm, threads=2), I, T, t, b)
+        want = _step(oc.SigLipLoss(), I, T, t, b, dtype=torch.float64)
+        assert got[1].dtype == dtype and got[2].dtype == dtype
+        eps = torch.finfo(dtype).eps
+        for name, a, w, tol in zip(NAMES, got, want, _bounds(dtype, I, T, t, b)):
+            err = _rel(a, w)
+            assert err <= tol, f"{name}: {err / eps:.1f} eps from open_clip, bound {tol / eps:.1f} (n {n}, t {t}, b {b})"
+
+
+def test_arguments_and_errors():
+    img, txt = _draw(8, 16, 3)
+    t, b = torch.tensor(10.0), torch.tensor(-10.0)
+    fn = ct.SigLipLoss(threads=1)
+    assert set(fn(img, txt, t, b, output_dict=True)) == {"contrastive_loss"}
+    # No bias: z = t I T^T, as open_clip's get_logits with logit_bias=None.
+    oc = _open_clip_loss_module()
+    if oc is not None:
+        want = oc.SigLipLoss()(img.double(), txt.double(), t.double(), None)
+        assert abs(float(fn(img, txt, t, None)) - float(want)) <= 64 * torch.finfo(torch.float32).eps * float(want)
+    for dist_impl in (None, "bidir", "shift", "reduce", "gather"):
+        ct.SigLipLoss(dist_impl=dist_impl)
+    with pytest.raises(ValueError, match="dist_impl"):
+        ct.SigLipLoss(dist_impl="ring")
+    with pytest.raises(ValueError, match="rank"):
+        ct.SigLipLoss(rank=2, world_size=2)
+    with pytest.raises(ValueError, match="logit_bias"):
+        fn(img, txt, t, torch.tensor(float("nan")))
+    with pytest.raises(ValueError, match="logit_bias"):
+        fn(img, txt, t, torch.zeros(2))
+    with pytest.raises(TypeError, match="logit_bias"):
+        fn(img, txt, t, "b")
+    with pytest.raises(ValueError, match="logit_scale"):
+        fn(img, txt, torch.tensor(-1.0), b)
+    with pytest.raises(ValueError, match="embedding"):
+        fn(img, torch.randn(8, 15), t, b)
+    with pytest.raises(ValueError):  # a non-finite feature: the library's refusal, naming the element
+        bad = img.clone()
+        bad[1, 2] = float("inf")
+        fn(bad, txt, t, b)
+    # Rectangular batches (more texts than images: a rank's extra negatives), the diagonal positives.
+    more = F.normalize(torch.randn(12, 16), dim=1)
+    if oc is not None:
+        got = _step(fn, img, more, 10.0, -10.0)
+        imgs = img.double().requires_grad_()
+        z = 10.0 * imgs @ more.double().T - 10.0
+        labels = -torch.ones_like(z)
+        labels[torch.arange(8), torch.arange(8)] = 1.0
+        want = -F.logsigmoid(labels * z).sum() / 8
+        assert _rel(got[0], want) <= 64 * torch.finfo(torch.float32).eps
+
+
+def _worker(rank, world, port, seed, out_dir):
+    checks, failures = [0], []
+
+    def check(ok, what):
+        checks[0] += 1
+        if not ok:
+            failures.append(f"rank {rank}: {what}")
+
+    try:
+        import warnings
+
+        import torch.distributed as dist
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        oc = _open_clip_loss_module()
+        n, d, t, b = 6, 16, 10.0, -10.0
+        img, txt = _draw(n * world, d, seed)
+        mine = slice(rank * n, (rank + 1) * n)
+
+        def mean_over_ranks(x):
+            x = x.detach().double().clone()
+            dist.all_reduce(x)
+            return x / world
+
+        for dtype in (torch.float32, torch.bfloat16):
+            eps = torch.finfo(dtype).eps
+            I, T = img.to(dtype), txt.to(dtype)
+            bounds = _bounds(dtype, I, T, t, b)
+            # open_clip's distributed SigLipLoss (its default 'bidir' exchange), float64 on the type's values.
+            loss, di, dt, ds, db = _step(oc.SigLipLoss(rank=rank, world_size=world), I[mine], T[mine], t, b,
+                                         dtype=torch.float64)
+            theirs = (mean_over_ranks(loss), di, dt, mean_over_ranks(ds), mean_over_ranks(db))
+            for algorithm in ALGORITHMS:
+                where = f"{dtype} {algorithm}"
+                ref = _step(ct.SigLipLoss(algorithm=algorithm, threads=1), I, T, t, b)
+                got = _step(ct.SigLipLoss(rank=rank, world_size=world, algorithm=algorithm, threads=1), I[mine],
+                            T[mine], t, b)
+                want = (ref[0], world * ref[1][mine], world * ref[2][mine], ref[3], ref[4])
+                for name, a, w, tol in zip(NAMES, got, want, bounds):
+                    err = _rel(a, w)
+                    check(err <= tol, f"{where}: {name} {err / eps:.1f} eps from one process (seed {seed})")
+                # The loss: the global one, the mean over ranks of open_clip's per-rank values; logit_scale and
+                # logit_bias: d(global)/d on every rank, the mean (DDP's average) of open_clip's per-rank gradients.
+                for name, a, w, tol in zip(NAMES, got, theirs, bounds):
+                    err = _rel(a, w)
+                    check(err <= tol, f"{where}: {name} {err / eps:.1f} eps from open_clip (seed {seed})")
+
+        # A bad or differing logit_bias on one rank raises on every rank, naming it; then the ranks compute together.
+        bad = world - 1
+        fn = ct.SigLipLoss(rank=rank, world_size=world, threads=1)
+        for what, bias in (("NaN logit_bias", float("nan")), ("another logit_bias", -9.0)):
+            try:
+                _step(fn, img[mine], txt[mine], t, bias if rank == bad else b)
+                check(False, f"{what} on rank {bad}: nothing raised")
+            except Exception as e:  # noqa: BLE001 - the type is checked
+                check(isinstance(e, ValueError) and f"rank {bad}" in str(e) and "logit_bias" in str(e),
+                      f"{what} on rank {bad}: raised {type(e).__name__}: {e}")
+        ref = _step(ct.SigLipLoss(threads=1), img, txt, t, b)
+        got = _step(fn, img[mine], txt[mine], t, b)
+        check(_rel(got[1], world * ref[1][mine]) <= 256 * torch.finfo(torch.float32).eps,
+              "after the refusals: d image_features differs")
+        gc.collect()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"checks": checks[0], "failures": failures}, f)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_global_batch_over_gloo(world, seed, tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    require("open_clip", _open_clip_loss_module() is not None, "open-clip-torch is not installed")
+    ct.extension()
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, str(tmp_path))) for r in range(world)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, JOIN_TIMEOUT_S - (time.monotonic() - start)))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} of {world} did not finish within {JOIN_TIMEOUT_S} s (seed {seed})"
+    failures, checks = [], []
+    for r, p in enumerate(procs):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} exited with {p.exitcode} and no report (seed {seed})"
+        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode} after its report (seed {seed})"
+        got = json.loads(path.read_text())
+        failures += got["failures"]
+        checks.append(got["checks"])
+    assert not failures, "\n".join(failures[:20])
+    # 2 dtypes x 3 algorithms x 2 x 5 values, 2 refusals and the check after them: every check ran on every rank.
+    assert checks == [2 * 3 * 10 + 3] * world, f"checks per rank: {checks}"
