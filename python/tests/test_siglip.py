@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import contrastive_torch as ct
 from conftest import require
-from test_distributed import JOIN_TIMEOUT_S, PG_TIMEOUT_S, _draw, _free_port, _open_clip_loss_module, _rel
+from test_distributed import JOIN_TIMEOUT_S, PG_TIMEOUT_S, WORLDS, _draw, _free_port, _open_clip_loss_module, _rel
 
 ALGORITHMS = ("fused", "materialized", "chunked")
 BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8, torch.float16: 8}
@@ -193,7 +193,7 @@ def _worker(rank, world, port, seed, out_dir):
         json.dump({"checks": checks[0], "failures": failures}, f)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)  # CONTRASTIVE_TORCH_DIST_WORLDS (test_distributed.py), default 2 and 4
 def test_global_batch_over_gloo(world, seed, tmp_path):
     import torch.distributed as dist
     import torch.multiprocessing as mp
