@@ -544,6 +544,32 @@ def _host_gradients(grad, q, k, scale, labels, symmetric, algorithm, threads):
     return dq, dk, dlogs
 
 
+def _sigmoid_host_forward(q, k, scale, bias, algorithm, threads):
+    """Loss value of one host forward of the sigmoid objective (the engine goes back to the pool)."""
+    key = (_DTYPES[q.dtype], algorithm, threads)
+    handle = _pool.take(key)
+    try:
+        value, _tau = handle.forward_sigmoid(q, k, scale, bias, None)
+    finally:
+        _pool.give(key, handle)
+    return value
+
+
+def _sigmoid_host_gradients(grad, q, k, scale, bias, algorithm, threads):
+    """dq, dk, d loss / d log s and d loss / d b of one host forward + backward of the sigmoid objective at `grad`."""
+    key = (_DTYPES[q.dtype], algorithm, threads)
+    handle = _pool.take(key)
+    direct = grad > 0.0 and grad < 3.0e38
+    try:
+        handle.forward_sigmoid(q, k, scale, bias, None)
+        dq, dk, dlogs, dbias = handle.backward_sigmoid(grad if direct else 1.0)
+    finally:
+        _pool.give(key, handle)
+    if not direct:
+        dq, dk, dlogs, dbias = dq * grad, dk * grad, dlogs * grad, dbias * grad
+    return dq, dk, dlogs, dbias
+
+
 if HAS_CUSTOM_OPS:
     # The host loss as torch.library custom operators, so that torch.compile keeps it in one graph: a functional
     # forward (the loss) and backward (the gradients, recomputing the forward inside the library: no engine state
@@ -586,6 +612,45 @@ if HAS_CUSTOM_OPS:
         return dq, dk, ds, None, None, None, None
 
     _loss_op.register_autograd(_loss_autograd, setup_context=_loss_setup_context)
+
+    # SigLIP's sigmoid loss the same way (contrastive_torch::sigmoid_loss, ::sigmoid_loss_backward): the bias is a
+    # tensor input (SigLipLoss passes a 0 for None) whose gradient the backward returns.
+    @torch.library.custom_op("contrastive_torch::sigmoid_loss", mutates_args=())
+    def _sigmoid_loss_op(q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor, logit_bias: torch.Tensor,
+                         algorithm: str, threads: int) -> torch.Tensor:
+        value = _sigmoid_host_forward(q, k, _scale_value(logit_scale), _bias_value(logit_bias), algorithm, threads)
+        return torch.tensor(value, dtype=torch.float32)
+
+    @_sigmoid_loss_op.register_fake
+    def _(q, k, logit_scale, logit_bias, algorithm, threads):
+        return q.new_empty((), dtype=torch.float32)
+
+    @torch.library.custom_op("contrastive_torch::sigmoid_loss_backward", mutates_args=())
+    def _sigmoid_loss_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor,
+                                  logit_bias: torch.Tensor, algorithm: str,
+                                  threads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = _scale_value(logit_scale)
+        dq, dk, dlogs, dbias = _sigmoid_host_gradients(float(grad), q, k, scale, _bias_value(logit_bias), algorithm,
+                                                       threads)
+        return (dq, dk, (dlogs / scale).to(logit_scale.dtype).reshape(logit_scale.shape),
+                dbias.to(logit_bias.dtype).reshape(logit_bias.shape))
+
+    @_sigmoid_loss_backward_op.register_fake
+    def _(grad, q, k, logit_scale, logit_bias, algorithm, threads):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(logit_scale), torch.empty_like(logit_bias)
+
+    def _sigmoid_setup_context(ctx, inputs, output):
+        q, k, logit_scale, logit_bias, algorithm, threads = inputs
+        ctx.save_for_backward(q, k, logit_scale, logit_bias)
+        ctx.options = (algorithm, threads)
+
+    def _sigmoid_autograd(ctx, grad):
+        q, k, logit_scale, logit_bias = ctx.saved_tensors
+        dq, dk, ds, db = torch.ops.contrastive_torch.sigmoid_loss_backward(grad, q, k, logit_scale, logit_bias,
+                                                                           *ctx.options)
+        return dq, dk, ds, db, None, None
+
+    _sigmoid_loss_op.register_autograd(_sigmoid_autograd, setup_context=_sigmoid_setup_context)
 
     # CUDA tensors: the device step computes the loss and the gradients at loss scale 1 in one call (as
     # _CudaFunction), so the operator returns all of them and its autograd formula multiplies the saved gradients by
@@ -915,11 +980,14 @@ class SigLipLoss(_Base):
     rank's own batch). Gradients are open_clip's (its exchanges carry gradients back): each rank's features get
     world_size x d(global loss)/d(its rows), which DDP's averaging turns into the exact gradient; logit_scale and
     logit_bias get d(global loss)/d(them) on every rank. Every rank must pass the same dtype, algorithm, logit_scale
-    and logit_bias; an error on one rank is raised on every rank, naming it."""
+    and logit_bias; an error on one rank is raised on every rank, naming it.
+
+    On PyTorch >= 2.4 the one-process loss is also the custom operators contrastive_torch::sigmoid_loss and
+    ::sigmoid_loss_backward, which torch.compile traces (custom_ops=True uses them in eager calls too)."""
 
     def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm="fused", threads=0,
-                 group=None):
-        super().__init__(algorithm=algorithm, threads=threads)
+                 custom_ops=False, group=None):
+        super().__init__(algorithm=algorithm, threads=threads, custom_ops=custom_ops)
         self.cache_labels = _flag("cache_labels", cache_labels)
         self.rank = _index("rank", rank)
         self.world_size = _index("world_size", world_size)
@@ -937,6 +1005,10 @@ class SigLipLoss(_Base):
                 raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
         self.group = group
         self.distributed = self.world_size > 1 or group is not None
+        if self.distributed and custom_ops:
+            raise NotImplementedError(
+                "custom_ops: the torch.library operators run one process; with world_size > 1 (or a group) the loss "
+                "is a collective run eagerly (torch.compile runs it as a graph break); use custom_ops=False")
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
         if self.distributed:
@@ -946,8 +1018,6 @@ class SigLipLoss(_Base):
             loss = self._run_sigmoid(image_features, text_features, logit_scale, logit_bias)
         return {"contrastive_loss": loss} if output_dict else loss
 
-    @_run_eagerly("contrastive_torch: SigLipLoss has no torch.library operator yet; torch.compile runs it eagerly "
-                  "(a graph break)")
     def _run_sigmoid(self, q, k, logit_scale, logit_bias):
         _check_features("image_features", q)
         _check_features("text_features", k)
@@ -959,6 +1029,21 @@ class SigLipLoss(_Base):
             raise NotImplementedError(
                 "image_features: CUDA tensors: SigLipLoss runs on the host engine only for now (the device paths "
                 "have no sigmoid objective yet); pass CPU tensors")
+        if HAS_CUSTOM_OPS and (self.use_custom_ops or _compiling()):
+            # The operators (what torch.compile traces): checks that read no values here; values inside the op.
+            if isinstance(logit_bias, bool) or not (logit_bias is None
+                                                    or isinstance(logit_bias, (torch.Tensor, float, int))):
+                raise TypeError(f"logit_bias: expected None, a number or a one-element tensor, got "
+                                f"{type(logit_bias).__name__}")
+            if not isinstance(logit_scale, torch.Tensor):
+                logit_scale = torch.tensor(float(logit_scale), dtype=torch.float32)
+            if not isinstance(logit_bias, torch.Tensor):
+                logit_bias = torch.tensor(float(logit_bias or 0.0), dtype=torch.float32)
+            for name, x in (("logit_scale", logit_scale), ("logit_bias", logit_bias)):
+                if x.numel() != 1:
+                    raise ValueError(f"{name}: expected one value, got shape {tuple(x.shape)}")
+            return torch.ops.contrastive_torch.sigmoid_loss(q, k, logit_scale, logit_bias, self.algorithm,
+                                                            self.threads)
         _bias_value(logit_bias)  # its type and value, before any work
         report = {}
         self.last_step = report

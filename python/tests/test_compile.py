@@ -193,3 +193,65 @@ def test_cuda_compiled_step_matches_eager():
     assert rel(b.detach(), a.detach()) <= 64 * eps
     for p, q in zip(models[1].parameters(), models[0].parameters()):
         assert rel(p.grad, q.grad) <= 256 * eps
+
+
+# SigLipLoss's operators (contrastive_torch::sigmoid_loss, ::sigmoid_loss_backward).
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_sigmoid_opcheck(algorithm, dtype):
+    q, k = unit(40, 16, 11, dtype), unit(52, 16, 12, dtype)
+    t, b = torch.tensor(10.0), torch.tensor(-10.0)
+    loss = torch.ops.contrastive_torch.sigmoid_loss.default
+    backward = torch.ops.contrastive_torch.sigmoid_loss_backward.default
+    torch.library.opcheck(loss, (q.clone().requires_grad_(), k.clone().requires_grad_(), t.clone().requires_grad_(),
+                                 b.clone().requires_grad_(), algorithm, 0))
+    torch.library.opcheck(loss, (q, k, t, b, algorithm, 1))
+    torch.library.opcheck(backward, (torch.tensor(2.0), q, k, t, b, algorithm, 0))
+
+
+def test_sigmoid_operator_refuses_bad_values():
+    q = unit(8, 4, 13)
+    op = torch.ops.contrastive_torch.sigmoid_loss
+    with pytest.raises(ValueError, match="logit_bias"):
+        op(q, q, torch.tensor(10.0), torch.tensor(float("nan")), "fused", 0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        op(q, q, torch.tensor(0.0), torch.tensor(-10.0), "fused", 0)
+
+
+def test_compiled_siglip_step_matches_eager():
+    require("compile", hasattr(torch, "compile"), "no torch.compile")
+    loss_fn = ct.SigLipLoss(algorithm="fused")
+
+    def step(model, bias, x, y):
+        image = F.normalize(model.visual(x), dim=-1)
+        text = F.normalize(model.text(y), dim=-1)
+        return loss_fn(image, text, model.logit_scale.exp(), bias)
+
+    torch.manual_seed(0)
+    eager_model, compiled_model = TwoTower(), TwoTower()
+    compiled_model.load_state_dict(eager_model.state_dict())
+    biases = [torch.nn.Parameter(torch.tensor(-10.0)) for _ in range(2)]
+    compiled_step = torch.compile(step, fullgraph=True)  # a graph break is an error
+    opts = [torch.optim.AdamW(list(m.parameters()) + [b], lr=1e-2) for m, b in zip((eager_model, compiled_model),
+                                                                                     biases)]
+    data = torch.Generator().manual_seed(2)
+    eps = torch.finfo(torch.float32).eps
+    for i in range(3):
+        x = torch.randn(40, 24, generator=data)
+        y = x + 0.3 * torch.randn(40, 24, generator=data)
+        losses = []
+        for fn, model, bias, opt in ((step, eager_model, biases[0], opts[0]),
+                                     (compiled_step, compiled_model, biases[1], opts[1])):
+            opt.zero_grad()
+            loss = fn(model, bias, x, y)
+            loss.backward()
+            losses.append(loss.detach())
+        assert rel(losses[1], losses[0]) <= 64 * eps, f"step {i}: loss {float(losses[1])} vs {float(losses[0])}"
+        assert rel(biases[1].grad, biases[0].grad) <= 256 * eps, f"step {i}: logit_bias's gradient"
+        for (name, p), q in zip(compiled_model.named_parameters(), eager_model.parameters()):
+            assert p.grad is not None, f"step {i}: {name} got no gradient from the compiled step"
+            assert rel(p.grad, q.grad) <= 256 * eps, f"step {i}: grad of {name}: {rel(p.grad, q.grad) / eps:.1f} eps"
+        for opt in opts:
+            opt.step()
