@@ -230,10 +230,22 @@ enum class labels_mode
   rectangular, // n_k > n_q, diagonal positives
 };
 
-template <class T, class Algorithm>
-void sigmoid_matches_reference(labels_mode mode, float s, float b, std::uint32_t seed)
+/// Shapes of the reference cases: small (one key tile per row block), and large enough for several row blocks, key
+/// tiles and (3 workers) rounds of the fused pass, from the code's own block sizes.
+struct sigmoid_shape
 {
-  const std::size_t n_q = 70, n_k = mode == labels_mode::diagonal ? 70 : 93, dim = 40;
+  std::size_t n_q, n_k, dim;
+  unsigned threads;
+};
+
+template <class T, class Algorithm>
+void sigmoid_matches_reference(labels_mode mode, float s, float b, std::uint32_t seed, sigmoid_shape shape = {})
+{
+  if (shape.n_q == 0)
+  {
+    shape = {70, mode == labels_mode::diagonal ? std::size_t(70) : std::size_t(93), 40, 2};
+  }
+  const std::size_t n_q = shape.n_q, n_k = shape.n_k, dim = shape.dim;
   SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " " + Algorithm::name + " mode " +
                std::to_string(static_cast<int>(mode)) + " s " + std::to_string(s) + " b " + std::to_string(b));
   const auto q = ct::random_rows<T>(n_q, dim, seed), k = ct::random_rows<T>(n_k, dim, seed + 1);
@@ -242,7 +254,7 @@ void sigmoid_matches_reference(labels_mode mode, float s, float b, std::uint32_t
       q.data(), k.data(), n_q, n_k, dim, mode == labels_mode::labels ? lab.data() : nullptr, cl::objective::sigmoid};
   const float loss_scale = std::is_same_v<T, float> ? 1.0f : 1024.0f;
 
-  cl::core<T, Algorithm> core(2);
+  cl::core<T, Algorithm> core(shape.threads);
   if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
   {
     ASSERT_TRUE(core.set_chunk({16, 0}).ok()); // several chunks: the backward recomputes z
@@ -287,7 +299,7 @@ void sigmoid_matches_reference(labels_mode mode, float s, float b, std::uint32_t
 
   // The stateful loss with a fixed temperature, a fixed bias and a static scale: the same driver, the same bits.
   cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm> l(
-      cl::temperature::fixed(1.0f / s), cl::scaler::static_scale(loss_scale), 2);
+      cl::temperature::fixed(1.0f / s), cl::scaler::static_scale(loss_scale), shape.threads);
   if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
   {
     ASSERT_TRUE(l.set_chunk({16, 0}).ok());
@@ -340,6 +352,23 @@ TEST(Sigmoid, MatchesTheFloat64Reference)
       sigmoid_matches_reference<__nv_bfloat16, cl::algorithm::materialized>(mode, s, b, seed += 3);
       sigmoid_matches_reference<__nv_bfloat16, cl::algorithm::chunked>(mode, s, b, seed += 3);
     }
+  }
+}
+
+// Several row blocks, key tiles and fused rounds (3 workers): the rows' losses summed over key tiles and rounds,
+// positives in tiles a later round reaches, the in-place accumulation (dim = 2 NR, float) and the engine's (dim odd).
+TEST(Sigmoid, ManyTilesMatchTheFloat64Reference)
+{
+  const std::size_t n_q = 2 * cl::host::block_m + 3, n_k = 2 * cl::host::block_n + 5;
+  std::uint32_t seed = 900;
+  for (std::size_t dim : {std::size_t(2 * cl::host::kernel_nr), std::size_t(33)})
+  {
+    const sigmoid_shape shape{n_q, n_k, dim, 3};
+    sigmoid_matches_reference<float, cl::algorithm::fused>(labels_mode::labels, 20.0f, -8.0f, seed += 3, shape);
+    sigmoid_matches_reference<float, cl::algorithm::fused>(labels_mode::rectangular, 10.0f, -10.0f, seed += 3, shape);
+    sigmoid_matches_reference<float, cl::algorithm::chunked>(labels_mode::labels, 20.0f, -8.0f, seed += 3, shape);
+    sigmoid_matches_reference<__nv_bfloat16, cl::algorithm::materialized>(
+        labels_mode::rectangular, 10.0f, -10.0f, seed += 3, shape);
   }
 }
 
@@ -619,6 +648,10 @@ TEST(Sigmoid, FusedFloatStepAccumulatesInTheOutputs)
   EXPECT_EQ(v.grad_logit_bias, b.grad_logit_bias / 4.0f);
   const std::size_t nk_pad = (n_k + cl::host::block_n - 1) / cl::host::block_n * cl::host::block_n;
   EXPECT_EQ(split_core.bytes_held() - step_core.bytes_held(), (n_q + nk_pad) * dim * sizeof(float));
+  // A step after the separate forward releases the accumulators it no longer needs (an evaluate-then-train loop).
+  ASSERT_TRUE(split_core.step(p, 10.0f, -10.0f, 4.0f, dq2.data(), dk2.data(), v).ok());
+  EXPECT_EQ(split_core.bytes_held(), step_core.bytes_held());
+  EXPECT_TRUE(same_bits(dq, dq2));
   const ct::reference ref =
       ct::compute_sigmoid_reference(ct::to_double(q), ct::to_double(k), n_q, n_k, dim, nullptr, 10.0, -10.0);
   EXPECT_LE(ct::max_rel_error(dq, ref.dq, 0.25), 1e-5);

@@ -233,8 +233,18 @@ public:
         s.out_dq = sigmoid_out ? dq : nullptr;
         s.out_dk = sigmoid_out ? dk : nullptr;
       }
-      s.dq_acc.resize(in_place ? 0 : s.n_q * s.dp);
-      s.dk_acc.resize(in_place ? 0 : s.nk_pad * s.dp);
+      // In place: released, not only emptied (the sigmoid objective alternates between the two for one shape:
+      // forward() needs the accumulators, step() does not).
+      if (in_place)
+      {
+        free(s.dq_acc);
+        free(s.dk_acc);
+      }
+      else
+      {
+        s.dq_acc.resize(s.n_q * s.dp);
+        s.dk_acc.resize(s.nk_pad * s.dp);
+      }
     }
     gemm_shape sh;
     shape_of(p, sh);

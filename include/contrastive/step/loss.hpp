@@ -136,7 +136,8 @@ public:
   /// The sigmoid objective's logit bias (z = s <q, k> + b): `logit_bias::fixed(b)` or `logit_bias::learnable(b,
   /// optimizer)` (SigLIP: learnable from -10). Default: fixed at 0. Refused, changing nothing, when out of its domain
   /// (invalid_argument "logit_bias"). A step of a softmax objective refuses a nonzero or learnable bias. Ranks: local;
-  /// set the same on every rank.
+  /// set the same on every rank. Set it between steps: a bias set between forward_backward and finish_step is the one
+  /// finish_step moves, by the gradient computed at the bias the step used (`rec.logit_bias`).
   status set_logit_bias(const logit_bias& b)
   {
     if (const char* why = b.validate(); why[0] != '\0')
