@@ -44,5 +44,8 @@ if os.environ.get("CONTRASTIVE_TORCH_CUDA") == "1":
     print(f"CUDA extension built and loaded: {cuda.__file__}")
 print(f"installed: {ct.__file__}; extension {ext.__file__}; torch {ct.torch.__version__}")
 PY
-# The distributed tests spawn 2 ranks only here (the build tree's run spawns 2 and 4).
-CONTRASTIVE_TORCH_DIST_WORLDS=${CONTRASTIVE_TORCH_DIST_WORLDS:-2} "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$src/tests"
+# The distributed tests spawn 2 ranks only here (the build tree's run spawns 2 and 4), and the torch.compile training
+# steps (inductor compiles C++ for each: about a minute in all) run in the build tree's run only: against the installed
+# package the operators themselves are still checked (opcheck, their values and refusals).
+CONTRASTIVE_TORCH_DIST_WORLDS=${CONTRASTIVE_TORCH_DIST_WORLDS:-2} "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
+  -k "not compiled" "$src/tests"
