@@ -653,6 +653,42 @@ struct engine_state
     return store_scaled_row(acc, factor, out, d);
   }
 
+  /// The last pass of the fused backwards: float accumulators (row stride ld) scaled by `factor`, rounded into dq
+  /// (n_q rows) and dk (n_k rows) and checked, with the per-worker sums of <dQ_i, q_i> (before rounding) for
+  /// d loss / d log s.
+  template <class Out>
+  backward_partials
+  store_accumulators(const float* dq_acc, const float* dk_acc, std::size_t ld, float factor, Out* dq, Out* dk)
+  {
+    backward_partials parts;
+    constexpr std::size_t chunk = 64;
+    parallel_for(pool,
+                 (n_q + chunk - 1) / chunk,
+                 workers,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   const std::size_t end = std::min(n_q, (t + 1) * chunk);
+                   for (std::size_t i = t * chunk; i < end; ++i)
+                   {
+                     const float* acc = dq_acc + i * ld;
+                     parts.dlogs[w] += static_cast<double>(dot_query(acc, i));
+                     parts.bad_q[w] |= store_row(acc, factor, dq + i * d) ? 1 : 0;
+                   }
+                 });
+    parallel_for(pool,
+                 (n_k + chunk - 1) / chunk,
+                 workers,
+                 [&](std::size_t t, unsigned w)
+                 {
+                   const std::size_t end = std::min(n_k, (t + 1) * chunk);
+                   for (std::size_t j = t * chunk; j < end; ++j)
+                   {
+                     parts.bad_k[w] |= store_row(dk_acc + j * ld, factor, dk + j * d) ? 1 : 0;
+                   }
+                 });
+    return parts;
+  }
+
   /// sum_c acc[c] * q_i[c] over d elements.
   float dot_query(const float* acc, std::size_t i) const noexcept
   {

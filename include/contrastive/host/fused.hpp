@@ -90,32 +90,7 @@ fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficie
   }
 
   // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
-  backward_partials parts;
-  constexpr std::size_t chunk = 64;
-  parallel_for(st.pool,
-               (st.n_q + chunk - 1) / chunk,
-               st.workers,
-               [&](std::size_t t, unsigned w)
-               {
-                 const std::size_t end = std::min(st.n_q, (t + 1) * chunk);
-                 for (std::size_t i = t * chunk; i < end; ++i)
-                 {
-                   const float* acc = dq_acc + i * ld;
-                   parts.dlogs[w] += static_cast<double>(st.dot_query(acc, i));
-                   parts.bad_q[w] |= st.store_row(acc, out_scale, dq + i * st.d) ? 1 : 0;
-                 }
-               });
-  parallel_for(st.pool,
-               (st.n_k + chunk - 1) / chunk,
-               st.workers,
-               [&](std::size_t t, unsigned w)
-               {
-                 const std::size_t end = std::min(st.n_k, (t + 1) * chunk);
-                 for (std::size_t j = t * chunk; j < end; ++j)
-                 {
-                   parts.bad_k[w] |= st.store_row(dk_acc + j * ld, out_scale, dk + j * st.d) ? 1 : 0;
-                 }
-               });
+  const backward_partials parts = st.store_accumulators(dq_acc, dk_acc, ld, out_scale, dq, dk);
   return parts.combine(st.workers, static_cast<double>(out_scale));
 }
 } // namespace host
