@@ -32,7 +32,7 @@ struct algorithm_impl<algorithm::fused> : algorithm_traits<algorithm::fused>
     {
       return fused_sigmoid_forward_rows(st, s);
     }
-    return st.template forward_rows<algorithm::fused>(s);
+    return fused_forward_rows(st, s);
   }
   template <class T, class Gemm, class Out>
   static backward_result

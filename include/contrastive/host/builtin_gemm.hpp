@@ -7,6 +7,7 @@
 /// A backend `gemm_backend<Tag, T>` owns the prepared keys (and, materialized, queries) and runs the four products
 /// of the loss on per-worker scratch:
 ///   query_block   pack rows [i0, i0 + rows) of Q for the next products          (per row block)
+///   key_tiles     fused: pack keys [j0, j0 + cols) into worker scratch           (per key tile or run of tiles)
 ///   dot_tile      tile (rows x cols, ld block_n) = Q_blk K[j0 : j0 + cols]^T    (logits, unscaled)
 ///   dq_product    acc (rows x dp) += G K[j0 : j0 + cols], G in the tile
 ///   dk_block      acc (cols x ·) += G^T Q_blk                                   (fused)
@@ -41,15 +42,18 @@ struct worker_scratch
   std::vector<float> acc;     // materialized: max(block_m, block_n) x dp block accumulator
   std::vector<float> panel;   // MR x dp: a partial last row panel of an in-place product
   std::vector<float> kt;      // fused: one key tile as b_panels over keys [dp / NR][block_n][NR] (dQ = G K_tile)
+  std::vector<float> kl;      // fused: up to key_run tiles as b_panels over d [cols / NR][d][NR]  (S = Q K^T)
   std::vector<float> col_max; // nk_pad column running max (symmetric forward)
   std::vector<float> col_sum; // nk_pad column running sum
   std::size_t block_i0 = 0;   // the row block prepared by the last query_block
   std::size_t block_rows = 0;
+  std::size_t keys_j0 = 0; // fused: the first key in kl (kl holds keys [keys_j0, keys_j0 + keys_cols))
+  std::size_t keys_cols = 0;
 
   std::size_t capacity_bytes() const noexcept
   {
     return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
-            panel.capacity() + kt.capacity() + col_max.capacity() + col_sum.capacity()) *
+            panel.capacity() + kt.capacity() + kl.capacity() + col_max.capacity() + col_sum.capacity()) *
            sizeof(float);
   }
 };
@@ -79,7 +83,7 @@ struct gemm_backend<gemm::builtin, T>
   gemm_shape sh;
   const T* q = nullptr;
   const T* k_src = nullptr;
-  std::vector<float> k_logit; // K as b_panels over d: [nk_pad / NR][d][NR]                       (S = Q K^T)
+  std::vector<float> k_logit; // materialized, chunked: K as b_panels over d [nk_pad / NR][d][NR]  (S = Q K^T)
   std::vector<float> k_rows;  // materialized: K as b_panels over keys [dp / NR][nk_pad][NR]     (dQ = dA K)
   std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR]  (dK = dA^T Q)
 
@@ -92,19 +96,24 @@ struct gemm_backend<gemm::builtin, T>
     return max_threads;
   }
 
-  /// Floats held for the keys (and queries): fused keeps one packed copy of K (the logits' operand; the dQ operand
-  /// is packed one tile at a time into worker scratch), materialized also K and Q for its two whole-matrix products.
+  /// Floats held for the keys (and queries): fused none (its key tiles are packed into worker scratch as they are
+  /// used: no whole copy of K), the others one packed copy of K for the logits, materialized and chunked also K and
+  /// Q for their two whole-matrix products.
   static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept
   {
-    const detail::checked_size f = detail::checked_size(s.nk_pad) * s.d;
-    return materialized ? f + (detail::checked_size(s.nk_pad) + s.nq_pad) * s.dp : f;
+    if (!materialized)
+    {
+      return detail::checked_size(0);
+    }
+    return detail::checked_size(s.nk_pad) * s.d + (detail::checked_size(s.nk_pad) + s.nq_pad) * s.dp;
   }
-  /// Floats per worker: the query block in two layouts, a partial-panel buffer and (fused) one key tile.
+  /// Floats per worker: the query block in two layouts, a partial-panel buffer and (fused) the packed key tiles:
+  /// key_run tiles for the logits, one for dQ.
   static detail::checked_size worker_floats(const gemm_shape& s, bool materialized) noexcept
   {
     const detail::checked_size f =
         detail::checked_size(block_m) * s.d + detail::checked_size(block_m + kernel_mr) * s.dp;
-    return materialized ? f : f + detail::checked_size(block_n) * s.dp;
+    return materialized ? f : f + detail::checked_size(block_n) * s.dp + detail::checked_size(key_run) * s.d;
   }
   static void size_worker(const gemm_shape& s, worker_scratch& ws, bool materialized)
   {
@@ -112,6 +121,8 @@ struct gemm_backend<gemm::builtin, T>
     ws.qb.resize(block_m * s.dp);
     ws.panel.resize(kernel_mr * s.dp);
     ws.kt.resize(materialized ? 0 : block_n * s.dp);
+    ws.kl.resize(materialized ? 0 : key_run * s.d);
+    ws.keys_j0 = ws.keys_cols = 0;
   }
   /// Whether the fused backward may accumulate in the caller's float dq/dk: the products write NR-wide column
   /// panels, so rows must be d wide with d % NR == 0 (a partial last row panel goes through ws.panel).
@@ -125,17 +136,14 @@ struct gemm_backend<gemm::builtin, T>
     sh = s;
     q = q_in;
     k_src = k;
+    if (!materialized)
+    {
+      release(); // fused packs its key tiles when it uses them
+      return;
+    }
     k_logit.resize(s.nk_pad * s.d);
-    if (materialized)
-    {
-      k_rows.resize(s.nk_pad * s.dp);
-      q_rows.resize(s.nq_pad * s.dp);
-    }
-    else
-    {
-      std::vector<float>().swap(k_rows);
-      std::vector<float>().swap(q_rows);
-    }
+    k_rows.resize(s.nk_pad * s.dp);
+    q_rows.resize(s.nq_pad * s.dp);
     parallel_for(pool,
                  s.nk_pad / kernel_nr,
                  workers,
@@ -144,12 +152,8 @@ struct gemm_backend<gemm::builtin, T>
                    const std::size_t r0 = c * kernel_nr;
                    const std::size_t rows = r0 < s.n_k ? std::min<std::size_t>(kernel_nr, s.n_k - r0) : 0;
                    pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
-                   if (materialized)
-                   {
-                     pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
-                   }
+                   pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
                  });
-    if (materialized)
     {
       parallel_for(pool,
                    s.nq_pad / kernel_nr,
@@ -184,23 +188,41 @@ struct gemm_backend<gemm::builtin, T>
     }
   }
 
+  /// The logits' operand of keys [j0, j0 + cols): the whole packed copy, or (fused) the tiles `key_tiles` packed.
+  const float* logit_keys(std::size_t j0, std::size_t cols, const worker_scratch& ws) const noexcept
+  {
+    if (!k_logit.empty())
+    {
+      return k_logit.data() + j0 * sh.d;
+    }
+    (void)cols; // within [ws.keys_j0, ws.keys_j0 + ws.keys_cols): the fused loops pack before they use
+    return ws.kl.data() + (j0 - ws.keys_j0) * sh.d;
+  }
+
   void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
   {
     gemm_packed(round_up(rows, kernel_mr),
                 round_up(cols, kernel_nr),
                 sh.d,
                 ws.qa.data(),
-                k_logit.data() + j0 * sh.d,
+                logit_keys(j0, cols, ws),
                 sh.d * kernel_nr,
                 ws.tile.data(),
                 block_n,
                 false);
   }
 
-  /// Fused: packs keys [j0, j0 + cols) as the B operand of dQ = G K_tile into ws.kt (once per tile and round).
-  void key_tile(std::size_t j0, std::size_t cols, worker_scratch& ws) const
+  /// Fused: packs keys [j0, j0 + cols) (cols <= key_run, j0 a multiple of block_n) as the logits' operand into
+  /// ws.kl and, `for_dq` (cols <= block_n), as the B operand of dQ = G K_tile into ws.kt.
+  void key_tiles(std::size_t j0, std::size_t cols, worker_scratch& ws, bool for_dq) const
   {
-    pack_rows_over_rows(k_src, sh.d, sh.dp, j0, cols, block_n, block_n, ws.kt.data());
+    pack_rows_over_dim(k_src, sh.d, j0, cols, round_up(cols, kernel_nr), ws.kl.data());
+    ws.keys_j0 = j0;
+    ws.keys_cols = cols;
+    if (for_dq)
+    {
+      pack_rows_over_rows(k_src, sh.d, sh.dp, j0, cols, block_n, block_n, ws.kt.data());
+    }
   }
 
   /// acc rows [0, rows), columns [0, width) += G(ws.tile) K[j0 : j0 + cols]; only those rows are written. K comes

@@ -165,7 +165,7 @@ struct gemm_backend<gemm::cblas, T>
                 static_cast<int>(block_n));
   }
 
-  void key_tile(std::size_t, std::size_t, worker_scratch&) const noexcept {}
+  void key_tiles(std::size_t, std::size_t, worker_scratch&, bool) const noexcept {}
 
   void dq_product(std::size_t j0,
                   std::size_t rows,

@@ -97,10 +97,12 @@ public:
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
-  ///   keys        builtin: nk_pad d (K packed for S = Q K^T); cblas: n_k d for 16-bit, 0 for float
+  ///   keys        builtin: nk_pad d (K packed for S = Q K^T) except fused (no copy: its tiles are packed into
+  ///               scratch); cblas: n_k d for 16-bit, 0 for float
   ///   statistics  5 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, log_sum; column lse, loss,
   ///                                                  shift, log_sum
-  ///   scratch     W (query block and key tile [builtin block_m d + (block_m + MR) dp, fused + block_n dp;
+  ///   scratch     W (query block and key tiles [builtin block_m d + (block_m + MR) dp, fused + block_n dp +
+  ///               key_run d;
   ///               cblas 16-bit block_m d]
   ///               + 3 block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
   ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place

@@ -366,16 +366,110 @@ struct engine_state
     row_max[i] = negatives_max;
   }
 
-  /// Forward over one row block: row log-sum-exps of the negatives, positives taken from the tile that holds them,
-  /// and (symmetric) the worker's column statistics. Materialized also stores A = round_T(Q K^T). Returns whether a
-  /// logit was non-finite.
+  /// Forward of tile (i0, j0) (rows x cols; the query block prepared, ws.tile holding the products where the
+  /// algorithm stores logits): the rows' running statistics row_state[0, rows) (sigmoid: sig_loss, sig_max), the
+  /// positives into pos, and (symmetric) the worker's column statistics. Returns whether a logit was non-finite.
+  template <class Algorithm>
+  bool forward_tile(std::size_t i0,
+                    std::size_t j0,
+                    std::size_t rows,
+                    std::size_t cols,
+                    worker_scratch& ws,
+                    online_lse* row_state,
+                    float* sig_loss,
+                    float* sig_max)
+  {
+    const float* tile = ws.tile.data();
+    const bool sym = symmetric();
+    const bool bad = scaled_tile<Algorithm>(i0, j0, rows, cols, ws);
+    // The positive is kept apart from the negatives' statistics (row and, symmetric, column: the same element).
+    mask_positives(i0, j0, rows, cols, ws, true);
+    if (sigmoid())
+    {
+      sigmoid_tile(i0, j0, rows, cols, ws, sig_loss, sig_max, false);
+      return bad;
+    }
+    for (std::size_t ii = 0; ii < rows; ++ii)
+    {
+      const float* x = &tile[ii * block_n];
+      const float m = lane_max(cols,
+                               -detail::infinity_f,
+                               [&](std::size_t jj)
+                               {
+                                 return x[jj];
+                               });
+      if (m == -detail::infinity_f)
+      {
+        continue;
+      }
+      online_lse& st = row_state[ii];
+      st.rebase(detail::max_f(st.max, m));
+      const float shift = st.shift();
+      st.sum += lane_sum(cols,
+                         [&](std::size_t jj)
+                         {
+                           return detail::exp_approx(x[jj] - shift);
+                         });
+    }
+    if (sym)
+    {
+      float* cmax = &ws.col_max[j0];
+      float* csum = &ws.col_sum[j0];
+      float new_max[block_n];
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        new_max[jj] = cmax[jj];
+      }
+      for (std::size_t ii = 0; ii < rows; ++ii)
+      {
+        const float* x = &tile[ii * block_n];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          new_max[jj] = detail::max_f(new_max[jj], x[jj]);
+        }
+      }
+      float shift[block_n];
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        online_lse st{cmax[jj], csum[jj]};
+        st.rebase(new_max[jj]);
+        cmax[jj] = st.max;
+        csum[jj] = st.sum;
+        shift[jj] = st.shift();
+      }
+      for (std::size_t ii = 0; ii < rows; ++ii)
+      {
+        const float* x = &tile[ii * block_n];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          csum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+        }
+      }
+    }
+    return bad;
+  }
+
+  /// Row i's finished statistics from its running state (sigmoid: its summed negatives' terms and largest z).
+  void finish_forward_row(std::size_t i, const online_lse& row_state, float sig_loss, float sig_max) noexcept
+  {
+    if (sigmoid())
+    {
+      set_sigmoid_row(i, sig_loss, sig_max, true);
+    }
+    else
+    {
+      set_row(i, finish_row(row_state, pos[i]), row_state.max);
+    }
+  }
+
+  /// Forward over one row block against every key tile (materialized: also stores A = round_T(Q K^T)). Returns
+  /// whether a logit was non-finite.
   template <class Algorithm>
   bool forward_block_row(std::size_t i0, unsigned w)
   {
     worker_scratch& ws = scratch[w];
     float* tile = ws.tile.data();
     const std::size_t rows = std::min(block_m, n_q - i0);
-    const bool sym = symmetric();
     query_block(i0, ws, false);
     online_lse row_state[block_m];
     float sig_loss[block_m] = {}, sig_max[block_m];
@@ -397,82 +491,11 @@ struct engine_state
           }
         }
       }
-      bad |= scaled_tile<Algorithm>(i0, j0, rows, cols, ws);
-      // The positive is kept apart from the negatives' statistics (row and, symmetric, column: the same element).
-      mask_positives(i0, j0, rows, cols, ws, true);
-      if (sigmoid())
-      {
-        sigmoid_tile(i0, j0, rows, cols, ws, sig_loss, sig_max, false);
-        continue;
-      }
-      for (std::size_t ii = 0; ii < rows; ++ii)
-      {
-        const float* x = &tile[ii * block_n];
-        const float m = lane_max(cols,
-                                 -detail::infinity_f,
-                                 [&](std::size_t jj)
-                                 {
-                                   return x[jj];
-                                 });
-        if (m == -detail::infinity_f)
-        {
-          continue;
-        }
-        online_lse& st = row_state[ii];
-        st.rebase(detail::max_f(st.max, m));
-        const float shift = st.shift();
-        st.sum += lane_sum(cols,
-                           [&](std::size_t jj)
-                           {
-                             return detail::exp_approx(x[jj] - shift);
-                           });
-      }
-      if (sym)
-      {
-        float* cmax = &ws.col_max[j0];
-        float* csum = &ws.col_sum[j0];
-        float new_max[block_n];
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          new_max[jj] = cmax[jj];
-        }
-        for (std::size_t ii = 0; ii < rows; ++ii)
-        {
-          const float* x = &tile[ii * block_n];
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            new_max[jj] = detail::max_f(new_max[jj], x[jj]);
-          }
-        }
-        float shift[block_n];
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          online_lse st{cmax[jj], csum[jj]};
-          st.rebase(new_max[jj]);
-          cmax[jj] = st.max;
-          csum[jj] = st.sum;
-          shift[jj] = st.shift();
-        }
-        for (std::size_t ii = 0; ii < rows; ++ii)
-        {
-          const float* x = &tile[ii * block_n];
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            csum[jj] += detail::exp_approx(x[jj] - shift[jj]);
-          }
-        }
-      }
+      bad |= forward_tile<Algorithm>(i0, j0, rows, cols, ws, row_state, sig_loss, sig_max);
     }
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
-      if (sigmoid())
-      {
-        set_sigmoid_row(i0 + ii, sig_loss[ii], sig_max[ii], true);
-      }
-      else
-      {
-        set_row(i0 + ii, finish_row(row_state[ii], pos[i0 + ii]), row_state[ii].max);
-      }
+      finish_forward_row(i0 + ii, row_state[ii], sig_loss[ii], sig_max[ii]);
     }
     return bad;
   }

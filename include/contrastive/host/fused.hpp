@@ -2,15 +2,21 @@
 #pragma once
 
 /// \file
-/// The fused algorithm's backward on the host: the logits tiles are recomputed (bit-identical to the forward's), turned
-/// into G, and multiplied into dQ = s G K and dK = s G^T Q without ever storing the n_q x n_k matrix.
+/// The fused algorithm on the host: the forward streams K past the row blocks, and the backward recomputes the logits
+/// tiles (bit-identical to the forward's), turns them into G and multiplies them into dQ = s G K and dK = s G^T Q,
+/// without ever storing the n_q x n_k matrix or a packed copy of K: every key tile is packed into worker scratch
+/// when it is used (forward: once per run of key_run keys and worker; backward: once per tile and round).
 ///
-/// Work is split so that no worker needs an n_k x D accumulator of its own and every result is bit-reproducible for
-/// a given thread count: the row blocks form W row groups and the key tiles W key groups; in round r (r = 0..W-1)
-/// worker w multiplies row group w against key group (w + r) mod W. Within a round no two workers touch the same dQ
-/// rows or the same dK rows, so dQ and dK accumulate in one shared float buffer each (the caller's dq/dk themselves
-/// when the element type is float and the shapes are aligned), in a fixed order. Within a round the key tiles are
-/// the outer loop: K's dQ operand is packed one tile at a time, so the only whole packed copy of K is the logits'.
+/// Forward: worker w takes the row blocks parallel_for would give it (every W-th) and, for each run of key_run keys,
+/// packs the run once and passes each of its row blocks over it; a row's running state advances over the key tiles
+/// in order and a column's over the worker's rows in order, exactly as one row block at a time would.
+///
+/// Backward: work is split so that no worker needs an n_k x D accumulator of its own and every result is
+/// bit-reproducible for a given thread count: the row blocks form W row groups and the key tiles W key groups; in round
+/// r (r = 0..W-1) worker w multiplies row group w against key group (w + r) mod W. Within a round no two workers touch
+/// the same dQ rows or the same dK rows, so dQ and dK accumulate in one shared float buffer each (the caller's dq/dk
+/// themselves when the element type is float and the shapes are aligned), in a fixed order. Within a round the key
+/// tiles are the outer loop: each tile is packed once per round, as the logits' and as dQ's operand.
 
 #include <contrastive/host/engine_state.hpp>
 
@@ -23,6 +29,75 @@ namespace contrastive
 {
 namespace host
 {
+/// Forward of the softmax objectives, fused: the finished row statistics and (symmetric) each worker's column
+/// partials, as engine_state::forward_rows gives them. The rows' running states live in row_max and row_lse until
+/// the rows are finished.
+template <class T, class Gemm>
+row_pass fused_forward_rows(engine_state<T, Gemm>& st, float s)
+{
+  st.scale = s;
+  st.sigmoid_g_sum = 0.0;
+  const std::size_t row_blocks = st.nq_pad / block_m;
+  const unsigned workers =
+      static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(st.workers, row_blocks)));
+  for (auto& ws : st.scratch)
+  {
+    std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);
+    std::fill(ws.col_sum.begin(), ws.col_sum.end(), 0.0f);
+  }
+  std::fill(st.row_max.begin(), st.row_max.end(), -detail::infinity_f);
+  std::fill(st.row_lse.begin(), st.row_lse.end(), 0.0f);
+  unsigned char bad[max_threads] = {};
+  st.pool.run(workers,
+              [&](unsigned w)
+              {
+                worker_scratch& ws = st.scratch[w];
+                online_lse row_state[block_m];
+                for (std::size_t r0 = 0; r0 < st.n_k; r0 += key_run)
+                {
+                  const std::size_t run = std::min(key_run, st.n_k - r0);
+                  st.mm.key_tiles(r0, run, ws, false);
+                  for (std::size_t t = w; t < row_blocks; t += workers)
+                  {
+                    const std::size_t i0 = t * block_m;
+                    const std::size_t rows = std::min(block_m, st.n_q - i0);
+                    st.query_block(i0, ws, false);
+                    for (std::size_t ii = 0; ii < rows; ++ii)
+                    {
+                      row_state[ii] = online_lse{st.row_max[i0 + ii], st.row_lse[i0 + ii]};
+                    }
+                    for (std::size_t j0 = r0; j0 < r0 + run; j0 += block_n)
+                    {
+                      const std::size_t cols = std::min(block_n, st.n_k - j0);
+                      bad[w] |= st.template forward_tile<algorithm::fused>(
+                                    i0, j0, rows, cols, ws, row_state, nullptr, nullptr)
+                                    ? 1
+                                    : 0;
+                    }
+                    for (std::size_t ii = 0; ii < rows; ++ii)
+                    {
+                      st.row_max[i0 + ii] = row_state[ii].max;
+                      st.row_lse[i0 + ii] = row_state[ii].sum;
+                    }
+                  }
+                }
+                for (std::size_t t = w; t < row_blocks; t += workers)
+                {
+                  const std::size_t i0 = t * block_m;
+                  for (std::size_t i = i0; i < std::min(i0 + block_m, st.n_q); ++i)
+                  {
+                    st.finish_forward_row(i, online_lse{st.row_max[i], st.row_lse[i]}, 0.0f, 0.0f);
+                  }
+                }
+              });
+  bool any_bad = false;
+  for (unsigned w = 0; w < workers; ++w)
+  {
+    any_bad |= bad[w] != 0;
+  }
+  return st.finish_rows(any_bad);
+}
+
 /// Backward of `loss_scale * loss` for the fused algorithm after `forward<fused>`.
 template <class T, class Gemm, class Out>
 backward_result
@@ -74,7 +149,7 @@ fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficie
                       break;
                     }
                     const std::size_t cols = std::min(block_n, st.n_k - j0);
-                    st.mm.key_tile(j0, cols, ws);
+                    st.mm.key_tiles(j0, cols, ws, true);
                     for (std::size_t b = b0; b < b1; ++b)
                     {
                       const std::size_t i0 = b * block_m;

@@ -57,6 +57,9 @@ inline constexpr const char* kernel_isa = "generic";
 inline constexpr std::size_t block_m = kernel_mr == 6 ? 96 : 64;
 inline constexpr std::size_t block_n = kernel_mr == 6 ? 192 : 256;
 static_assert(block_m % kernel_mr == 0 && block_n % kernel_nr == 0 && block_n % kernel_mr == 0, "tile shapes");
+/// Keys the fused forward packs at once (key_run / block_n tiles): each query block is packed once per run of tiles,
+/// and the run, key_run x D floats per worker, is all of K the fused algorithm holds packed.
+inline constexpr std::size_t key_run = 4 * block_n;
 
 CONTRASTIVE_HOST_DEVICE constexpr std::size_t round_up(std::size_t x, std::size_t m) noexcept
 {

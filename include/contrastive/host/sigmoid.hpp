@@ -72,7 +72,7 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
                       break;
                     }
                     const std::size_t cols = std::min(block_n, st.n_k - j0);
-                    st.mm.key_tile(j0, cols, ws);
+                    st.mm.key_tiles(j0, cols, ws, true);
                     for (std::size_t b = b0; b < b1; ++b)
                     {
                       const std::size_t i0 = b * block_m;
