@@ -79,6 +79,8 @@ public:
   using engine_type = host::engine<Element, Gemm>;
   /// One process without collectives (comm::self): K in place, gradients written directly, no agreement.
   static constexpr bool single = distributed::is_single_process_v<Comm>;
+  /// Ranks with float gradients write them in place (no float partials of dq and dk besides the gathered dK's).
+  static constexpr bool float_out = std::is_same_v<Element, float>;
 
   explicit driver(Comm comm = Comm{}, unsigned threads = 0) : comm_(std::move(comm)), engine_(threads) {}
 
@@ -373,18 +375,22 @@ public:
       ready_ = false; // every rank starts the engine's backward (materialized: dA overwrites the logits)
       const std::size_t d = p_.dim;
       backward_values br;
+      // float: the engine writes this rank's dQ and the reduce-scatter its dK straight into dq and dk (as one
+      // process's engine does: a failure agreed on below may leave them partly written); 16-bit: into float
+      // partials, rounded once after the agreement, in the pass that tests them.
+      float* const dq_out = float_out ? reinterpret_cast<float*>(dq) : dq_f_.data();
+      float* const dk_out = float_out ? reinterpret_cast<float*>(dk) : dk_f_.data();
       status compute = guarded(
           [&]
           {
-            br = engine_.template backward<Algorithm>(loss_scale, gc_, dq_f_.data(), dk_all_f_.data());
+            br = engine_.template backward<Algorithm>(loss_scale, gc_, dq_out, dk_all_f_.data());
           });
-      // dK back to its owners; a failure of the engine's work on any rank is agreed on before anything is written,
-      // then each gradient is rounded once, in the pass that tests it.
-      CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(dk_all_f_.data(), dk_counts_.data(), dk_f_.data()));
+      // dK back to its owners; a failure of the engine's work on any rank is agreed on before a result is used.
+      CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(dk_all_f_.data(), dk_counts_.data(), dk_out));
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_, compute));
       const rank_backward mine{static_cast<double>(br.grad_logit_scale),
-                               round_into(dq_f_.data(), p_.n_q * d, dq) ? 1.0 : 0.0,
-                               round_into(dk_f_.data(), p_.n_k * d, dk) ? 1.0 : 0.0,
+                               round_into(dq_out, p_.n_q * d, dq) ? 1.0 : 0.0,
+                               round_into(dk_out, p_.n_k * d, dk) ? 1.0 : 0.0,
                                static_cast<double>(br.grad_logit_bias)};
       std::vector<rank_backward> all;
       CONTRASTIVE_RETURN_IF_ERROR(gather(status{}, mine, all));
@@ -524,19 +530,19 @@ private:
     const bool sym = p.obj == objective::symmetric;
     const std::size_t d = p.dim;
     using contrastive::detail::checked_size;
-    const checked_size alloc_bytes = checked_size(n_k_total_) * d * sizeof(Element) +
-                                     checked_size(p.n_q) * sizeof(std::int32_t) +
-                                     (checked_size(p.n_q) * d + checked_size(n_k_total_) * d + checked_size(p.n_k) * d +
-                                      checked_size(sym ? n_k_total_ : 0) * std::size_t(3)) *
-                                         sizeof(float);
+    const checked_size alloc_bytes =
+        checked_size(n_k_total_) * d * sizeof(Element) + checked_size(p.n_q) * sizeof(std::int32_t) +
+        (checked_size(float_out ? 0 : p.n_q) * d + checked_size(n_k_total_) * d +
+         checked_size(float_out ? 0 : p.n_k) * d + checked_size(sym ? n_k_total_ : 0) * std::size_t(3)) *
+            sizeof(float);
     status alloc = guarded(
         [&]
         {
           k_all_.resize(n_k_total_ * d);
           labels_.resize(p.n_q);
-          dq_f_.resize(p.n_q * d);
+          dq_f_.resize(float_out ? 0 : p.n_q * d);
           dk_all_f_.resize(n_k_total_ * d);
-          dk_f_.resize(p.n_k * d);
+          dk_f_.resize(float_out ? 0 : p.n_k * d);
           col_a_.resize(sym ? n_k_total_ : 0);
           col_b_.resize(sym ? 2 * n_k_total_ : 0);
         });
@@ -619,6 +625,15 @@ private:
   static bool round_into(const float* in, std::size_t n, Element* out) noexcept
   {
     float poison = 0.0f;
+    if constexpr (float_out)
+    {
+      (void)out; // in == out: only the test
+      for (std::size_t i = 0; i < n; ++i)
+      {
+        poison += in[i] * 0.0f;
+      }
+      return poison != 0.0f;
+    }
     for (std::size_t i = 0; i < n; ++i)
     {
       const Element v = element_traits<Element>::from_float(in[i]);
@@ -700,7 +715,8 @@ private:
   backward_values bwd_{};
   float loss_scale_ = 1.0f;
   std::size_t n_q_total_ = 0, n_k_total_ = 0, q_off_ = 0, k_off_ = 0;
-  // Ranks only: the agreed counts, the gathered keys, the rows' global labels, float partials, column statistics.
+  // Ranks only: the agreed counts, the gathered keys, the rows' global labels, float partials (dq_f_ and dk_f_ for
+  // 16-bit elements only), column statistics.
   std::vector<int> k_rows_, dk_counts_;
   std::vector<Element> k_all_;
   std::vector<std::int32_t> labels_;
