@@ -508,6 +508,50 @@ void rank_restored_elsewhere(Comm comm)
   EXPECT_TRUE(rows.untouched());
 }
 
+/// A rank whose logit scale (tau) or logit bias differs from rank 0's, bit for bit, is refused on every rank, naming
+/// it, before anything moves; with the same values the step goes on.
+template <class Comm>
+void rank_with_other_scalars(Comm comm)
+{
+  const int rank = comm.rank();
+  const int culprit = comm.size() - 1;
+  rank_rows rows(rank, comm.size());
+  cl::distributed::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused, Comm> dist(
+      comm, cl::temperature::fixed(rank == culprit ? 0.05f : 0.07f), {}, 1);
+  cl::step_record rec;
+  cl::status st = dist.step(rows.problem(), rows.dq.data(), rows.dk.data(), rec);
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument);
+  const auto g9 = [](float v)
+  {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+    return std::string(buf);
+  };
+  const std::string scale_msg = "logit_scale: rank " + std::to_string(culprit) +
+                                ": logit scale s = " + g9(cl::temperature::fixed(0.05f).scale()) +
+                                " (1/tau) where rank 0 has " + g9(cl::temperature::fixed(0.07f).scale());
+  EXPECT_EQ(st.message().rfind(scale_msg, 0), 0u) << st.message();
+  EXPECT_TRUE(rows.untouched());
+  EXPECT_EQ(dist.steps(), 0);
+
+  // The sigmoid objective: the same temperature, a bias that differs on the culprit, then the same bias.
+  cl::distributed::loss<float, cl::temperature::fixed, cl::scaler::static_scale, cl::algorithm::fused, Comm> sig(
+      comm, cl::temperature::fixed(0.1f), {}, 1);
+  ASSERT_TRUE(sig.set_logit_bias(cl::logit_bias::fixed(rank == culprit ? -9.5f : -10.0f)).ok());
+  cl::problem<float> p = rows.problem();
+  p.obj = cl::objective::sigmoid;
+  st = sig.step(p, rows.dq.data(), rows.dk.data(), rec);
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument);
+  EXPECT_EQ(st.message().rfind(
+                "logit_bias: rank " + std::to_string(culprit) + ": logit bias b = -9.5 where rank 0 has -10", 0),
+            0u)
+      << st.message();
+  EXPECT_TRUE(rows.untouched());
+  ASSERT_TRUE(sig.set_logit_bias(cl::logit_bias::fixed(-10.0f)).ok());
+  EXPECT_TRUE(sig.step(p, rows.dq.data(), rows.dk.data(), rec).ok());
+  EXPECT_FALSE(rows.untouched());
+}
+
 /// forward then backward (collectives of their own) equal forward_backward bit for bit; a backward without a forward
 /// on one rank is refused on every rank naming it; forward on one rank against forward_backward on the others is
 /// out of step. The column log-sum-exps of this rank's keys match the one-process forward's.
@@ -634,6 +678,7 @@ TEST(Distributed, OutOfStepRanksAreRefusedOnEveryRank)
   rank_skipping_a_step(comm_t{});
   rank_skipping_finish_step(comm_t{});
   rank_restored_elsewhere(comm_t{});
+  rank_with_other_scalars(comm_t{});
   mixed_step_forms(comm_t{});
   forward_then_backward(comm_t{});
 }
@@ -659,6 +704,11 @@ TEST(ThreadRanks, OutOfStepRanksAreRefusedOnEveryRank)
                   [](ct::thread_comm c)
                   {
                     rank_restored_elsewhere(c);
+                  });
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    rank_with_other_scalars(c);
                   });
     ct::run_ranks(ranks,
                   [](ct::thread_comm c)

@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -51,6 +52,8 @@ struct call_msg
   std::int64_t step;                           ///< the loss's step count (finished steps)
   std::int64_t iteration;                      ///< the caller's iteration, or no_iteration
   std::int64_t n_q, n_k, dim, obj, has_labels; ///< forward_backward: this rank's problem
+  std::int64_t has_scalars;                    ///< forward_backward: whether the next two are known (host)
+  std::int64_t scale_bits, bias_bits;          ///< the logit scale s and bias b (float bit patterns)
   std::int64_t pending, site;                  ///< finish_step: the record's state
   std::int64_t code;                           ///< the outcome of this rank's own checks (errc)
 };
@@ -125,6 +128,24 @@ struct status_msg
   char message[448];
 };
 
+/// A float carried as its bit pattern (call_msg), as text with every digit that tells floats apart.
+inline std::string float_text(std::int64_t bits)
+{
+  const auto u = static_cast<std::uint32_t>(bits);
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+  return buf;
+}
+/// A float as call_msg carries it.
+inline std::int64_t float_bits(float v) noexcept
+{
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return static_cast<std::int64_t>(u);
+}
+
 /// What every rank derives identically from all ranks' shapes.
 struct global_shape
 {
@@ -171,6 +192,24 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
     {
       g.bad_rank = rr;
       (void)(g.why = status{errc::invalid_argument, "obj", "objective or labels differ from rank 0's"});
+    }
+    else if (s.has_scalars != 0 && all[0].has_scalars != 0 && s.scale_bits != all[0].scale_bits)
+    {
+      g.bad_rank = rr;
+      (void)(g.why = status{errc::invalid_argument,
+                            "logit_scale",
+                            "logit scale s = " + float_text(s.scale_bits) + " (1/tau) where rank 0 has " +
+                                float_text(all[0].scale_bits) +
+                                ": every rank's step must use the same temperature (a rank restored from another "
+                                "checkpoint, or policies not in lockstep)"});
+    }
+    else if (s.has_scalars != 0 && all[0].has_scalars != 0 && s.bias_bits != all[0].bias_bits)
+    {
+      g.bad_rank = rr;
+      (void)(g.why = status{errc::invalid_argument,
+                            "logit_bias",
+                            "logit bias b = " + float_text(s.bias_bits) + " where rank 0 has " +
+                                float_text(all[0].bias_bits) + ": every rank's step must use the same bias"});
     }
     else if (s.n_q > INT_MAX || s.n_k > INT_MAX ||
              (contrastive::detail::checked_size(static_cast<std::size_t>(s.n_k)) * static_cast<std::size_t>(s.dim))
@@ -275,8 +314,10 @@ inline status check_iteration(std::int64_t iteration)
 }
 
 /// Step 1 of `forward_backward` or `forward` (`kind`; its first collective): all-gathers every rank's call, step,
-/// iteration, shape and own verdict (`local`); refuses on every rank when the ranks are out of step; derives the global
-/// facts into `g`, runs `checks_with_totals(g)` on every rank when nothing failed so far, and agrees.
+/// iteration, shape, logit scale and bias (`scalars` = {s, b} where the caller knows them; the device losses keep
+/// theirs on the device) and own verdict (`local`); refuses on every rank when the ranks are out of step; derives the
+/// global facts into `g` (a rank whose s or b differs from rank 0's bit for bit is refused), runs
+/// `checks_with_totals(g)` on every rank when nothing failed so far, and agrees.
 template <class Comm, class T, class Checks>
 status agree_on_problem(const Comm& comm,
                         const problem<T>& p,
@@ -285,7 +326,8 @@ status agree_on_problem(const Comm& comm,
                         status local,
                         global_shape& g,
                         Checks&& checks_with_totals,
-                        call_kind kind = call_kind::forward_backward)
+                        call_kind kind = call_kind::forward_backward,
+                        const float* scalars = nullptr)
 {
   if (local.ok())
   {
@@ -297,6 +339,12 @@ status agree_on_problem(const Comm& comm,
   mine.dim = static_cast<std::int64_t>(p.dim);
   mine.obj = static_cast<std::int64_t>(p.obj);
   mine.has_labels = p.labels != nullptr ? 1 : 0;
+  if (scalars != nullptr)
+  {
+    mine.has_scalars = 1;
+    mine.scale_bits = float_bits(scalars[0]);
+    mine.bias_bits = float_bits(scalars[1]);
+  }
   std::vector<call_msg> all(static_cast<std::size_t>(comm.size()));
   CONTRASTIVE_RETURN_IF_ERROR(comm.allgather(&mine, sizeof mine, all.data()));
   CONTRASTIVE_RETURN_IF_ERROR(check_in_step(all));

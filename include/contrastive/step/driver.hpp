@@ -260,12 +260,14 @@ public:
     }
     else
     {
+      const float scalars[2] = {s, bias};
       CONTRASTIVE_RETURN_IF_ERROR(agree_on_problem(p,
                                                    step,
                                                    iteration,
                                                    local,
                                                    need_grads ? distributed::agreement::call_kind::forward_backward
-                                                              : distributed::agreement::call_kind::forward));
+                                                              : distributed::agreement::call_kind::forward,
+                                                   scalars));
       ready_ = false;
       CONTRASTIVE_RETURN_IF_ERROR(gather_keys(p));
       const bool sym = p.obj == objective::symmetric;
@@ -493,12 +495,13 @@ private:
     return {};
   }
 
-  /// Phase 2 for ranks (distributed/agreement.hpp).
+  /// Phase 2 for ranks (distributed/agreement.hpp); `scalars`: this rank's {s, b}, which every rank must share.
   status agree_on_problem(const problem_type& p,
                           std::int64_t step,
                           std::int64_t iteration,
                           const status& local,
-                          distributed::agreement::call_kind kind)
+                          distributed::agreement::call_kind kind,
+                          const float* scalars)
   {
     // The batch's shape is kept only once every rank agreed: a refused call leaves the ready forward's shape (its
     // backward's counts and offsets) as it was.
@@ -514,7 +517,8 @@ private:
         {
           return checks_with_totals(p, gs.n_k_total);
         },
-        kind));
+        kind,
+        scalars));
     n_q_total_ = g.n_q_total;
     n_k_total_ = g.n_k_total;
     q_off_ = g.q_off;
