@@ -395,6 +395,26 @@ TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
   huge.n_q = huge.n_k = (std::size_t(1) << 30) + 1;
   EXPECT_EQ(L::step(nullptr, bytes, huge, dummy + 2, dummy + 3, state, reinterpret_cast<cublasHandle_t>(dummy)),
             cudaErrorInvalidValue);
+  // check() names what each refusal is about (host code: no device needed).
+  const auto h = reinterpret_cast<cublasHandle_t>(dummy);
+  EXPECT_EQ(L::check(p, dummy + 2, dummy + 3, state, nullptr).argument(), "handle");
+  EXPECT_EQ(L::check(p, dummy + 2, dummy + 3, nullptr, h).argument(), "d_state");
+  EXPECT_EQ(L::check(empty, dummy + 2, dummy + 3, state, h).argument(), "n_q");
+  // Beyond the device's limits: addresses 1 TiB apart, so the operands do not overlap (never dereferenced).
+  const auto at = [](int tib)
+  {
+    return reinterpret_cast<float*>(static_cast<std::uintptr_t>(tib) << 40);
+  };
+  cl::problem<float> far = huge;
+  far.q = at(1);
+  far.k = at(2);
+  EXPECT_EQ(L::check(far, at(3), at(4), state, h).code(), cl::errc::size_overflow);
+  EXPECT_EQ(L::check(far, at(3), at(4), state, h).argument(), "n_q");
+  cl::problem<float> sig = p;
+  sig.obj = cl::objective::sigmoid;
+  EXPECT_EQ(L::check(sig, dummy + 2, dummy + 3, state, h).argument(), "obj");
+  EXPECT_EQ(L::step(nullptr, bytes, sig, dummy + 2, dummy + 3, state, h), cudaErrorInvalidValue);
+  EXPECT_TRUE(L::check(p, dummy + 2, dummy + 3, state, h).ok());
   // Chunk rows: multiples of 64, at most every row; without free memory known (0), the default's floor: S_c and G_c
   // in 384 MiB, and at least 256 rows. Given rows or a budget keep their meaning whatever is free.
   cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -203,9 +204,32 @@ TEST(Device, BadArgumentsAreRefused)
   cl::problem<float> p{};
   device_loss::state_type* no_state = nullptr;
   EXPECT_EQ(device_loss::step(nullptr, bytes, p, nullptr, nullptr, no_state), cudaErrorInvalidValue);
-  float dummy = 0.0f;
-  cl::problem<float> q{&dummy, &dummy, 1, 2, 1, nullptr, cl::objective::symmetric};
-  EXPECT_EQ(device_loss::step(nullptr, bytes, q, &dummy, &dummy, no_state), cudaErrorInvalidValue);
+  float dummy[8] = {};
+  cl::problem<float> q{dummy, dummy, 1, 2, 1, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(device_loss::step(nullptr, bytes, q, dummy, dummy, no_state), cudaErrorInvalidValue);
+
+  // check() gives the reason, naming the argument, without a device (the PyTorch binding raises it).
+  alignas(256) static unsigned char fake_state[sizeof(device_loss::state_type)];
+  auto* state = reinterpret_cast<device_loss::state_type*>(fake_state); // never dereferenced
+  EXPECT_EQ(device_loss::check(p, nullptr, nullptr, state).argument(), "n_q");
+  EXPECT_EQ(device_loss::check(q, dummy + 4, dummy + 6, state).code(), cl::errc::shape_mismatch); // n_q != n_k
+  cl::problem<float> ok{dummy, dummy + 1, 1, 1, 1, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(device_loss::check(ok, dummy + 2, dummy + 3, no_state).code(), cl::errc::null_pointer);
+  EXPECT_EQ(device_loss::check(ok, dummy + 2, dummy + 3, no_state).argument(), "d_state");
+  EXPECT_EQ(device_loss::check(ok, nullptr, dummy + 3, state).argument(), "dq");
+  cl::problem<float> sig = ok;
+  sig.obj = cl::objective::sigmoid;
+  EXPECT_EQ(device_loss::check(sig, dummy + 2, dummy + 3, state).argument(), "obj");
+  EXPECT_EQ(device_loss::step(nullptr, bytes, sig, dummy + 2, dummy + 3, state), cudaErrorInvalidValue);
+  // Beyond the device's limits: addresses 1 TiB apart, so the operands do not overlap (never dereferenced).
+  const auto at = [](int tib)
+  {
+    return reinterpret_cast<float*>(static_cast<std::uintptr_t>(tib) << 40);
+  };
+  cl::problem<float> wide{at(1), at(2), 1, 1, (std::size_t(1) << 24) + 1, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(device_loss::check(wide, at(3), at(4), state).code(), cl::errc::size_overflow);
+  EXPECT_EQ(device_loss::check(wide, at(3), at(4), state).argument(), "dim");
+  EXPECT_TRUE(device_loss::check(ok, dummy + 2, dummy + 3, state).ok());
 }
 
 // upload_state: a null state is refused before any launch (runs without a device); on a device the state lands in

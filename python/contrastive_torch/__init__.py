@@ -329,13 +329,9 @@ class _CudaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, logit_scale, labels, symmetric, algorithm, fused_tiles, report):
         scale = _scale_value(logit_scale)
-        try:
-            loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
-                                                                         fused_tiles)
-        except (RuntimeError, ValueError) as e:
-            if "invalid" in str(e) or "algorithm" in str(e) or "dtype" in str(e):
-                raise ValueError(str(e)) from None
-            raise
+        # The extension raises by the library's error code (csrc/errors.hpp): ValueError for a refused argument.
+        loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
+                                                                     fused_tiles)
         report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
         ctx.save_for_backward(dq, dk, dlogs)
         ctx.scale = scale
@@ -662,13 +658,9 @@ if HAS_CUSTOM_OPS:
                       fused_tiles: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         labels = _check_cuda_values(q, k, _labels_tensor(labels, q.shape[0]), symmetric)
         scale = _scale_value(logit_scale)
-        try:
-            loss, dq, dk, dlogs, _max_logit, _site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm,
-                                                                          0, fused_tiles)
-        except (RuntimeError, ValueError) as e:
-            if "invalid" in str(e) or "algorithm" in str(e) or "dtype" in str(e):
-                raise ValueError(str(e)) from None
-            raise
+        # The extension raises by the library's error code (csrc/errors.hpp): ValueError for a refused argument.
+        loss, dq, dk, dlogs, _max_logit, _site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
+                                                                      fused_tiles)
         # loss and dlogs view the step's state buffer: an operator's outputs must not alias, so they are copied.
         return loss.clone(), dq, dk, dlogs.clone()
 

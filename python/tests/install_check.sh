@@ -35,7 +35,7 @@ assert os.path.realpath(ct.__file__).startswith(venv), f"imported {ct.__file__},
 ext = ct.extension()
 assert ext.__name__ == "contrastive_torch._C", f"extension {ext.__name__}: not the one pip built"
 assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "include", "contrastive", "contrastive.hpp"))
-for src in ("binding.cpp", "binding_cuda.cu", "problem_of.hpp", "torch_comm.hpp"):  # the on-first-use build's sources
+for src in ("binding.cpp", "binding_cuda.cu", "errors.hpp", "problem_of.hpp", "torch_comm.hpp"):  # the on-first-use build's sources
     assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "csrc", src)), f"csrc/{src} not installed"
 if os.environ.get("CONTRASTIVE_TORCH_CUDA") == "1":
     import importlib

@@ -996,6 +996,21 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return layout_for_rows(p, tiles, floor, cub, w);
   }
 
+  /// Why forward_backward and step refuse these arguments (cudaErrorInvalidValue), as a status naming the argument
+  /// (host code, no CUDA call): device::loss::check's verdict, then the cuBLAS handle.
+  static status check(
+      const problem<Element>& p, const Element* dq, const Element* dk, const state_type* d_state, cublasHandle_t handle)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, true, /*check_labels=*/false));
+    if (d_state == nullptr || handle == nullptr)
+    {
+      return {errc::null_pointer,
+              d_state == nullptr ? "d_state" : "handle",
+              d_state == nullptr ? "null device state (make_state, then upload_state)" : "null cuBLAS handle"};
+    }
+    return detail::device_limits(p);
+  }
+
   /// Steps 1-3 (forward, backward, record) at the state's tau and loss scale. A null d_temp writes the bytes needed.
   [[nodiscard]] static cudaError_t forward_backward(void* d_temp,
                                                     std::size_t& temp_bytes,
@@ -1008,8 +1023,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
                                                     const chunk_options& opts = {})
   {
     namespace cd = chunked_detail;
-    if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr || handle == nullptr ||
-        !detail::within_device_limits(p))
+    if (!check(p, dq, dk, d_state, handle).ok())
     {
       return cudaErrorInvalidValue;
     }

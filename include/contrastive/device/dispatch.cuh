@@ -19,6 +19,7 @@
 #include <contrastive/device/kernels.cuh>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
 
 #include <cub/device/device_reduce.cuh>
 
@@ -65,14 +66,28 @@ reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cu
       tmp, bytes, in, out, n, kernels::nan_max{}, -contrastive::detail::infinity_f, stream);
 }
 
-/// The device path's size limits (its kernels index with int and 32-bit grid dimensions): n_q, n_k <= 2^30, dim <=
-/// 2^24.
+/// What the device path runs, as a status naming the argument (host code: no CUDA call): the softmax objectives
+/// (the sigmoid objective runs on the host only so far: refused instead of computed as a softmax loss) and its size
+/// limits (its kernels index with int and 32-bit grid dimensions): n_q, n_k <= 2^30, dim <= 2^24.
 template <class Problem>
-bool within_device_limits(const Problem& p) noexcept
+status device_limits(const Problem& p)
 {
-  // The sigmoid objective runs on the host only so far: the device refuses it instead of computing a softmax loss.
-  return p.n_q <= (std::size_t(1) << 30) && p.n_k <= (std::size_t(1) << 30) && p.dim <= (std::size_t(1) << 24) &&
-         p.obj != objective::sigmoid;
+  if (p.obj == objective::sigmoid)
+  {
+    return {errc::invalid_argument,
+            "obj",
+            "the sigmoid objective has no device path yet: run it on the host (contrastive::loss, CPU tensors)"};
+  }
+  if (p.n_q > (std::size_t(1) << 30) || p.n_k > (std::size_t(1) << 30) || p.dim > (std::size_t(1) << 24))
+  {
+    return {errc::size_overflow,
+            p.dim > (std::size_t(1) << 24)   ? "dim"
+            : p.n_q > (std::size_t(1) << 30) ? "n_q"
+                                             : "n_k",
+            "the device path takes n_q, n_k <= 2^30 and dim <= 2^24 (n_q = " + std::to_string(p.n_q) +
+                ", n_k = " + std::to_string(p.n_k) + ", dim = " + std::to_string(p.dim) + ")"};
+  }
+  return {};
 }
 
 /// The CUB-style two-phase workspace protocol: with a null d_temp, writes `needed` to temp_bytes and answers true

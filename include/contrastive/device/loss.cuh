@@ -114,8 +114,23 @@ struct loss
     return cudaSuccess;
   }
 
+  /// Why forward_backward and step refuse these arguments (cudaErrorInvalidValue), as a status naming the argument
+  /// and saying what is wrong: the host's problem checks (labels not read: they are device memory), the state
+  /// pointer, the device path's objectives and size limits. Host code, no CUDA call: callers that want the reason
+  /// (the PyTorch binding) ask first. A workspace that is too small or misaligned is refused by the call only.
+  static status check(const problem<Element>& p, const Element* dq, const Element* dk, const state_type* d_state)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, true, /*check_labels=*/false));
+    if (d_state == nullptr)
+    {
+      return {errc::null_pointer, "d_state", "null device state (make_state, then upload_state)"};
+    }
+    return detail::device_limits(p);
+  }
+
   /// Steps 1-3: forward and backward at the state's tau and loss scale; fills `d_state->record` (pending). Checks the
-  /// arguments here; the workspace, the configuration and the launches are the dispatch layer's (device/dispatch.cuh).
+  /// arguments here (`check`); the workspace, the configuration and the launches are the dispatch layer's
+  /// (device/dispatch.cuh).
   [[nodiscard]] static cudaError_t forward_backward(void* d_temp,
                                                     std::size_t& temp_bytes,
                                                     const problem<Element>& p,
@@ -126,8 +141,7 @@ struct loss
   {
     // Labels are device memory: their range is not read here (see the file comment). check_problem also refuses
     // sizes whose byte counts overflow and outputs that overlap each other or the inputs.
-    if (!check_problem(p, dq, dk, true, /*check_labels=*/false).ok() || d_state == nullptr ||
-        !detail::within_device_limits(p))
+    if (!check(p, dq, dk, d_state).ok())
     {
       return cudaErrorInvalidValue;
     }

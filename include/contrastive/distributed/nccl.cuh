@@ -413,9 +413,9 @@ public:
       (void)(local = status{
                  errc::null_pointer, d_state == nullptr ? "d_state" : "handle", "null device state or cuBLAS handle"});
     }
-    if (local.ok() && !contrastive::device::detail::within_device_limits(p))
+    if (local.ok())
     {
-      (void)(local = status{errc::size_overflow, "n_q", "the device path takes n_q, n_k <= 2^30 and dim <= 2^24"});
+      (void)(local = contrastive::device::detail::device_limits(p));
     }
     CONTRASTIVE_RETURN_IF_ERROR(agreement::agree_on_problem(comm_,
                                                             p,

@@ -10,6 +10,7 @@
 
 #include <torch/extension.h>
 
+#include "errors.hpp"
 #include "problem_of.hpp"
 
 #if __has_include(<torch/csrc/distributed/c10d/ProcessGroup.hpp>)
@@ -57,30 +58,7 @@ public:
 };
 
 /// resource_exhausted: raised in Python as MemoryError (the translator below), with the library's message.
-struct memory_error : std::runtime_error
-{
-  using std::runtime_error::runtime_error;
-};
-
-/// The library's status as the Python exception its code calls for (one table; pybind11 maps std::invalid_argument
-/// to ValueError, std::overflow_error to OverflowError, std::runtime_error to RuntimeError). The message names the
-/// argument and ends with the code.
-[[noreturn]] void raise(const cl::status& st)
-{
-  const std::string m = std::string("contrastive: ") + st.message() + " [" + cl::to_string(st.code()) + "]";
-  switch (st.code())
-  {
-  case cl::errc::size_overflow:
-    throw std::overflow_error(m);
-  case cl::errc::resource_exhausted:
-    throw memory_error(m);
-  case cl::errc::cuda_error:
-  case cl::errc::communication_error:
-    throw std::runtime_error(m);
-  default: // the input or a setting is outside its domain
-    throw std::invalid_argument(m);
-  }
-}
+using contrastive_torch::raise;
 
 template <class T, class Algorithm, class Comm = cl::distributed::comm::self>
 class handle final : public handle_base
@@ -356,21 +334,7 @@ agree(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
   m.doc() = "contrastive: temperature-scaled contrastive loss (host engine)";
-  pybind11::register_exception_translator(
-      [](std::exception_ptr p)
-      {
-        try
-        {
-          if (p)
-          {
-            std::rethrow_exception(p);
-          }
-        }
-        catch (const memory_error& e)
-        {
-          PyErr_SetString(PyExc_MemoryError, e.what());
-        }
-      });
+  contrastive_torch::register_errors();
   pybind11::class_<Loss>(m, "Loss")
       .def(pybind11::init<const std::string&, const std::string&, std::int64_t>(),
            pybind11::arg("dtype"),

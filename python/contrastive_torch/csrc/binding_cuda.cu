@@ -6,6 +6,7 @@
 // the first non-finite site come back as 0-dim CUDA tensors viewing the step record in device memory.
 #include <torch/extension.h>
 
+#include "errors.hpp"
 #include "problem_of.hpp"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -23,16 +24,19 @@ namespace cl = contrastive;
 
 namespace
 {
+/// A CUDA result after the arguments passed L::check (whose status is raised with the reason): what is left is the
+/// workspace (invalid value) or the device itself.
 void check(cudaError_t e, const char* what)
 {
   if (e == cudaErrorInvalidValue)
   {
     throw std::invalid_argument(std::string("contrastive: ") + what +
-                                ": invalid problem (shapes, pointers, overlapping outputs, or n > 2^30)");
+                                ": the workspace was refused (too small or not "
+                                "256-byte aligned) [invalid_argument]");
   }
   if (e != cudaSuccess)
   {
-    throw std::runtime_error(std::string("contrastive: ") + what + ": " + cudaGetErrorString(e));
+    throw std::runtime_error(std::string("contrastive: ") + what + ": " + cudaGetErrorString(e) + " [cuda_error]");
   }
 }
 
@@ -61,7 +65,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
       L::make_state(cl::temperature::fixed(static_cast<float>(1.0 / scale)), cl::scaler::static_scale(1.0f), st);
   if (!made.ok())
   {
-    throw std::invalid_argument("contrastive: " + made.message());
+    contrastive_torch::raise(made);
   }
   const auto bytes_u8 = torch::TensorOptions().dtype(torch::kUInt8).device(q.device());
   torch::Tensor state = torch::empty({static_cast<std::int64_t>(sizeof(state_type))}, bytes_u8);
@@ -81,12 +85,20 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   {
     const cl::chunk_options o{static_cast<std::size_t>(chunk_rows), 0, fused_tiles};
     const cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
+    if (const cl::status why = L::check(p, dq_p, dk_p, d_state, h); !why.ok())
+    {
+      contrastive_torch::raise(why);
+    }
     check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, h, stream, o), "size query");
     work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
     check(L::forward_backward(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, h, stream, o), "step");
   }
   else
   {
+    if (const cl::status why = L::check(p, dq_p, dk_p, d_state); !why.ok())
+    {
+      contrastive_torch::raise(why);
+    }
     check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, stream), "size query");
     work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
     check(L::forward_backward(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, stream), "step");
@@ -161,5 +173,6 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
+  contrastive_torch::register_errors();
   m.def("step", &step, "One device step (forward and backward at loss scale 1) on CUDA tensors");
 }
