@@ -225,7 +225,7 @@ void step_benchmark(benchmark::State& state)
     if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
     {
       // The rows per chunk the step ran with (the default's: 4096 where free memory allows).
-      cl::device::chunked_detail::layout w{};
+      cl::device::chunked_phases::layout w{};
       if (L::layout_to_fit(p, cl::chunk_options{0, 0, Tiles}, bytes, w) == cudaSuccess)
       {
         state.counters["chunk_rows"] = double(w.chunk_rows);

@@ -101,10 +101,10 @@ void check_case(const case_t& c, std::uint32_t seed, bool tiles = false)
   ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
   ct::device_buffer<char> temp(bytes);
   // The tile path runs wherever it can (16-bit, dim % 8 == 0, aligned cudaMalloc pointers, sm_80+).
-  cl::device::chunked_detail::layout lay{};
+  cl::device::chunked_phases::layout lay{};
   ASSERT_EQ(L::make_layout(p, opts, lay), cudaSuccess);
   const bool expect_tiles =
-      tiles && !std::is_same_v<T, float> && c.dim % 8 == 0 && cl::device::chunked_detail::device_runs_tiles();
+      tiles && !std::is_same_v<T, float> && c.dim % 8 == 0 && cl::device::chunked_phases::device_runs_tiles();
   EXPECT_EQ(lay.tiles, expect_tiles);
   ASSERT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -233,7 +233,7 @@ void paths_agree(const case_t& c, std::uint32_t seed)
 TEST(DeviceChunked, FusedTilesAgreeWithTheCublasPath)
 {
   CONTRASTIVE_SKIP_WITHOUT_DEVICE();
-  if (!cl::device::chunked_detail::device_runs_tiles())
+  if (!cl::device::chunked_phases::device_runs_tiles())
   {
     GTEST_SKIP() << "the tile kernels need compute capability 8.0 or later";
   }
@@ -252,7 +252,7 @@ TEST(DeviceChunked, FusedTilesAgreeWithTheCublasPath)
 TEST(DeviceChunked, FusedTilesHalfGradientsKeepTheirDigitsAtLargeN)
 {
   CONTRASTIVE_SKIP_WITHOUT_DEVICE();
-  if (!cl::device::chunked_detail::device_runs_tiles())
+  if (!cl::device::chunked_phases::device_runs_tiles())
   {
     GTEST_SKIP() << "the tile kernels need compute capability 8.0 or later";
   }
@@ -438,7 +438,7 @@ TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
 TEST(DeviceChunked, DefaultChunkComesFromFreeMemory)
 {
   using L = dloss<__nv_bfloat16>;
-  namespace cd = cl::device::chunked_detail;
+  namespace cd = cl::device::chunked_phases;
   const std::size_t gib = std::size_t(1) << 30;
   cl::problem<__nv_bfloat16> wide{
       nullptr, nullptr, std::size_t(1) << 20, std::size_t(1) << 20, 512, nullptr, cl::objective::symmetric};
@@ -525,7 +525,7 @@ TEST(DeviceChunked, TileGridOrderCoversEveryTileOnce)
 // is free when the step runs (no CUDA call: CUB's bytes and the tile decision are given).
 TEST(DeviceChunked, StepLayoutFromTheWorkspaceIsTheQuerys)
 {
-  namespace cd = cl::device::chunked_detail;
+  namespace cd = cl::device::chunked_phases;
   const std::size_t gib = std::size_t(1) << 30;
   auto check = [&](auto problem, bool tiles)
   {
@@ -571,21 +571,21 @@ TEST(DeviceChunked, FusedTilesSizing)
   cl::problem<float> p{dummy, dummy + 1, 1, 1, 1, nullptr, cl::objective::symmetric};
   cl::problem<__nv_bfloat16> b{nullptr, nullptr, 65536, 65536, 512, nullptr, cl::objective::symmetric};
   const std::size_t tile_rows =
-      (std::size_t(384) << 20) / cl::device::chunked_detail::tile_bytes_per_row<__nv_bfloat16>(65536) / 64 * 64;
+      (std::size_t(384) << 20) / cl::device::chunked_phases::tile_bytes_per_row<__nv_bfloat16>(65536) / 64 * 64;
   EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, 0, true}, true, 0), tile_rows);
   EXPECT_GT(tile_rows, 2 * dloss<__nv_bfloat16>::chunk_rows_for(b, {}, false, 0));
   EXPECT_EQ(dloss<float>::chunk_rows_for(p, {0, 0, true}), 64u);
-  if (!cl::device::chunked_detail::device_runs_tiles())
+  if (!cl::device::chunked_phases::device_runs_tiles())
   {
     EXPECT_EQ(dloss<__nv_bfloat16>::chunk_rows_for(b, {0, 0, true}), dloss<__nv_bfloat16>::chunk_rows_for(b, {}));
   }
   // Unaligned q (or dim % 8 != 0) never takes the tile path.
   cl::problem<__nv_bfloat16> odd = b;
   odd.q = reinterpret_cast<const __nv_bfloat16*>(std::uintptr_t(2));
-  EXPECT_FALSE(cl::device::chunked_detail::use_tiles(odd, {0, 0, true}));
+  EXPECT_FALSE(cl::device::chunked_phases::use_tiles(odd, {0, 0, true}));
   cl::problem<__nv_bfloat16> narrow = b;
   narrow.dim = 100;
-  EXPECT_FALSE(cl::device::chunked_detail::use_tiles(narrow, {0, 0, true}));
+  EXPECT_FALSE(cl::device::chunked_phases::use_tiles(narrow, {0, 0, true}));
 }
 
 // Non-finite input and out-of-range labels on the tile path: the same record (site, skip) as the cuBLAS path.

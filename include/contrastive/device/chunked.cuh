@@ -37,20 +37,15 @@
 /// invalid value: cudaErrorInvalidValue, unsupported or wrong architecture: cudaErrorNotSupported, anything else
 /// cudaErrorUnknown). Float products follow the handle's math mode
 /// (CUBLAS_DEFAULT_MATH: exact float; CUBLAS_TF32_TENSOR_OP_MATH if you want TF32).
+///
+/// Layers: this header is the public loss (arguments, workspace, the order of the phases); device/chunked/runner.cuh
+/// runs the phases and device/chunked/kernels.cuh holds their kernels.
 
-#include <contrastive/device/logits_tile.cuh>
+#include <contrastive/device/chunked/runner.cuh>
 #include <contrastive/device/loss.cuh>
-#include <contrastive/numeric/element_traits.hpp>
-#include <contrastive/numeric/loss_math.hpp>
-#include <contrastive/numeric/math.hpp>
-#include <contrastive/numeric/online_lse.hpp>
-
-#include <cub/block/block_reduce.cuh>
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
-#include <cstdint>
 #include <type_traits>
 
 #include <cublas_v2.h>
@@ -60,739 +55,6 @@ namespace contrastive
 {
 namespace device
 {
-namespace chunked_detail
-{
-/// The default chunk's floor: S_c and G_c in at most this (and default_min_rows), what earlier versions always used.
-inline constexpr std::size_t default_budget = std::size_t(384) << 20;
-/// Default chunks hold at least this many rows: below about dim / 2 rows per chunk, re-reading K for every chunk's
-/// products costs more memory traffic than the chunk itself (matters from N ~ 500k at dim = 512).
-inline constexpr std::size_t default_min_rows = 256;
-/// Default chunks take at most 1/free_divisor of the device memory free after the step's other workspace buffers.
-inline constexpr std::size_t free_divisor = 4;
-/// The default chunk's rows where free memory allows (and the floor is lower): each chunk reads and writes the
-/// n_k x dim float dK accumulator and reads K about three times, ~14 n_k dim bytes (16-bit K), beside 8 rows n_k dim
-/// flops: 1.75 / rows bytes per flop, at 4096 rows 6-9% of an H200's bf16 GEMM time (at 256 rows 100-140%; the
-/// accumulator alone is 8 of the 14 bytes; docs/performance.md).
-inline constexpr std::size_t default_max_rows = 4096;
-inline constexpr std::size_t row_align = 64;
-inline constexpr int threads = 256;
-
-template <class T>
-constexpr cudaDataType_t cuda_type() noexcept
-{
-  if constexpr (std::is_same_v<T, float>)
-  {
-    return CUDA_R_32F;
-  }
-  else if constexpr (std::is_same_v<T, __half>)
-  {
-    return CUDA_R_16F;
-  }
-  else
-  {
-    return CUDA_R_16BF;
-  }
-}
-
-inline cudaError_t from_cublas(cublasStatus_t s) noexcept
-{
-  switch (s)
-  {
-  case CUBLAS_STATUS_SUCCESS:
-    return cudaSuccess;
-  case CUBLAS_STATUS_ALLOC_FAILED:
-    return cudaErrorMemoryAllocation;
-  case CUBLAS_STATUS_INVALID_VALUE:
-    return cudaErrorInvalidValue;
-  case CUBLAS_STATUS_NOT_SUPPORTED:
-  case CUBLAS_STATUS_ARCH_MISMATCH:
-    return cudaErrorNotSupported;
-  default:
-    return cudaErrorUnknown;
-  }
-}
-
-struct lse_merge
-{
-  __device__ online_lse operator()(online_lse a, const online_lse& b) const noexcept
-  {
-    a.merge(b);
-    return a;
-  }
-};
-
-/// fp16 only: G_c is stored times 2^k. |G| <= 2 max(coef) (the positive's term), and the softmax entries P ~ 1/n
-/// carry a further max(coef); k lifts max(coef) to [0.5, 1) and then by 2^min(ceil(log2 n), 12), which keeps |G 2^k|
-/// below 2^15 and P ~ 1/n near 2^-4 .. 2^0. bf16 (float's exponent range) and float keep k = 0.
-template <class T>
-int gradient_shift(const grad_coefficients& gc, std::size_t n) noexcept
-{
-  if constexpr (!std::is_same_v<T, __half>)
-  {
-    (void)gc;
-    (void)n;
-    return 0;
-  }
-  else
-  {
-    const float c = std::max(gc.row_coef, gc.col_coef);
-    int k = 0;
-    while (k < 62 && c * static_cast<float>(std::uint64_t(1) << k) < 0.5f)
-    {
-      ++k;
-    }
-    int log_n = 0;
-    while (log_n < 12 && (std::size_t(1) << log_n) < n)
-    {
-      ++log_n;
-    }
-    return std::min(k + log_n, 100);
-  }
-}
-
-/// Plain arguments of the element-wise kernels.
-struct chunk_args
-{
-  const float* logits = nullptr; ///< S_c without the scale: q_i . k_j, row-major rows x ld
-  long long ld = 0;
-  int n_k = 0;
-  const std::int32_t* labels = nullptr; ///< info_nce labels (device), null: the diagonal
-  const kernels::step_scalars* scalars = nullptr;
-  float* row_lse = nullptr;
-  float* row_loss = nullptr;
-  float* row_max = nullptr; ///< reported max logit per row (positive included)
-  float* pos = nullptr;     ///< the positive logit of each row
-  float* col_max = nullptr; ///< symmetric: running column state of the negatives
-  float* col_sum = nullptr;
-  float* col_lse = nullptr;
-  float* col_loss = nullptr;
-  int* flags = nullptr; ///< [0] logits, [1] dQ, [2] dK non-finite
-};
-
-__device__ CONTRASTIVE_FORCEINLINE long long positive_of(const chunk_args& a, long long i) noexcept
-{
-  return a.labels != nullptr ? static_cast<long long>(a.labels[i]) : i;
-}
-
-/// One block per chunk row: the row's negatives, its positive, its loss and reported max.
-template <int = 0> // a template, like every kernel in a header: one definition across translation units
-__global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long long c0)
-{
-  const long long r = blockIdx.x;
-  const long long i = c0 + r;
-  const float s = a.scalars->scale;
-  const float* x = a.logits + r * a.ld;
-  const long long p = positive_of(a, i);
-  online_lse neg{};
-  bool bad = false;
-  for (int j = threadIdx.x; j < a.n_k; j += threads)
-  {
-    const float v = s * x[j];
-    bad |= !contrastive::detail::finite(v);
-    if (j != p)
-    {
-      neg.absorb(v);
-    }
-  }
-  using reduce_t = cub::BlockReduce<online_lse, threads>;
-  __shared__ typename reduce_t::TempStorage tmp;
-  const online_lse all = reduce_t(tmp).Reduce(neg, lse_merge{});
-  if (__syncthreads_or(bad) && threadIdx.x == 0)
-  {
-    a.flags[0] = 1;
-  }
-  if (threadIdx.x == 0)
-  {
-    // An out-of-range label (not checked on the device) has no positive: -inf makes the row's loss +inf.
-    const float positive = p >= 0 && p < a.n_k ? s * x[p] : -contrastive::detail::infinity_f;
-    const row_loss rl = finish_row(all, positive);
-    a.row_lse[i] = rl.lse;
-    a.row_loss[i] = rl.loss;
-    a.row_max[i] = kernels::nan_max{}(all.max, positive);
-    a.pos[i] = positive;
-  }
-}
-
-/// Symmetric: 32 columns x 8 row slices per block; the chunk's negatives of each column merged into the running
-/// state (`first`: the state starts here). Each row's positive (its label, or the diagonal) is left out.
-template <int = 0> // a template, like every kernel in a header: one definition across translation units
-__global__ void __launch_bounds__(threads) column_partials(chunk_args a, long long c0, int rows, int first)
-{
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  const float s = a.scalars->scale;
-  online_lse st{};
-  if (j < a.n_k)
-  {
-    for (int r = threadIdx.y; r < rows; r += 8)
-    {
-      if (positive_of(a, c0 + r) != j) // the diagonal, or (a block of a distributed batch) the row's label
-      {
-        st.absorb(s * a.logits[r * a.ld + j]);
-      }
-    }
-  }
-  __shared__ float smax[8][32];
-  __shared__ float ssum[8][32];
-  smax[threadIdx.y][threadIdx.x] = st.max;
-  ssum[threadIdx.y][threadIdx.x] = st.sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < a.n_k)
-  {
-    online_lse run = first ? online_lse{} : online_lse{a.col_max[j], a.col_sum[j]};
-    for (int y = 0; y < 8; ++y)
-    {
-      run.merge(online_lse{smax[y][threadIdx.x], ssum[y][threadIdx.x]});
-    }
-    a.col_max[j] = run.max;
-    a.col_sum[j] = run.sum;
-  }
-}
-
-/// Symmetric: each column's log-sum-exp and loss from its negatives and positive (row j's positive logit).
-template <int = 0> // a template, like every kernel in a header: one definition across translation units
-__global__ void __launch_bounds__(threads) finish_columns(chunk_args a)
-{
-  for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
-  {
-    const row_loss rl = finish_row(online_lse{a.col_max[j], a.col_sum[j]}, a.pos[j]);
-    a.col_lse[j] = rl.lse;
-    a.col_loss[j] = rl.loss;
-  }
-}
-
-/// G_c = dL/dS for the chunk's rows, times 2^k, rounded to T into g (row stride ld; may be the logits themselves
-/// when T is float: each element is read before it is written, by the same thread).
-template <class T>
-__global__ void __launch_bounds__(threads)
-    chunk_gradient(chunk_args a, long long c0, int rows, grad_coefficients gc, int symmetric, float factor, T* g)
-{
-  const float s = a.scalars->scale;
-  for (int r = blockIdx.y; r < rows; r += gridDim.y)
-  {
-    const long long i = c0 + r;
-    const long long p = positive_of(a, i);
-    const float lr = a.row_lse[i];
-    const float pos_g = exact_positive_gradient(
-        a.row_loss[i], symmetric && p >= 0 && p < a.n_k ? a.col_loss[p] : 0.0f, gc, symmetric != 0);
-    const float* x = a.logits + r * a.ld;
-    T* out = g + r * a.ld;
-    for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
-    {
-      const float v = s * x[j];
-      float gv = logit_gradient(v, lr, symmetric ? a.col_lse[j] : 0.0f, gc, symmetric != 0);
-      gv = j == p ? pos_g : gv;
-      out[j] = element_traits<T>::from_float(gv * factor);
-    }
-  }
-}
-
-/// Rows of a float product (row-major, `dim` per row) scaled by loss_scale * s, rounded to T; optionally the dot of
-/// each unscaled row with the matching row of `rows_in` (d loss / d log s). One block per row.
-template <class T>
-__global__ void __launch_bounds__(threads) store_rows(const float* acc,
-                                                      int dim,
-                                                      const T* rows_in,
-                                                      T* out,
-                                                      const kernels::step_scalars* scalars,
-                                                      float* row_dot,
-                                                      int* flag)
-{
-  const long long r = blockIdx.x;
-  const float f = scalars->loss_scale * scalars->scale;
-  const float* in = acc + r * dim;
-  T* o = out + r * dim;
-  float dot = 0.0f;
-  bool bad = false;
-  for (int c = threadIdx.x; c < dim; c += threads)
-  {
-    const float v = in[c];
-    const T t = element_traits<T>::from_float(f * v);
-    o[c] = t;
-    bad |= !contrastive::detail::finite(element_traits<T>::to_float(t));
-    if (row_dot != nullptr)
-    {
-      dot += v * element_traits<T>::to_float(rows_in[r * dim + c]);
-    }
-  }
-  if (row_dot != nullptr)
-  {
-    using reduce_t = cub::BlockReduce<float, threads>;
-    __shared__ typename reduce_t::TempStorage tmp;
-    const float total = reduce_t(tmp).Sum(dot);
-    if (threadIdx.x == 0)
-    {
-      row_dot[r] = total;
-    }
-  }
-  if (__syncthreads_or(bad) && threadIdx.x == 0)
-  {
-    *flag = 1;
-  }
-}
-
-/// Sub-buffers of the chunked workspace (byte offsets, 256-byte aligned).
-struct layout
-{
-  std::size_t row_lse, row_loss, row_max, pos, row_dot, col_max, col_sum, col_lse, col_loss, logits, grad, dq, dk, sums,
-      flags, scalars, cub, row_part, col_part, total;
-  std::size_t chunk_rows, ld, cub_bytes;
-  bool tiles; ///< chunk_options::fused_tiles in effect (no float S_c; row_part / col_part hold the tile partials)
-};
-
-/// The current device's free memory (cudaMemGetInfo), 0 when that fails (no device; the error is cleared). A size
-/// query may run while this thread captures a graph: the call is made in relaxed capture mode, which allows calls
-/// that global mode prohibits, and the thread's mode is restored.
-inline std::size_t device_free_bytes() noexcept
-{
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
-  std::size_t free_bytes = 0, total_bytes = 0;
-  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
-  if (exchanged)
-  {
-    (void)cudaThreadExchangeStreamCaptureMode(&mode);
-  }
-  if (e != cudaSuccess || !exchanged)
-  {
-    (void)cudaGetLastError();
-  }
-  return e == cudaSuccess ? free_bytes : 0;
-}
-
-/// Whether the current device runs the tile kernels: compute capability 8.0 or later, and the code this program
-/// loads for them built for sm_80 or later (a build for sm_70/75 alone would run compute_7x PTX, where mma.sync
-/// m16n8k16 is missing and the kernels trap). A CUDA error (no device) answers no; that error is cleared.
-inline bool device_runs_tiles() noexcept
-{
-  int dev = 0;
-  int major = 0;
-  cudaFuncAttributes fa{};
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&fa, tile_detail::tile_kernel<__nv_bfloat16, tile_detail::statistics_epilogue>) !=
-          cudaSuccess)
-  {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major >= 8 && fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
-}
-
-/// chunk_options::fused_tiles in effect for this problem (see there).
-template <class Element>
-bool use_tiles(const problem<Element>& p, const chunk_options& o) noexcept
-{
-  if constexpr (std::is_same_v<Element, float>)
-  {
-    (void)p;
-    (void)o;
-    return false;
-  }
-  else
-  {
-    const auto aligned = [](const void* ptr)
-    {
-      return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
-    };
-    return o.fused_tiles && p.dim % 8 == 0 && aligned(p.q) && aligned(p.k) && device_runs_tiles();
-  }
-}
-
-/// Bytes per chunk row of the tile path's buffers: G_c in T, one row partial per column tile, and (amortised over a
-/// row tile) one column partial per column.
-template <class Element>
-constexpr std::size_t tile_bytes_per_row(std::size_t ld) noexcept
-{
-  const std::size_t col_tiles = (ld + tile_detail::config::bn - 1) / tile_detail::config::bn;
-  return ld * sizeof(Element) + col_tiles * sizeof(float2) +
-         (ld * sizeof(float2) + tile_detail::config::bm - 1) / tile_detail::config::bm;
-}
-
-/// Restores the handle's stream and pointer mode when the call ends.
-struct handle_guard
-{
-  cublasHandle_t h;
-  cudaStream_t old_stream = nullptr;
-  cublasPointerMode_t old_mode = CUBLAS_POINTER_MODE_HOST;
-  bool set_stream = false; // changed by enter, so restored on exit
-  bool set_mode = false;
-
-  /// Sets the stream and host pointer mode only where the handle differs: cublasSetStream also resets the handle's
-  /// workspace to the default pool, which would drop a workspace the caller attached (PyTorch attaches its own to
-  /// the handle it hands out, already on its current stream).
-  cublasStatus_t enter(cudaStream_t stream) noexcept
-  {
-    cublasStatus_t st = cublasGetStream(h, &old_stream);
-    if (st == CUBLAS_STATUS_SUCCESS)
-    {
-      st = cublasGetPointerMode(h, &old_mode);
-    }
-    if (st == CUBLAS_STATUS_SUCCESS && old_stream != stream)
-    {
-      st = cublasSetStream(h, stream);
-      set_stream = st == CUBLAS_STATUS_SUCCESS;
-    }
-    if (st == CUBLAS_STATUS_SUCCESS && old_mode != CUBLAS_POINTER_MODE_HOST)
-    {
-      st = cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST);
-      set_mode = st == CUBLAS_STATUS_SUCCESS;
-    }
-    return st;
-  }
-  ~handle_guard()
-  {
-    if (set_mode)
-    {
-      cublasSetPointerMode(h, old_mode);
-    }
-    if (set_stream)
-    {
-      cublasSetStream(h, old_stream);
-    }
-  }
-};
-
-/// One chunked step's work on a problem whose workspace is laid out by `layout`, phase by phase, so that the
-/// single-process loss and the distributed one (distributed/nccl.cuh) share it. `p.labels` (device) give each row's
-/// positive column (null: the diagonal); `gc` the gradient coefficients (the problem's own, or the global batch's).
-/// The caller has entered the handle (handle_guard) and orders the phases:
-///   begin -> [symmetric: forward_all -> column statistics (finish_columns_local, or combined across ranks)]
-///         -> backward_all -> store_dk -> reduce_local -> a finish kernel.
-template <class Element>
-struct runner
-{
-  static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
-
-  problem<Element> p;
-  layout w;
-  char* base;
-  cublasHandle_t handle;
-  cudaStream_t stream;
-  grad_coefficients gc;
-  bool sym;
-  float up, down; // 2^k and 2^-k around the element-type G (fp16 only; else 1)
-  chunk_args a;
-
-  runner(const problem<Element>& prob,
-         const layout& lay,
-         void* d_temp,
-         cublasHandle_t h,
-         cudaStream_t s,
-         const grad_coefficients& coef)
-      : p(prob), w(lay), base(static_cast<char*>(d_temp)), handle(h), stream(s), gc(coef),
-        sym(prob.obj == objective::symmetric)
-  {
-    const int shift = gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
-    up = std::ldexp(1.0f, shift);
-    down = std::ldexp(1.0f, -shift);
-    a.logits = f(w.logits);
-    a.ld = static_cast<long long>(w.ld);
-    a.n_k = static_cast<int>(p.n_k);
-    a.labels = p.labels;
-    a.scalars = scalars();
-    a.row_lse = f(w.row_lse);
-    a.row_loss = f(w.row_loss);
-    a.row_max = f(w.row_max);
-    a.pos = f(w.pos);
-    a.col_max = f(w.col_max);
-    a.col_sum = f(w.col_sum);
-    a.col_lse = f(w.col_lse);
-    a.col_loss = f(w.col_loss);
-    a.flags = flags();
-  }
-
-  float* f(std::size_t off) const noexcept
-  {
-    return reinterpret_cast<float*>(base + off);
-  }
-  kernels::step_scalars* scalars() const noexcept
-  {
-    return reinterpret_cast<kernels::step_scalars*>(base + w.scalars);
-  }
-  kernels::step_sums* sums() const noexcept
-  {
-    return reinterpret_cast<kernels::step_sums*>(base + w.sums);
-  }
-  int* flags() const noexcept
-  {
-    return reinterpret_cast<int*>(base + w.flags);
-  }
-  float* dk_accumulator() const noexcept
-  {
-    return f(w.dk);
-  }
-  int dim() const noexcept
-  {
-    return static_cast<int>(p.dim);
-  }
-  void* grad() const noexcept
-  {
-    return sixteen_bit ? static_cast<void*>(base + w.grad) : static_cast<void*>(f(w.logits));
-  }
-
-  /// Clears the flags and reads tau and the loss scale from the state (prologue kernel).
-  template <class State>
-  cudaError_t begin(State* d_state)
-  {
-    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags(), 0, 3 * sizeof(int), stream));
-    kernels::prologue<State><<<1, 1, 0, stream>>>(d_state, scalars());
-    return cudaPeekAtLastError();
-  }
-
-  /// S_c^T (column-major n_k x rows) = K (d x n_k)^T Q_c (d x rows).
-  cudaError_t logits_product(std::size_t c0, int rows)
-  {
-    const float one = 1.0f, zero = 0.0f;
-    const cudaDataType_t et = cuda_type<Element>();
-    return from_cublas(cublasGemmEx(handle,
-                                    CUBLAS_OP_T,
-                                    CUBLAS_OP_N,
-                                    a.n_k,
-                                    rows,
-                                    dim(),
-                                    &one,
-                                    p.k,
-                                    et,
-                                    dim(),
-                                    p.q + c0 * p.dim,
-                                    et,
-                                    dim(),
-                                    &zero,
-                                    f(w.logits),
-                                    CUDA_R_32F,
-                                    static_cast<int>(w.ld),
-                                    CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
-  }
-
-  /// Arguments of the tile kernels for the chunk at row c0.
-  tile_detail::tile_args tile_args_for(std::size_t c0, int rows) const noexcept
-  {
-    tile_detail::tile_args t;
-    t.q = p.q + c0 * p.dim;
-    t.k = p.k;
-    t.rows = rows;
-    t.n_k = a.n_k;
-    t.dim = dim();
-    t.c0 = static_cast<long long>(c0);
-    t.labels = p.labels;
-    t.scalars = a.scalars;
-    t.row_part = reinterpret_cast<float2*>(base + w.row_part);
-    t.col_part = reinterpret_cast<float2*>(base + w.col_part);
-    t.pos = a.pos;
-    t.flag = a.flags;
-    t.row_lse = a.row_lse;
-    t.row_loss = a.row_loss;
-    t.col_lse = a.col_lse;
-    t.col_loss = a.col_loss;
-    t.gc = gc;
-    t.symmetric = sym ? 1 : 0;
-    t.factor = up;
-    t.g = grad();
-    t.ld = static_cast<long long>(w.ld);
-    return t;
-  }
-
-  static dim3 tile_grid(int rows, int n_k) noexcept
-  {
-    return dim3(static_cast<unsigned>((n_k + tile_detail::config::bn - 1) / tile_detail::config::bn),
-                static_cast<unsigned>((rows + tile_detail::config::bm - 1) / tile_detail::config::bm));
-  }
-
-  /// The tile path's forward of one chunk: statistics tiles, then the rows' and (symmetric) the columns' merges.
-  cudaError_t forward_chunk_tiles(std::size_t c0, int rows)
-  {
-    if constexpr (sixteen_bit)
-    {
-      const tile_detail::tile_args t = tile_args_for(c0, rows);
-      const dim3 grid = tile_grid(rows, a.n_k);
-      tile_detail::tile_kernel<Element, tile_detail::statistics_epilogue>
-          <<<grid, tile_detail::config::threads, 0, stream>>>(t);
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      tile_detail::finish_tile_rows<><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
-          t.row_part, static_cast<int>(grid.x), rows, t.c0, a.n_k, p.labels, a.row_lse, a.row_loss, a.row_max, a.pos);
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      if (sym)
-      {
-        tile_detail::merge_tile_columns<>
-            <<<static_cast<unsigned>(std::min(1024, (a.n_k + 255) / 256)), 256, 0, stream>>>(
-                t.col_part, static_cast<int>(grid.y), a.n_k, c0 == 0 ? 1 : 0, a.col_max, a.col_sum);
-      }
-      return cudaPeekAtLastError();
-    }
-    else
-    {
-      (void)c0;
-      (void)rows;
-      return cudaErrorNotSupported;
-    }
-  }
-
-  /// The tile path's G_c of one chunk (S_c recomputed on tensor cores, never stored).
-  cudaError_t gradient_tiles(std::size_t c0, int rows)
-  {
-    if constexpr (sixteen_bit)
-    {
-      tile_detail::tile_kernel<Element, tile_detail::gradient_epilogue>
-          <<<tile_grid(rows, a.n_k), tile_detail::config::threads, 0, stream>>>(tile_args_for(c0, rows));
-      return cudaPeekAtLastError();
-    }
-    else
-    {
-      (void)c0;
-      (void)rows;
-      return cudaErrorNotSupported;
-    }
-  }
-
-  cudaError_t forward_chunk(std::size_t c0, int rows)
-  {
-    if (w.tiles)
-    {
-      return forward_chunk_tiles(c0, rows);
-    }
-    CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
-    row_statistics<><<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
-    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-    if (sym)
-    {
-      column_partials<><<<static_cast<unsigned>((a.n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
-          a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-    }
-    return cudaSuccess;
-  }
-
-  /// G_c, dQ_c (scaled, rounded into dq's rows, <dQ_i, q_i> kept), dK += G_c^T Q_c (float accumulator).
-  cudaError_t backward_chunk(std::size_t c0, int rows, Element* dq)
-  {
-    const float one = 1.0f, zero = 0.0f;
-    const cudaDataType_t et = cuda_type<Element>();
-    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
-    const dim3 grid(static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)),
-                    static_cast<unsigned>(std::min(rows, 65535)));
-    if (w.tiles)
-    {
-      CONTRASTIVE_CUDA_TRY(gradient_tiles(c0, rows));
-    }
-    else
-    {
-      chunk_gradient<Element><<<grid, threads, 0, stream>>>(
-          a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad()));
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-    }
-    // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
-    CONTRASTIVE_CUDA_TRY(from_cublas(cublasGemmEx(handle,
-                                                  CUBLAS_OP_N,
-                                                  CUBLAS_OP_N,
-                                                  dim(),
-                                                  rows,
-                                                  a.n_k,
-                                                  &down,
-                                                  p.k,
-                                                  et,
-                                                  dim(),
-                                                  grad(),
-                                                  gt,
-                                                  static_cast<int>(w.ld),
-                                                  &zero,
-                                                  f(w.dq),
-                                                  CUDA_R_32F,
-                                                  dim(),
-                                                  CUBLAS_COMPUTE_32F,
-                                                  CUBLAS_GEMM_DEFAULT)));
-    store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-        f(w.dq), dim(), p.q + c0 * p.dim, dq + c0 * p.dim, scalars(), f(w.row_dot) + c0, flags() + 1);
-    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-    // dK^T (d x n_k) += Q_c^T (d x rows) G_c (rows x n_k), times 2^-k; the first chunk starts the accumulator.
-    const float* beta = c0 == 0 ? &zero : &one;
-    return from_cublas(cublasGemmEx(handle,
-                                    CUBLAS_OP_N,
-                                    CUBLAS_OP_T,
-                                    dim(),
-                                    a.n_k,
-                                    rows,
-                                    &down,
-                                    p.q + c0 * p.dim,
-                                    et,
-                                    dim(),
-                                    grad(),
-                                    gt,
-                                    static_cast<int>(w.ld),
-                                    beta,
-                                    f(w.dk),
-                                    CUDA_R_32F,
-                                    dim(),
-                                    CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
-  }
-
-  /// Symmetric, pass 1: every chunk's row statistics and column partials (col_max / col_sum: each column's
-  /// negatives over this problem's rows).
-  cudaError_t forward_all()
-  {
-    for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
-    {
-      CONTRASTIVE_CUDA_TRY(forward_chunk(c0, static_cast<int>(std::min(w.chunk_rows, p.n_q - c0))));
-    }
-    return cudaSuccess;
-  }
-
-  /// One process: each column's log-sum-exp and loss from its negatives and its positive (row j's).
-  cudaError_t finish_columns_local()
-  {
-    finish_columns<><<<static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)), threads, 0, stream>>>(a);
-    return cudaPeekAtLastError();
-  }
-
-  /// Symmetric, pass 2 (S_c recomputed unless one chunk holds every row); info_nce: forward and backward per chunk.
-  cudaError_t backward_all(Element* dq)
-  {
-    const bool one_chunk = w.chunk_rows >= p.n_q;
-    for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
-    {
-      const int rows = static_cast<int>(std::min(w.chunk_rows, p.n_q - c0));
-      if (!sym)
-      {
-        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
-      }
-      else if (!one_chunk && !w.tiles) // the tile path recomputes S_c inside gradient_tiles
-      {
-        CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
-      }
-      CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows, dq));
-    }
-    return cudaSuccess;
-  }
-
-  /// dK rows (`rows` x dim float, unscaled) times loss_scale * s, rounded into dk; flags a non-finite value.
-  cudaError_t store_dk(const float* acc, Element* dk, std::size_t rows)
-  {
-    store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-        acc, dim(), static_cast<const Element*>(nullptr), dk, scalars(), nullptr, flags() + 2);
-    return cudaPeekAtLastError();
-  }
-
-  /// This problem's sums (row losses, column losses when symmetric, <dQ, Q>) and max logit, into sums().
-  cudaError_t reduce_local()
-  {
-    void* tmp = base + w.cub;
-    std::size_t bytes = w.cub_bytes;
-    const int n_q = static_cast<int>(p.n_q);
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.row_loss, &sums()->row_loss, n_q, stream));
-    if (sym)
-    {
-      bytes = w.cub_bytes;
-      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.col_loss, &sums()->col_loss, a.n_k, stream));
-    }
-    bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, f(w.row_dot), &sums()->dlogs, n_q, stream));
-    bytes = w.cub_bytes;
-    return detail::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
-  }
-};
-} // namespace chunked_detail
-
 /// The device loss with algorithm::chunked (see the file comment). make_state, unscale_and_check and finish_step are
 /// those of the other algorithms; forward_backward and step take a cuBLAS handle and chunk options.
 template <class Element, class Temperature, class Scaler>
@@ -817,7 +79,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   static std::size_t chunk_bytes_per_row(const problem<Element>& p, bool tiles) noexcept
   {
     const std::size_t ld = (p.n_k + 31) / 32 * 32;
-    return tiles ? chunked_detail::tile_bytes_per_row<Element>(ld)
+    return tiles ? chunked_phases::tile_bytes_per_row<Element>(ld)
                  : ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
   }
 
@@ -825,11 +87,11 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   /// least 256 rows (a multiple of 64, at most n_q rounded up).
   static std::size_t floor_rows_for(const problem<Element>& p, bool tiles) noexcept
   {
-    constexpr std::size_t align = chunked_detail::row_align;
+    constexpr std::size_t align = chunked_phases::row_align;
     const std::size_t rows = contrastive::detail::chunk_rows_for(
-        chunk_options{}, p.n_q, chunk_bytes_per_row(p, tiles), align, chunked_detail::default_budget);
+        chunk_options{}, p.n_q, chunk_bytes_per_row(p, tiles), align, chunked_phases::default_budget);
     const std::size_t all = (p.n_q + align - 1) / align * align;
-    return std::max(rows, std::min(chunked_detail::default_min_rows, all));
+    return std::max(rows, std::min(chunked_phases::default_min_rows, all));
   }
 
   /// Default rows per chunk (no chunk option) for `free_bytes` of free device memory: 4096 rows, fewer if their
@@ -838,7 +100,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   /// rounded up. See docs/performance.md ("Chunk size on the device").
   static std::size_t default_rows_for(const problem<Element>& p, bool tiles, std::size_t free_bytes) noexcept
   {
-    namespace cd = chunked_detail;
+    namespace cd = chunked_phases;
     constexpr std::size_t align = cd::row_align;
     const std::size_t all = (p.n_q + align - 1) / align * align;
     const std::size_t floor = floor_rows_for(p, tiles);
@@ -858,12 +120,12 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   /// uses; no device or a failed query: the floor).
   static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o) noexcept
   {
-    return chunk_rows_for(p, o, chunked_detail::use_tiles(p, o));
+    return chunk_rows_for(p, o, chunked_phases::use_tiles(p, o));
   }
 
   static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o, bool tiles) noexcept
   {
-    return chunk_rows_for(p, o, tiles, is_default(o) ? chunked_detail::device_free_bytes() : 0);
+    return chunk_rows_for(p, o, tiles, is_default(o) ? chunked_phases::device_free_bytes() : 0);
   }
 
   static std::size_t
@@ -874,7 +136,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
       return default_rows_for(p, tiles, free_bytes);
     }
     return contrastive::detail::chunk_rows_for(
-        o, p.n_q, chunk_bytes_per_row(p, tiles), chunked_detail::row_align, chunked_detail::default_budget);
+        o, p.n_q, chunk_bytes_per_row(p, tiles), chunked_phases::row_align, chunked_phases::default_budget);
   }
 
   /// No chunk size given: the default sizing applies.
@@ -887,7 +149,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   /// 0 lays out everything but the chunk buffers). `cub_bytes`: the CUB size query's answer, 0 to ask it here.
   /// Refused with cudaErrorInvalidValue when a size overflows.
   static cudaError_t layout_for_rows(
-      const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_detail::layout& w)
+      const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_phases::layout& w)
   {
     using contrastive::detail::checked_size;
     w.tiles = tiles;
@@ -943,18 +205,18 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   }
 
   /// The workspace layout of a size query (chunk_rows_for; the default reads the device's free memory).
-  static cudaError_t make_layout(const problem<Element>& p, const chunk_options& o, chunked_detail::layout& w)
+  static cudaError_t make_layout(const problem<Element>& p, const chunk_options& o, chunked_phases::layout& w)
   {
-    const bool tiles = chunked_detail::use_tiles(p, o);
+    const bool tiles = chunked_phases::use_tiles(p, o);
     std::size_t cub = 0;
     return layout_for_rows(p, tiles, chunk_rows_for(p, o, tiles), cub, w);
   }
 
   /// The same with the default sized for `free_bytes` of free memory (the distributed loss's sizing; tests).
   static cudaError_t
-  make_layout(const problem<Element>& p, const chunk_options& o, std::size_t free_bytes, chunked_detail::layout& w)
+  make_layout(const problem<Element>& p, const chunk_options& o, std::size_t free_bytes, chunked_phases::layout& w)
   {
-    const bool tiles = chunked_detail::use_tiles(p, o);
+    const bool tiles = chunked_phases::use_tiles(p, o);
     std::size_t cub = 0;
     return layout_for_rows(p, tiles, chunk_rows_for(p, o, tiles, free_bytes), cub, w);
   }
@@ -965,7 +227,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   /// whatever the free memory is now (the workspace itself is allocated in between). None fits: the floor's layout
   /// (which workspace_phase then refuses).
   static cudaError_t
-  layout_to_fit(const problem<Element>& p, const chunk_options& o, std::size_t temp_bytes, chunked_detail::layout& w)
+  layout_to_fit(const problem<Element>& p, const chunk_options& o, std::size_t temp_bytes, chunked_phases::layout& w)
   {
     if (!is_default(o))
     {
@@ -974,14 +236,14 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
     std::size_t cub = 0;
     CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, cub));
-    return layout_to_fit(p, chunked_detail::use_tiles(p, o), temp_bytes, cub, w);
+    return layout_to_fit(p, chunked_phases::use_tiles(p, o), temp_bytes, cub, w);
   }
 
   /// layout_to_fit's search for the default, given the tile decision and CUB's temporary bytes (no CUDA call).
   static cudaError_t layout_to_fit(
-      const problem<Element>& p, bool tiles, std::size_t temp_bytes, std::size_t cub, chunked_detail::layout& w)
+      const problem<Element>& p, bool tiles, std::size_t temp_bytes, std::size_t cub, chunked_phases::layout& w)
   {
-    namespace cd = chunked_detail;
+    namespace cd = chunked_phases;
     constexpr std::size_t align = cd::row_align;
     const std::size_t all = (p.n_q + align - 1) / align * align;
     const std::size_t floor = floor_rows_for(p, tiles);
@@ -1022,7 +284,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
                                                     cudaStream_t stream = 0,
                                                     const chunk_options& opts = {})
   {
-    namespace cd = chunked_detail;
+    namespace cd = chunked_phases;
     if (!check(p, dq, dk, d_state, handle).ok())
     {
       return cudaErrorInvalidValue;

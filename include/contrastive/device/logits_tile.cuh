@@ -213,7 +213,7 @@ __device__ CONTRASTIVE_FORCEINLINE void tile_product(
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap(); // the host side runs these kernels only on sm_80 and later (chunked_detail::use_tiles)
+  __trap(); // the host side runs these kernels only on sm_80 and later (chunked_phases::use_tiles)
 #endif
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -533,7 +533,7 @@ gradient_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned ch
 }
 
 /// Forward, after the statistics tiles: each row's statistics from its column tiles' partials and its positive (as
-/// chunked_detail::row_statistics). One warp per row.
+/// chunked_phases::row_statistics). One warp per row.
 template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(256) finish_tile_rows(const float2* row_part,
                                                         int tiles,

@@ -463,9 +463,9 @@ public:
                                 static_cast<float>(0.5 / double(g_.n_q_total)) + static_cast<float>(0.5 / double(n))}
             : grad_coefficients{
                   static_cast<float>(1.0 / double(g_.n_q_total)), 0.0f, static_cast<float>(1.0 / double(g_.n_q_total))};
-    contrastive::device::chunked_detail::handle_guard guard{handle_};
-    note(contrastive::device::chunked_detail::from_cublas(guard.enter(stream)));
-    contrastive::device::chunked_detail::runner<Element> run(block, w_, ws_, handle_, stream, gc);
+    contrastive::device::chunked_phases::handle_guard guard{handle_};
+    note(contrastive::device::chunked_phases::from_cublas(guard.enter(stream)));
+    contrastive::device::chunked_phases::runner<Element> run(block, w_, ws_, handle_, stream, gc);
     if (local_err == cudaSuccess)
     {
       note(run.begin(d_state));
@@ -717,7 +717,7 @@ private:
     }
     else
     {
-      const std::size_t free_now = contrastive::device::chunked_detail::device_free_bytes();
+      const std::size_t free_now = contrastive::device::chunked_phases::device_free_bytes();
       const std::size_t extras = extras_after(p, n, 0).total;
       const std::size_t avail = free_now == 0 ? 0 : free_now + ws_bytes_;
       laid = single::make_layout(block, opts_, avail > extras ? avail - extras : 0, w_);
@@ -749,7 +749,7 @@ private:
   cublasHandle_t handle_;
   chunk_options opts_;
   agreement::global_shape g_;
-  contrastive::device::chunked_detail::layout w_{};
+  contrastive::device::chunked_phases::layout w_{};
   std::optional<layout_key> sized_for_; ///< the shape w_'s default chunk rows were sized for (none: size again)
   extras x_{};
   void* ws_ = nullptr;

@@ -1,0 +1,492 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The chunked device step, phase by phase (device/chunked.cuh describes the algorithm): the workspace layout, the
+/// free-memory and tile-path probes, the cuBLAS handle guard and `runner`, which the one-process chunked loss
+/// (device/chunked.cuh) and the NCCL loss (distributed/nccl.cuh) both drive.
+
+#include <contrastive/device/chunked/kernels.cuh>
+#include <contrastive/device/dispatch.cuh>
+#include <contrastive/device/logits_tile.cuh>
+#include <contrastive/problem.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+namespace contrastive
+{
+namespace device
+{
+namespace chunked_phases
+{
+/// Sub-buffers of the chunked workspace (byte offsets, 256-byte aligned).
+struct layout
+{
+  std::size_t row_lse, row_loss, row_max, pos, row_dot, col_max, col_sum, col_lse, col_loss, logits, grad, dq, dk, sums,
+      flags, scalars, cub, row_part, col_part, total;
+  std::size_t chunk_rows, ld, cub_bytes;
+  bool tiles; ///< chunk_options::fused_tiles in effect (no float S_c; row_part / col_part hold the tile partials)
+};
+
+/// The current device's free memory (cudaMemGetInfo), 0 when that fails (no device; the error is cleared). A size
+/// query may run while this thread captures a graph: the call is made in relaxed capture mode, which allows calls
+/// that global mode prohibits, and the thread's mode is restored.
+inline std::size_t device_free_bytes() noexcept
+{
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  std::size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (exchanged)
+  {
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  }
+  if (e != cudaSuccess || !exchanged)
+  {
+    (void)cudaGetLastError();
+  }
+  return e == cudaSuccess ? free_bytes : 0;
+}
+
+/// Whether the current device runs the tile kernels: compute capability 8.0 or later, and the code this program
+/// loads for them built for sm_80 or later (a build for sm_70/75 alone would run compute_7x PTX, where mma.sync
+/// m16n8k16 is missing and the kernels trap). A CUDA error (no device) answers no; that error is cleared.
+inline bool device_runs_tiles() noexcept
+{
+  int dev = 0;
+  int major = 0;
+  cudaFuncAttributes fa{};
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaFuncGetAttributes(&fa, tile_detail::tile_kernel<__nv_bfloat16, tile_detail::statistics_epilogue>) !=
+          cudaSuccess)
+  {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major >= 8 && fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
+}
+
+/// chunk_options::fused_tiles in effect for this problem (see there).
+template <class Element>
+bool use_tiles(const problem<Element>& p, const chunk_options& o) noexcept
+{
+  if constexpr (std::is_same_v<Element, float>)
+  {
+    (void)p;
+    (void)o;
+    return false;
+  }
+  else
+  {
+    const auto aligned = [](const void* ptr)
+    {
+      return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+    };
+    return o.fused_tiles && p.dim % 8 == 0 && aligned(p.q) && aligned(p.k) && device_runs_tiles();
+  }
+}
+
+/// Bytes per chunk row of the tile path's buffers: G_c in T, one row partial per column tile, and (amortised over a
+/// row tile) one column partial per column.
+template <class Element>
+constexpr std::size_t tile_bytes_per_row(std::size_t ld) noexcept
+{
+  const std::size_t col_tiles = (ld + tile_detail::config::bn - 1) / tile_detail::config::bn;
+  return ld * sizeof(Element) + col_tiles * sizeof(float2) +
+         (ld * sizeof(float2) + tile_detail::config::bm - 1) / tile_detail::config::bm;
+}
+
+/// Restores the handle's stream and pointer mode when the call ends.
+struct handle_guard
+{
+  cublasHandle_t h;
+  cudaStream_t old_stream = nullptr;
+  cublasPointerMode_t old_mode = CUBLAS_POINTER_MODE_HOST;
+  bool set_stream = false; // changed by enter, so restored on exit
+  bool set_mode = false;
+
+  /// Sets the stream and host pointer mode only where the handle differs: cublasSetStream also resets the handle's
+  /// workspace to the default pool, which would drop a workspace the caller attached (PyTorch attaches its own to
+  /// the handle it hands out, already on its current stream).
+  cublasStatus_t enter(cudaStream_t stream) noexcept
+  {
+    cublasStatus_t st = cublasGetStream(h, &old_stream);
+    if (st == CUBLAS_STATUS_SUCCESS)
+    {
+      st = cublasGetPointerMode(h, &old_mode);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS && old_stream != stream)
+    {
+      st = cublasSetStream(h, stream);
+      set_stream = st == CUBLAS_STATUS_SUCCESS;
+    }
+    if (st == CUBLAS_STATUS_SUCCESS && old_mode != CUBLAS_POINTER_MODE_HOST)
+    {
+      st = cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST);
+      set_mode = st == CUBLAS_STATUS_SUCCESS;
+    }
+    return st;
+  }
+  ~handle_guard()
+  {
+    if (set_mode)
+    {
+      cublasSetPointerMode(h, old_mode);
+    }
+    if (set_stream)
+    {
+      cublasSetStream(h, old_stream);
+    }
+  }
+};
+
+/// One chunked step's work on a problem whose workspace is laid out by `layout`, phase by phase, so that the
+/// single-process loss and the distributed one (distributed/nccl.cuh) share it. `p.labels` (device) give each row's
+/// positive column (null: the diagonal); `gc` the gradient coefficients (the problem's own, or the global batch's).
+/// The caller has entered the handle (handle_guard) and orders the phases:
+///   begin -> [symmetric: forward_all -> column statistics (finish_columns_local, or combined across ranks)]
+///         -> backward_all -> store_dk -> reduce_local -> a finish kernel.
+template <class Element>
+struct runner
+{
+  static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
+
+  problem<Element> p;
+  layout w;
+  char* base;
+  cublasHandle_t handle;
+  cudaStream_t stream;
+  grad_coefficients gc;
+  bool sym;
+  float up, down; // 2^k and 2^-k around the element-type G (fp16 only; else 1)
+  chunk_args a;
+
+  runner(const problem<Element>& prob,
+         const layout& lay,
+         void* d_temp,
+         cublasHandle_t h,
+         cudaStream_t s,
+         const grad_coefficients& coef)
+      : p(prob), w(lay), base(static_cast<char*>(d_temp)), handle(h), stream(s), gc(coef),
+        sym(prob.obj == objective::symmetric)
+  {
+    const int shift = gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
+    up = std::ldexp(1.0f, shift);
+    down = std::ldexp(1.0f, -shift);
+    a.logits = f(w.logits);
+    a.ld = static_cast<long long>(w.ld);
+    a.n_k = static_cast<int>(p.n_k);
+    a.labels = p.labels;
+    a.scalars = scalars();
+    a.row_lse = f(w.row_lse);
+    a.row_loss = f(w.row_loss);
+    a.row_max = f(w.row_max);
+    a.pos = f(w.pos);
+    a.col_max = f(w.col_max);
+    a.col_sum = f(w.col_sum);
+    a.col_lse = f(w.col_lse);
+    a.col_loss = f(w.col_loss);
+    a.flags = flags();
+  }
+
+  float* f(std::size_t off) const noexcept
+  {
+    return reinterpret_cast<float*>(base + off);
+  }
+  kernels::step_scalars* scalars() const noexcept
+  {
+    return reinterpret_cast<kernels::step_scalars*>(base + w.scalars);
+  }
+  kernels::step_sums* sums() const noexcept
+  {
+    return reinterpret_cast<kernels::step_sums*>(base + w.sums);
+  }
+  int* flags() const noexcept
+  {
+    return reinterpret_cast<int*>(base + w.flags);
+  }
+  float* dk_accumulator() const noexcept
+  {
+    return f(w.dk);
+  }
+  int dim() const noexcept
+  {
+    return static_cast<int>(p.dim);
+  }
+  void* grad() const noexcept
+  {
+    return sixteen_bit ? static_cast<void*>(base + w.grad) : static_cast<void*>(f(w.logits));
+  }
+
+  /// Clears the flags and reads tau and the loss scale from the state (prologue kernel).
+  template <class State>
+  cudaError_t begin(State* d_state)
+  {
+    CONTRASTIVE_CUDA_TRY(cudaMemsetAsync(flags(), 0, 3 * sizeof(int), stream));
+    kernels::prologue<State><<<1, 1, 0, stream>>>(d_state, scalars());
+    return cudaPeekAtLastError();
+  }
+
+  /// S_c^T (column-major n_k x rows) = K (d x n_k)^T Q_c (d x rows).
+  cudaError_t logits_product(std::size_t c0, int rows)
+  {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t et = cuda_type<Element>();
+    return from_cublas(cublasGemmEx(handle,
+                                    CUBLAS_OP_T,
+                                    CUBLAS_OP_N,
+                                    a.n_k,
+                                    rows,
+                                    dim(),
+                                    &one,
+                                    p.k,
+                                    et,
+                                    dim(),
+                                    p.q + c0 * p.dim,
+                                    et,
+                                    dim(),
+                                    &zero,
+                                    f(w.logits),
+                                    CUDA_R_32F,
+                                    static_cast<int>(w.ld),
+                                    CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  }
+
+  /// Arguments of the tile kernels for the chunk at row c0.
+  tile_detail::tile_args tile_args_for(std::size_t c0, int rows) const noexcept
+  {
+    tile_detail::tile_args t;
+    t.q = p.q + c0 * p.dim;
+    t.k = p.k;
+    t.rows = rows;
+    t.n_k = a.n_k;
+    t.dim = dim();
+    t.c0 = static_cast<long long>(c0);
+    t.labels = p.labels;
+    t.scalars = a.scalars;
+    t.row_part = reinterpret_cast<float2*>(base + w.row_part);
+    t.col_part = reinterpret_cast<float2*>(base + w.col_part);
+    t.pos = a.pos;
+    t.flag = a.flags;
+    t.row_lse = a.row_lse;
+    t.row_loss = a.row_loss;
+    t.col_lse = a.col_lse;
+    t.col_loss = a.col_loss;
+    t.gc = gc;
+    t.symmetric = sym ? 1 : 0;
+    t.factor = up;
+    t.g = grad();
+    t.ld = static_cast<long long>(w.ld);
+    return t;
+  }
+
+  static dim3 tile_grid(int rows, int n_k) noexcept
+  {
+    return dim3(static_cast<unsigned>((n_k + tile_detail::config::bn - 1) / tile_detail::config::bn),
+                static_cast<unsigned>((rows + tile_detail::config::bm - 1) / tile_detail::config::bm));
+  }
+
+  /// The tile path's forward of one chunk: statistics tiles, then the rows' and (symmetric) the columns' merges.
+  cudaError_t forward_chunk_tiles(std::size_t c0, int rows)
+  {
+    if constexpr (sixteen_bit)
+    {
+      const tile_detail::tile_args t = tile_args_for(c0, rows);
+      const dim3 grid = tile_grid(rows, a.n_k);
+      tile_detail::tile_kernel<Element, tile_detail::statistics_epilogue>
+          <<<grid, tile_detail::config::threads, 0, stream>>>(t);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      tile_detail::finish_tile_rows<><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
+          t.row_part, static_cast<int>(grid.x), rows, t.c0, a.n_k, p.labels, a.row_lse, a.row_loss, a.row_max, a.pos);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+      if (sym)
+      {
+        tile_detail::merge_tile_columns<>
+            <<<static_cast<unsigned>(std::min(1024, (a.n_k + 255) / 256)), 256, 0, stream>>>(
+                t.col_part, static_cast<int>(grid.y), a.n_k, c0 == 0 ? 1 : 0, a.col_max, a.col_sum);
+      }
+      return cudaPeekAtLastError();
+    }
+    else
+    {
+      (void)c0;
+      (void)rows;
+      return cudaErrorNotSupported;
+    }
+  }
+
+  /// The tile path's G_c of one chunk (S_c recomputed on tensor cores, never stored).
+  cudaError_t gradient_tiles(std::size_t c0, int rows)
+  {
+    if constexpr (sixteen_bit)
+    {
+      tile_detail::tile_kernel<Element, tile_detail::gradient_epilogue>
+          <<<tile_grid(rows, a.n_k), tile_detail::config::threads, 0, stream>>>(tile_args_for(c0, rows));
+      return cudaPeekAtLastError();
+    }
+    else
+    {
+      (void)c0;
+      (void)rows;
+      return cudaErrorNotSupported;
+    }
+  }
+
+  cudaError_t forward_chunk(std::size_t c0, int rows)
+  {
+    if (w.tiles)
+    {
+      return forward_chunk_tiles(c0, rows);
+    }
+    CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+    row_statistics<><<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    if (sym)
+    {
+      column_partials<><<<static_cast<unsigned>((a.n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
+          a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    }
+    return cudaSuccess;
+  }
+
+  /// G_c, dQ_c (scaled, rounded into dq's rows, <dQ_i, q_i> kept), dK += G_c^T Q_c (float accumulator).
+  cudaError_t backward_chunk(std::size_t c0, int rows, Element* dq)
+  {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t et = cuda_type<Element>();
+    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
+    const dim3 grid(static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)),
+                    static_cast<unsigned>(std::min(rows, 65535)));
+    if (w.tiles)
+    {
+      CONTRASTIVE_CUDA_TRY(gradient_tiles(c0, rows));
+    }
+    else
+    {
+      chunk_gradient<Element><<<grid, threads, 0, stream>>>(
+          a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad()));
+      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    }
+    // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
+    CONTRASTIVE_CUDA_TRY(from_cublas(cublasGemmEx(handle,
+                                                  CUBLAS_OP_N,
+                                                  CUBLAS_OP_N,
+                                                  dim(),
+                                                  rows,
+                                                  a.n_k,
+                                                  &down,
+                                                  p.k,
+                                                  et,
+                                                  dim(),
+                                                  grad(),
+                                                  gt,
+                                                  static_cast<int>(w.ld),
+                                                  &zero,
+                                                  f(w.dq),
+                                                  CUDA_R_32F,
+                                                  dim(),
+                                                  CUBLAS_COMPUTE_32F,
+                                                  CUBLAS_GEMM_DEFAULT)));
+    store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+        f(w.dq), dim(), p.q + c0 * p.dim, dq + c0 * p.dim, scalars(), f(w.row_dot) + c0, flags() + 1);
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    // dK^T (d x n_k) += Q_c^T (d x rows) G_c (rows x n_k), times 2^-k; the first chunk starts the accumulator.
+    const float* beta = c0 == 0 ? &zero : &one;
+    return from_cublas(cublasGemmEx(handle,
+                                    CUBLAS_OP_N,
+                                    CUBLAS_OP_T,
+                                    dim(),
+                                    a.n_k,
+                                    rows,
+                                    &down,
+                                    p.q + c0 * p.dim,
+                                    et,
+                                    dim(),
+                                    grad(),
+                                    gt,
+                                    static_cast<int>(w.ld),
+                                    beta,
+                                    f(w.dk),
+                                    CUDA_R_32F,
+                                    dim(),
+                                    CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  }
+
+  /// Symmetric, pass 1: every chunk's row statistics and column partials (col_max / col_sum: each column's
+  /// negatives over this problem's rows).
+  cudaError_t forward_all()
+  {
+    for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
+    {
+      CONTRASTIVE_CUDA_TRY(forward_chunk(c0, static_cast<int>(std::min(w.chunk_rows, p.n_q - c0))));
+    }
+    return cudaSuccess;
+  }
+
+  /// One process: each column's log-sum-exp and loss from its negatives and its positive (row j's).
+  cudaError_t finish_columns_local()
+  {
+    finish_columns<><<<static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)), threads, 0, stream>>>(a);
+    return cudaPeekAtLastError();
+  }
+
+  /// Symmetric, pass 2 (S_c recomputed unless one chunk holds every row); info_nce: forward and backward per chunk.
+  cudaError_t backward_all(Element* dq)
+  {
+    const bool one_chunk = w.chunk_rows >= p.n_q;
+    for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
+    {
+      const int rows = static_cast<int>(std::min(w.chunk_rows, p.n_q - c0));
+      if (!sym)
+      {
+        CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
+      }
+      else if (!one_chunk && !w.tiles) // the tile path recomputes S_c inside gradient_tiles
+      {
+        CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+      }
+      CONTRASTIVE_CUDA_TRY(backward_chunk(c0, rows, dq));
+    }
+    return cudaSuccess;
+  }
+
+  /// dK rows (`rows` x dim float, unscaled) times loss_scale * s, rounded into dk; flags a non-finite value.
+  cudaError_t store_dk(const float* acc, Element* dk, std::size_t rows)
+  {
+    store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+        acc, dim(), static_cast<const Element*>(nullptr), dk, scalars(), nullptr, flags() + 2);
+    return cudaPeekAtLastError();
+  }
+
+  /// This problem's sums (row losses, column losses when symmetric, <dQ, Q>) and max logit, into sums().
+  cudaError_t reduce_local()
+  {
+    void* tmp = base + w.cub;
+    std::size_t bytes = w.cub_bytes;
+    const int n_q = static_cast<int>(p.n_q);
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.row_loss, &sums()->row_loss, n_q, stream));
+    if (sym)
+    {
+      bytes = w.cub_bytes;
+      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.col_loss, &sums()->col_loss, a.n_k, stream));
+    }
+    bytes = w.cub_bytes;
+    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, f(w.row_dot), &sums()->dlogs, n_q, stream));
+    bytes = w.cub_bytes;
+    return detail::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
+  }
+};
+} // namespace chunked_phases
+} // namespace device
+} // namespace contrastive
