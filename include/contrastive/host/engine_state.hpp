@@ -601,6 +601,16 @@ struct engine_state
     col_log_sum[j] = rl.log_sum;
   }
 
+  /// Empties every worker's column partials (symmetric forward; a no-op where they are not sized).
+  void reset_column_partials() noexcept
+  {
+    for (auto& ws : scratch)
+    {
+      std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);
+      std::fill(ws.col_sum.begin(), ws.col_sum.end(), 0.0f);
+    }
+  }
+
   /// Forward over all row blocks: the finished row statistics, and (symmetric) each worker's column partials, which
   /// `column_partial` merges.
   template <class Algorithm>
@@ -608,11 +618,7 @@ struct engine_state
   {
     scale = s;
     sigmoid_g_sum = 0.0;
-    for (auto& ws : scratch)
-    {
-      std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);
-      std::fill(ws.col_sum.begin(), ws.col_sum.end(), 0.0f);
-    }
+    reset_column_partials();
     unsigned char bad[max_threads] = {};
     parallel_for(pool,
                  nq_pad / block_m,
