@@ -16,7 +16,7 @@ LAYERS = {
     "policy": 2, "checks.hpp": 2,
     "step/logic.hpp": 3, "step/checkpoint.hpp": 3,
     "host": 4, "distributed/communicator.hpp": 4, "distributed/agreement.hpp": 4, "distributed/mpi.hpp": 4,
-    "device": 5, "step/driver.hpp": 5,
+    "device": 5, "step/driver.hpp": 5, "step/front.hpp": 5, "step/phases.hpp": 5,
     "step/loss.hpp": 6, "distributed/nccl.cuh": 6,
     "loss.hpp": 7, "core.hpp": 7, "distributed/loss.hpp": 7,
     "contrastive.hpp": 8,

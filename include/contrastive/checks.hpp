@@ -7,6 +7,7 @@
 /// device API include this header; the device API does not pull in the host engine.
 
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/numeric/math.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
@@ -47,6 +48,42 @@ status check_outputs(const problem<T>& p, const void* dq, const void* dk)
   if (overlaps(dk, kb, p.q, qb) || overlaps(dk, kb, p.k, kb))
   {
     return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
+  }
+  return {};
+}
+
+/// Every one of the n_q `labels` (null: the diagonal, nothing to read) indexes one of `n_keys` keys (`global`: the
+/// keys of every rank, which a rank's labels index).
+inline status check_label_range(const std::int32_t* labels, std::size_t n_q, std::size_t n_keys, bool global)
+{
+  for (std::size_t i = 0; labels != nullptr && i < n_q; ++i)
+  {
+    const std::int64_t l = labels[i];
+    if (l < 0 || static_cast<std::size_t>(l) >= n_keys)
+    {
+      return {errc::label_out_of_range,
+              "labels",
+              "labels[" + std::to_string(i) + "] = " + std::to_string(l) + " is outside " +
+                  (global ? "the global keys [0, " : "[0, n_k = ") + std::to_string(n_keys) + ")"};
+    }
+  }
+  return {};
+}
+
+/// The logit bias b of z = S + b: finite, and 0 unless the objective is sigmoid (a softmax is invariant to it, so a
+/// nonzero one would do nothing: refused instead).
+inline status check_logit_bias(objective obj, float bias)
+{
+  if (!detail::finite(bias))
+  {
+    return {errc::invalid_argument, "logit_bias", "logit_bias = " + std::to_string(bias) + "; it must be finite"};
+  }
+  if (obj != objective::sigmoid && bias != 0.0f)
+  {
+    return {errc::invalid_argument,
+            "logit_bias",
+            "logit_bias = " + std::to_string(bias) + " with objective " + to_string(obj) +
+                ": the bias applies to objective::sigmoid only (a softmax is invariant to it); pass 0"};
   }
   return {};
 }
@@ -138,19 +175,9 @@ status check_problem(const problem<T>& p,
   {
     CONTRASTIVE_RETURN_IF_ERROR(check_outputs(p, dq, dk));
   }
-  if (p.labels != nullptr && check_labels)
+  if (check_labels)
   {
-    for (std::size_t i = 0; i < p.n_q; ++i)
-    {
-      const std::int64_t l = p.labels[i];
-      if (l < 0 || static_cast<std::size_t>(l) >= p.n_k)
-      {
-        return {errc::label_out_of_range,
-                "labels",
-                "labels[" + std::to_string(i) + "] = " + std::to_string(l) +
-                    " is outside [0, n_k = " + std::to_string(p.n_k) + ")"};
-      }
-    }
+    return check_label_range(p.labels, p.n_q, p.n_k, false);
   }
   return {};
 }

@@ -16,7 +16,7 @@
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
-#include <contrastive/step/driver.hpp>
+#include <contrastive/step/front.hpp>
 #include <contrastive/step/logic.hpp>
 
 #include <cstddef>

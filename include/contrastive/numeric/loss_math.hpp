@@ -39,6 +39,19 @@ make_grad_coefficients(objective obj, std::size_t n_q, std::size_t n_k) noexcept
   return {c, 0.0f, c};
 }
 
+/// The batch's loss from the sums of its n_q_total row losses (and, symmetric, its n_k_total column losses): their
+/// mean (symmetric: the mean of both means).
+CONTRASTIVE_HOST_DEVICE inline float mean_loss(
+    objective obj, std::size_t n_q_total, std::size_t n_k_total, double row_loss_sum, double col_loss_sum) noexcept
+{
+  double total = row_loss_sum / static_cast<double>(n_q_total);
+  if (obj == objective::symmetric)
+  {
+    total = 0.5 * (total + col_loss_sum / static_cast<double>(n_k_total));
+  }
+  return static_cast<float>(total);
+}
+
 /// G_ij = dL/dS_ij of one logit, from its scaled value x and the log-sum-exp of its row (and, symmetric, of its
 /// column), without the positive's -pos_coef (see `positive_gradient`). Host and device call this one formula.
 CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float

@@ -60,6 +60,12 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float max_f(float a, float b) no
   return a > b ? a : b;
 }
 
+/// Whether x is finite (x - x is 0 for finite x and NaN for inf and NaN), as every check of the library tests it.
+CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE bool finite(float x) noexcept
+{
+  return x - x == 0.0f;
+}
+
 /// max(a, b) that returns a NaN operand (std::max and fmaxf do not): for reported values such as the max logit.
 CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float max_nan(float a, float b) noexcept
 {

@@ -42,14 +42,12 @@
 #include <contrastive/status.hpp>
 #include <contrastive/step/checkpoint.hpp>
 #include <contrastive/step/logic.hpp>
+#include <contrastive/step/phases.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <new>
-#include <stdexcept>
 #include <string>
-#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -80,7 +78,7 @@ public:
   /// One process without collectives (comm::self): K in place, gradients written directly, no agreement.
   static constexpr bool single = distributed::is_single_process_v<Comm>;
   /// Ranks with float gradients write them in place (no float partials of dq and dk besides the gathered dK's).
-  static constexpr bool float_out = std::is_same_v<Element, float>;
+  static constexpr bool float_out = rank_buffers<Element>::float_out;
 
   explicit driver(Comm comm = Comm{}, unsigned threads = 0) : comm_(std::move(comm)), engine_(threads) {}
 
@@ -112,35 +110,21 @@ public:
   std::size_t chunk_rows_for(const problem_type& p) const noexcept
   {
     problem_type block = p;
-    if (!single && n_k_total_ != 0)
+    if (!single && batch_.n_k_total != 0)
     {
-      block.n_k = n_k_total_;
+      block.n_k = batch_.n_k_total;
     }
     return engine_.chunk_rows_for(block);
   }
   /// The batch of the last agreed forward: total queries and keys, and this rank's first query and key index.
-  std::size_t global_queries() const noexcept
+  const batch_extent& batch() const noexcept
   {
-    return n_q_total_;
-  }
-  std::size_t global_keys() const noexcept
-  {
-    return n_k_total_;
-  }
-  std::size_t query_offset() const noexcept
-  {
-    return q_off_;
-  }
-  std::size_t key_offset() const noexcept
-  {
-    return k_off_;
+    return batch_;
   }
   /// Host bytes held between calls: the engine, and for ranks the gathered K, labels and float partials.
   std::size_t bytes_held() const noexcept
   {
-    return engine_.bytes_held() + k_all_.capacity() * sizeof(Element) + labels_.capacity() * sizeof(std::int32_t) +
-           (dq_f_.capacity() + dk_all_f_.capacity() + dk_f_.capacity() + col_a_.capacity() + col_b_.capacity()) *
-               sizeof(float);
+    return engine_.bytes_held() + ranks_.bytes_held();
   }
 
   /// The caller's iteration of the last accepted forward (no_iteration if it gave none): what its backward and the
@@ -148,11 +132,6 @@ public:
   std::int64_t iteration() const noexcept
   {
     return iteration_;
-  }
-  /// Whether a forward is ready for `backward`.
-  bool forward_ready() const noexcept
-  {
-    return ready_;
   }
   const forward_values& last_forward() const noexcept
   {
@@ -175,9 +154,9 @@ public:
     {
       std::copy(engine_.row_lse().begin(), engine_.row_lse().end(), row_lse);
     }
-    if (col_lse != nullptr && p_.obj == objective::symmetric && engine_.col_lse().size() >= k_off_ + p_.n_k)
+    if (col_lse != nullptr && p_.obj == objective::symmetric && engine_.col_lse().size() >= batch_.k_off + p_.n_k)
     {
-      std::copy_n(engine_.col_lse().begin() + static_cast<std::ptrdiff_t>(k_off_), p_.n_k, col_lse);
+      std::copy_n(engine_.col_lse().begin() + static_cast<std::ptrdiff_t>(batch_.k_off), p_.n_k, col_lse);
     }
   }
 
@@ -204,7 +183,7 @@ public:
     }
     if (local.ok())
     {
-      (void)(local = check_bias(p.obj, bias));
+      (void)(local = check_logit_bias(p.obj, bias));
     }
     if (local.ok() && !policies.ok())
     {
@@ -224,39 +203,7 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::check_iteration(iteration));
       CONTRASTIVE_RETURN_IF_ERROR(checks_with_totals(p, p.n_k));
       ready_ = false;
-      n_q_total_ = p.n_q;
-      n_k_total_ = p.n_k;
-      q_off_ = k_off_ = 0;
-      // forward_backward: the outputs are known now (the sigmoid objective's fused pass may accumulate in them).
-      const std::size_t bytes = engine_.template bytes_for<Algorithm>(p, need_grads).value;
-      CONTRASTIVE_RETURN_IF_ERROR(needs(guarded(
-                                            [&]
-                                            {
-                                              engine_.template prepare<Algorithm>(
-                                                  p, need_grads ? dq : nullptr, need_grads ? dk : nullptr);
-                                            }),
-                                        "the host engine",
-                                        bytes,
-                                        p));
-      gc_ = make_grad_coefficients(p.obj, p.n_q, p.n_k);
-      host::row_pass rp;
-      CONTRASTIVE_RETURN_IF_ERROR(guarded(
-          [&]
-          {
-            rp = engine_.template forward_rows<Algorithm>(s, bias);
-          }));
-      double col_loss_sum = 0.0;
-      if (p.obj == objective::symmetric)
-      {
-        for (std::size_t j = 0; j < p.n_k; ++j)
-        {
-          const contrastive::row_loss rl =
-              finish_row(engine_.template column_partial<Algorithm>(j), engine_.positive(j));
-          engine_.set_column(j, rl);
-          col_loss_sum += static_cast<double>(rl.loss);
-        }
-      }
-      fwd_ = {batch_loss(p.obj, rp.row_loss_sum, col_loss_sum), rp.max_logit, rp.logits_nonfinite};
+      batch_ = {p.n_q, p.n_k, 0, 0};
     }
     else
     {
@@ -270,45 +217,60 @@ public:
                                                    scalars));
       ready_ = false;
       CONTRASTIVE_RETURN_IF_ERROR(gather_keys(p));
-      const bool sym = p.obj == objective::symmetric;
-      const problem_type block{p.q, k_all_.data(), p.n_q, n_k_total_, p.dim, labels_.data(), p.obj};
-      const std::size_t bytes = engine_.template bytes_for<Algorithm>(block).value;
-      CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_,
-                                                                needs(guarded(
-                                                                          [&]
-                                                                          {
-                                                                            engine_.template prepare<Algorithm>(block);
-                                                                          }),
-                                                                      "the host engine",
-                                                                      bytes,
-                                                                      p)));
-      gc_ = make_grad_coefficients(p.obj, n_q_total_, n_k_total_);
-      host::row_pass rp;
-      status compute = guarded(
-          [&]
-          {
-            rp = engine_.template forward_rows<Algorithm>(s, bias);
-          });
-      double col_loss_sum = 0.0;
-      if (sym)
+    }
+    // The engine, sized for this rank's rows against every key; one process's forward_backward passes its outputs
+    // now (the sigmoid objective's fused pass may accumulate in them).
+    const problem_type block =
+        single ? p
+               : problem_type{p.q, ranks_.k_all.data(), p.n_q, batch_.n_k_total, p.dim, ranks_.labels.data(), p.obj};
+    const bool outputs = single && need_grads;
+    const std::size_t bytes = engine_.template bytes_for<Algorithm>(block, outputs).value;
+    status prepared =
+        needs(guarded(
+                  [&]
+                  {
+                    engine_.template prepare<Algorithm>(block, outputs ? dq : nullptr, outputs ? dk : nullptr);
+                  }),
+              "the host engine",
+              bytes,
+              p);
+    if constexpr (!single)
+    {
+      (void)(prepared = distributed::agreement::agree(comm_, prepared));
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(prepared);
+    gc_ = make_grad_coefficients(p.obj, batch_.n_q_total, batch_.n_k_total);
+    host::row_pass rp;
+    const status compute = guarded(
+        [&]
+        {
+          rp = engine_.template forward_rows<Algorithm>(s, bias);
+        });
+    double col_loss_sum = 0.0;
+    if constexpr (single)
+    {
+      CONTRASTIVE_RETURN_IF_ERROR(compute);
+      if (p.obj == objective::symmetric)
       {
-        CONTRASTIVE_RETURN_IF_ERROR(combine_columns(p.n_q, compute, col_loss_sum));
+        col_loss_sum = finish_columns<Algorithm>(engine_, p.n_k);
+      }
+    }
+    else
+    {
+      if (p.obj == objective::symmetric)
+      {
+        CONTRASTIVE_RETURN_IF_ERROR(
+            combine_columns<Algorithm>(comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, col_loss_sum));
       }
       // Every rank's rows, combined in rank order (identical bits everywhere); a failure on any rank is agreed on.
       const rank_forward mine{rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0};
       std::vector<rank_forward> all;
-      CONTRASTIVE_RETURN_IF_ERROR(gather(needs(compute, "the host engine mid-step", bytes, p), mine, all));
-      double rows = 0.0;
-      float max_logit = -contrastive::detail::infinity_f;
-      bool logits_bad = false;
-      for (const rank_forward& r : all)
-      {
-        rows += r.row_loss_sum;
-        max_logit = contrastive::detail::max_nan(max_logit, static_cast<float>(r.max_logit));
-        logits_bad |= r.logits_bad != 0.0;
-      }
-      fwd_ = {batch_loss(p.obj, rows, col_loss_sum), max_logit, logits_bad};
+      CONTRASTIVE_RETURN_IF_ERROR(gather_ranks(comm_, needs(compute, "the host engine mid-step", bytes, p), mine, all));
+      rp = combine_ranks(all);
     }
+    fwd_ = {mean_loss(p.obj, batch_.n_q_total, batch_.n_k_total, rp.row_loss_sum, col_loss_sum),
+            rp.max_logit,
+            rp.logits_nonfinite};
     p_ = p;
     iteration_ = iteration;
     ready_ = true;
@@ -380,32 +342,23 @@ public:
       // float: the engine writes this rank's dQ and the reduce-scatter its dK straight into dq and dk (as one
       // process's engine does: a failure agreed on below may leave them partly written); 16-bit: into float
       // partials, rounded once after the agreement, in the pass that tests them.
-      float* const dq_out = float_out ? reinterpret_cast<float*>(dq) : dq_f_.data();
-      float* const dk_out = float_out ? reinterpret_cast<float*>(dk) : dk_f_.data();
+      float* const dq_out = float_out ? reinterpret_cast<float*>(dq) : ranks_.dq_f.data();
+      float* const dk_out = float_out ? reinterpret_cast<float*>(dk) : ranks_.dk_f.data();
       status compute = guarded(
           [&]
           {
-            br = engine_.template backward<Algorithm>(loss_scale, gc_, dq_out, dk_all_f_.data());
+            br = engine_.template backward<Algorithm>(loss_scale, gc_, dq_out, ranks_.dk_all_f.data());
           });
       // dK back to its owners; a failure of the engine's work on any rank is agreed on before a result is used.
-      CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(dk_all_f_.data(), dk_counts_.data(), dk_out));
+      CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(ranks_.dk_all_f.data(), ranks_.dk_counts.data(), dk_out));
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_, compute));
       const rank_backward mine{static_cast<double>(br.grad_logit_scale),
                                round_into(dq_out, p_.n_q * d, dq) ? 1.0 : 0.0,
                                round_into(dk_out, p_.n_k * d, dk) ? 1.0 : 0.0,
                                static_cast<double>(br.grad_logit_bias)};
       std::vector<rank_backward> all;
-      CONTRASTIVE_RETURN_IF_ERROR(gather(status{}, mine, all));
-      double dlogs = 0.0, dbias = 0.0;
-      bool dq_bad = false, dk_bad = false;
-      for (const rank_backward& r : all)
-      {
-        dlogs += r.dlogs;
-        dbias += r.dbias;
-        dq_bad |= r.dq_bad != 0.0;
-        dk_bad |= r.dk_bad != 0.0;
-      }
-      bwd_ = {static_cast<float>(dlogs), dq_bad, dk_bad, static_cast<float>(dbias)};
+      CONTRASTIVE_RETURN_IF_ERROR(gather_ranks(comm_, status{}, mine, all));
+      bwd_ = combine_ranks(all);
     }
     ready_ = false;
     loss_scale_ = loss_scale;
@@ -414,67 +367,19 @@ public:
   }
 
 private:
-  struct rank_forward
-  {
-    double row_loss_sum, max_logit, logits_bad;
-  };
-  struct rank_backward
-  {
-    double dlogs, dq_bad, dk_bad, dbias;
-  };
-
-  /// The logit bias: finite, and 0 unless the objective is sigmoid (a softmax is invariant to it, so a nonzero one
-  /// would do nothing: refused instead).
-  static status check_bias(objective obj, float bias)
-  {
-    if (!contrastive::detail::finite(bias))
-    {
-      return {errc::invalid_argument, "logit_bias", "logit_bias = " + std::to_string(bias) + "; it must be finite"};
-    }
-    if (obj != objective::sigmoid && bias != 0.0f)
-    {
-      return {errc::invalid_argument,
-              "logit_bias",
-              "logit_bias = " + std::to_string(bias) + " with objective " + to_string(obj) +
-                  ": the bias applies to objective::sigmoid only (a softmax is invariant to it); pass 0"};
-    }
-    return {};
-  }
-
-  /// The loss of the batch from its row (and column) loss sums.
-  float batch_loss(objective obj, double row_loss_sum, double col_loss_sum) const noexcept
-  {
-    double total = row_loss_sum / static_cast<double>(n_q_total_);
-    if (obj == objective::symmetric)
-    {
-      total = 0.5 * (total + col_loss_sum / static_cast<double>(n_k_total_));
-    }
-    return static_cast<float>(total);
-  }
-
   /// Checks that need the batch's key count: labels (ranks: against the global keys; one process: check_problem
   /// read them), the sizes of every buffer, and finiteness (read last: it reads every element).
   status checks_with_totals(const problem_type& p, std::size_t n_k_total)
   {
-    if (!single && p.labels != nullptr)
-    {
-      for (std::size_t i = 0; i < p.n_q; ++i)
-      {
-        if (p.labels[i] < 0 || static_cast<std::size_t>(p.labels[i]) >= n_k_total)
-        {
-          return {errc::label_out_of_range,
-                  "labels",
-                  "labels[" + std::to_string(i) + "] = " + std::to_string(p.labels[i]) +
-                      " is outside the global keys [0, " + std::to_string(n_k_total) + ")"};
-        }
-      }
-    }
-    const problem_type block{p.q, p.k, p.n_q, n_k_total, p.dim, p.labels, p.obj};
-    contrastive::detail::checked_size bytes = engine_.template bytes_for<Algorithm>(block);
     if (!single)
     {
-      bytes = bytes + contrastive::detail::checked_size(n_k_total) * p.dim * (sizeof(Element) + sizeof(float));
+      CONTRASTIVE_RETURN_IF_ERROR(check_label_range(p.labels, p.n_q, n_k_total, true));
     }
+    const problem_type block{p.q, p.k, p.n_q, n_k_total, p.dim, p.labels, p.obj};
+    const detail::checked_size bytes =
+        engine_.template bytes_for<Algorithm>(block) +
+        (single ? detail::checked_size(0)
+                : rank_buffers<Element>::bytes_for(p.n_q, p.n_k, n_k_total, p.dim, p.obj == objective::symmetric));
     if (!bytes.ok())
     {
       return {errc::size_overflow,
@@ -490,7 +395,7 @@ private:
         }));
     if (bad != 0)
     {
-      return contrastive::detail::nonfinite_input(bad, p.dim);
+      return detail::nonfinite_input(bad, p.dim);
     }
     return {};
   }
@@ -519,12 +424,9 @@ private:
         },
         kind,
         scalars));
-    n_q_total_ = g.n_q_total;
-    n_k_total_ = g.n_k_total;
-    q_off_ = g.q_off;
-    k_off_ = g.k_off;
-    k_rows_ = std::move(g.k_rows);
-    dk_counts_ = std::move(g.dk_counts);
+    batch_ = {g.n_q_total, g.n_k_total, g.q_off, g.k_off};
+    ranks_.k_rows = std::move(g.k_rows);
+    ranks_.dk_counts = std::move(g.dk_counts);
     return {};
   }
 
@@ -533,180 +435,46 @@ private:
   {
     const bool sym = p.obj == objective::symmetric;
     const std::size_t d = p.dim;
-    using contrastive::detail::checked_size;
-    const checked_size alloc_bytes =
-        checked_size(n_k_total_) * d * sizeof(Element) + checked_size(p.n_q) * sizeof(std::int32_t) +
-        (checked_size(float_out ? 0 : p.n_q) * d + checked_size(n_k_total_) * d +
-         checked_size(float_out ? 0 : p.n_k) * d + checked_size(sym ? n_k_total_ : 0) * std::size_t(3)) *
-            sizeof(float);
     status alloc = guarded(
         [&]
         {
-          k_all_.resize(n_k_total_ * d);
-          labels_.resize(p.n_q);
-          dq_f_.resize(float_out ? 0 : p.n_q * d);
-          dk_all_f_.resize(n_k_total_ * d);
-          dk_f_.resize(float_out ? 0 : p.n_k * d);
-          col_a_.resize(sym ? n_k_total_ : 0);
-          col_b_.resize(sym ? 2 * n_k_total_ : 0);
+          ranks_.resize(p.n_q, p.n_k, batch_.n_k_total, d, sym);
         });
+    CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(
+        comm_,
+        needs(
+            alloc, "its buffers", rank_buffers<Element>::bytes_for(p.n_q, p.n_k, batch_.n_k_total, d, sym).value, p)));
     CONTRASTIVE_RETURN_IF_ERROR(
-        distributed::agreement::agree(comm_, needs(alloc, "its buffers", alloc_bytes.value, p)));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, k_rows_.data(), d * sizeof(Element), k_all_.data()));
+        comm_.allgatherv_rows(p.k, ranks_.k_rows.data(), d * sizeof(Element), ranks_.k_all.data()));
     for (std::size_t i = 0; i < p.n_q; ++i)
     {
-      labels_[i] = static_cast<std::int32_t>(p.labels != nullptr ? p.labels[i] : q_off_ + i);
+      ranks_.labels[i] = static_cast<std::int32_t>(p.labels != nullptr ? p.labels[i] : batch_.q_off + i);
     }
     return {};
-  }
-
-  /// Phase 5 for ranks: each rank's partial column states over its rows, combined (max, then the rescaled sums and
-  /// the positives); `col_loss_sum` is the sum of the finished column losses (identical on every rank). If this
-  /// rank's forward failed (`compute`; its engine may be released) it still takes part in both reductions, with
-  /// neutral partials, so the others are not left waiting; the step is refused on every rank afterwards.
-  status combine_columns(std::size_t n_local, const status& compute, double& col_loss_sum)
-  {
-    const std::size_t n = n_k_total_;
-    const bool local_ok = compute.ok();
-    for (std::size_t j = 0; j < n; ++j)
-    {
-      col_a_[j] = local_ok ? engine_.template column_partial<Algorithm>(j).max : -contrastive::detail::infinity_f;
-    }
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(col_a_.data(), n, distributed::reduce_op::max));
-    float* sums = col_b_.data();
-    float* pos = col_b_.data() + n;
-    for (std::size_t j = 0; j < n; ++j)
-    {
-      online_lse st = local_ok ? engine_.template column_partial<Algorithm>(j) : online_lse{};
-      st.rebase(col_a_[j] == -contrastive::detail::infinity_f ? st.max : col_a_[j]);
-      sums[j] = st.max == -contrastive::detail::infinity_f ? 0.0f : st.sum;
-      pos[j] = 0.0f;
-    }
-    // Column j's positive is global query j: owned by the rank whose queries start at q_off_.
-    for (std::size_t i = 0; local_ok && i < n_local; ++i)
-    {
-      pos[q_off_ + i] = engine_.positive(i);
-    }
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(col_b_.data(), 2 * n, distributed::reduce_op::sum));
-    col_loss_sum = 0.0;
-    for (std::size_t j = 0; local_ok && j < n; ++j)
-    {
-      const contrastive::row_loss rl = finish_row(online_lse{col_a_[j], sums[j]}, pos[j]);
-      engine_.set_column(j, rl);
-      col_loss_sum += static_cast<double>(rl.loss);
-    }
-    return {};
-  }
-
-  /// All-gathers each rank's `mine` (rank order) after agreeing on `local` (one collective when every rank is fine).
-  template <class R>
-  status gather(const status& local, const R& mine, std::vector<R>& all)
-  {
-    struct msg
-    {
-      std::int64_t code;
-      R value;
-    };
-    const msg m{static_cast<std::int64_t>(local.code()), mine};
-    std::vector<msg> got(static_cast<std::size_t>(comm_.size()));
-    CONTRASTIVE_RETURN_IF_ERROR(comm_.allgather(&m, sizeof m, got.data()));
-    for (const msg& g : got)
-    {
-      if (g.code != 0)
-      {
-        return distributed::agreement::agree(comm_, local); // every rank saw the same codes: every rank takes part
-      }
-    }
-    all.resize(got.size());
-    for (std::size_t r = 0; r < got.size(); ++r)
-    {
-      all[r] = got[r].value;
-    }
-    return {};
-  }
-
-  /// Rounds float gradients to the element type; returns whether any result is non-finite.
-  static bool round_into(const float* in, std::size_t n, Element* out) noexcept
-  {
-    float poison = 0.0f;
-    if constexpr (float_out)
-    {
-      (void)out; // in == out: only the test
-      for (std::size_t i = 0; i < n; ++i)
-      {
-        poison += in[i] * 0.0f;
-      }
-      return poison != 0.0f;
-    }
-    for (std::size_t i = 0; i < n; ++i)
-    {
-      const Element v = element_traits<Element>::from_float(in[i]);
-      poison += element_traits<Element>::to_float(v) * 0.0f;
-      out[i] = v;
-    }
-    return poison != 0.0f;
   }
 
   /// A resource failure of `what` with the bytes it asked for (other statuses unchanged).
   status needs(const status& st, const char* what, std::size_t bytes, const problem_type& p) const
   {
-    if (st.code() != errc::resource_exhausted)
-    {
-      return st;
-    }
-    if constexpr (single)
-    {
-      return {errc::resource_exhausted,
-              "memory",
-              std::string(what) + " needs " + std::to_string(bytes) + " bytes for n_q = " + std::to_string(p.n_q) +
-                  ", n_k = " + std::to_string(p.n_k) + ", dim = " + std::to_string(p.dim) + " (" + Algorithm::name +
-                  "): " + st.reason()};
-    }
-    else
-    {
-      return {errc::resource_exhausted,
-              st.argument(),
-              std::string(what) + " needs " + std::to_string(bytes) + " bytes on this rank (n_q = " +
-                  std::to_string(p.n_q) + ", global n_k = " + std::to_string(n_k_total_) +
-                  ", dim = " + std::to_string(p.dim) + ", " + Algorithm::name + "): " + st.reason()};
-    }
+    return with_bytes(st, what, bytes, p.n_q, single ? p.n_k : batch_.n_k_total, p.dim, Algorithm::name, !single);
   }
 
-  /// Runs `f` (allocation or engine work) and turns an exception into a status: nothing escapes to the caller. An
-  /// allocation failure releases the engine (a half-sized engine holds no memory) and no forward stays ready.
+  /// Runs `f` (allocation or engine work) and turns an exception into a status (`guard_resources`): nothing escapes
+  /// to the caller. An allocation failure releases the engine (a half-sized engine holds no memory), and so does a
+  /// refused thread for one process; no forward stays ready.
   template <class F>
   status guarded(F&& f)
   {
-    try
+    status st = guard_resources(std::forward<F>(f));
+    if (!st.ok())
     {
-      f();
-      return {};
+      if (single || st.argument() != std::string("threads"))
+      {
+        engine_.release();
+      }
+      ready_ = false;
     }
-    catch (const std::bad_alloc&)
-    {
-      return fail("memory", "a buffer of the host engine could not be allocated", true);
-    }
-    catch (const std::length_error&)
-    {
-      return fail("memory", "a buffer of the host engine exceeds the largest possible allocation", true);
-    }
-    catch (const std::system_error& e)
-    {
-      return fail("threads", std::string("the system refused a resource: ") + e.what(), single);
-    }
-    catch (...)
-    {
-      return fail("memory", "an allocation failed", true);
-    }
-  }
-  status fail(const char* what, std::string message, bool release)
-  {
-    if (release)
-    {
-      engine_.release();
-    }
-    ready_ = false;
-    return {errc::resource_exhausted, what, std::move(message)};
+    return st;
   }
 
   Comm comm_;
@@ -718,100 +486,8 @@ private:
   forward_values fwd_{};
   backward_values bwd_{};
   float loss_scale_ = 1.0f;
-  std::size_t n_q_total_ = 0, n_k_total_ = 0, q_off_ = 0, k_off_ = 0;
-  // Ranks only: the agreed counts, the gathered keys, the rows' global labels, float partials (dq_f_ and dk_f_ for
-  // 16-bit elements only), column statistics.
-  std::vector<int> k_rows_, dk_counts_;
-  std::vector<Element> k_all_;
-  std::vector<std::int32_t> labels_;
-  std::vector<float> dq_f_, dk_all_f_, dk_f_, col_a_, col_b_;
-};
-/// What every front end over a driver (basic_loss, core) exposes unchanged: the configuration, the sizes, the batch of
-/// the last agreed forward and what the last forward and backward found. The front end adds its calls.
-template <class Driver>
-class front
-{
-public:
-  using problem_type = typename Driver::problem_type;
-
-  unsigned threads() const noexcept
-  {
-    return driver_.threads();
-  }
-  /// The communicator (comm::self for one process).
-  decltype(auto) communicator() const noexcept
-  {
-    return driver_.communicator();
-  }
-  /// algorithm::chunked only: rows per chunk, or the chunk buffer's budget (see chunk_options); applies from the next
-  /// call. Other algorithms refuse it (invalid_argument "chunk"), so a setting never silently does nothing.
-  status set_chunk(const chunk_options& o)
-  {
-    return driver_.set_chunk(o);
-  }
-  /// algorithm::chunked: rows per chunk a problem would use (a multiple of the row block, at most all rows).
-  std::size_t chunk_rows_for(const problem_type& p) const noexcept
-  {
-    return driver_.chunk_rows_for(p);
-  }
-  /// Bytes of host memory held between calls (operands, saved statistics, scratch, materialized logits; ranks: also
-  /// the gathered K and the float partials).
-  std::size_t bytes_held() const noexcept
-  {
-    return driver_.bytes_held();
-  }
-  /// The batch of the last agreed forward: total queries and keys, and this rank's first query and key index.
-  std::size_t global_queries() const noexcept
-  {
-    return driver_.global_queries();
-  }
-  std::size_t global_keys() const noexcept
-  {
-    return driver_.global_keys();
-  }
-  std::size_t query_offset() const noexcept
-  {
-    return driver_.query_offset();
-  }
-  std::size_t key_offset() const noexcept
-  {
-    return driver_.key_offset();
-  }
-  /// What the last successful forward saw (loss, largest logit, whether a logit was non-finite) and the last backward
-  /// produced (whether dQ/dK held a non-finite value, d(loss_scale * loss)/d(log s)).
-  const forward_values& last_forward() const noexcept
-  {
-    return driver_.last_forward();
-  }
-  const backward_values& last_backward() const noexcept
-  {
-    return driver_.last_backward();
-  }
-
-protected:
-  template <class... Args>
-  explicit front(Args&&... args) : driver_(std::forward<Args>(args)...)
-  {
-  }
-  /// The first non-finite site of the last forward + backward pair, in the order of `step_record::first_nonfinite`
-  /// (d loss / d log s counts when `wants_gradient`, d loss / d b when `wants_bias_gradient`), from the unscaled
-  /// gradients as a step record has them (a scaled value can be finite where its division by a small loss scale is
-  /// not).
-  nonfinite_site first_nonfinite(bool wants_gradient, bool wants_bias_gradient = false) const noexcept
-  {
-    const forward_values& f = driver_.last_forward();
-    const backward_values& b = driver_.last_backward();
-    const float ls = driver_.last_loss_scale();
-    const nonfinite_site site = detail::first_nonfinite(
-        f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, wants_gradient, b.grad_logit_scale / ls);
-    if (site == nonfinite_site::none && wants_bias_gradient && !detail::finite(b.grad_logit_bias / ls))
-    {
-      return nonfinite_site::grad_logit_bias;
-    }
-    return site;
-  }
-
-  Driver driver_;
+  batch_extent batch_;          ///< the batch of the last agreed forward
+  rank_buffers<Element> ranks_; ///< ranks only: the gathered keys, labels, float partials, column statistics
 };
 } // namespace step
 } // namespace contrastive

@@ -16,11 +16,6 @@ namespace contrastive
 {
 namespace detail
 {
-CONTRASTIVE_HOST_DEVICE inline bool finite(float x) noexcept
-{
-  return x - x == 0.0f;
-}
-
 /// The first non-finite value, in the order the step produces them: logits, loss, dQ, dK, then d loss / d log s
 /// (only when the temperature policy uses it this step).
 CONTRASTIVE_HOST_DEVICE inline nonfinite_site

@@ -35,7 +35,7 @@
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 #include <contrastive/step/checkpoint.hpp>
-#include <contrastive/step/driver.hpp>
+#include <contrastive/step/front.hpp>
 #include <contrastive/step/logic.hpp>
 
 #include <cstddef>
