@@ -93,7 +93,7 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                                                      {
                                                        return sigmoid_negative(x[j]).loss;
                                                      });
-                     st.set_sigmoid_row(i, neg_loss, neg_max, true);
+                     set_sigmoid_row(st, i, neg_loss, neg_max, true);
                      continue;
                    }
                    online_lse neg{};

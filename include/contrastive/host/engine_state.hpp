@@ -10,7 +10,9 @@
 #include <contrastive/host/builtin_gemm.hpp>
 #include <contrastive/host/gemm.hpp>
 #include <contrastive/host/operands.hpp>
+#include <contrastive/host/pass_results.hpp>
 #include <contrastive/host/thread_pool.hpp>
+#include <contrastive/host/tile_math.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
@@ -28,99 +30,6 @@ namespace contrastive
 {
 namespace host
 {
-/// Result of a forward pass.
-struct forward_result
-{
-  float loss = 0.0f;
-  float max_logit = 0.0f; ///< largest logit S_ij (materialized: its element-type value)
-  bool logits_nonfinite = false;
-};
-
-/// Result of the row phase of a forward pass (`engine::forward_rows`): the column statistics of the symmetric loss
-/// are finished after it, by whoever holds every row's partials (the step driver).
-struct row_pass
-{
-  double row_loss_sum = 0.0; ///< sum of the row losses of this engine's rows
-  float max_logit = 0.0f;    ///< largest logit S_ij (materialized: its element-type value)
-  bool logits_nonfinite = false;
-};
-
-/// Result of a backward pass. `grad_logit_scale` is d(loss_scale * loss)/d(log s); `grad_logit_bias` is
-/// d(loss_scale * loss)/d b (the sigmoid objective's logit bias; 0 for the softmax objectives).
-struct backward_result
-{
-  float grad_logit_scale = 0.0f;
-  bool dq_nonfinite = false;
-  bool dk_nonfinite = false;
-  float grad_logit_bias = 0.0f;
-};
-
-/// Per-worker partials of a backward pass (d loss / d log s, non-finite dQ / dK), combined in worker order so the
-/// result does not depend on scheduling.
-struct backward_partials
-{
-  double dlogs[max_threads] = {};
-  double dbias[max_threads] = {}; ///< sigmoid: sums of G (or of its scaled element-type values, materialized)
-  unsigned char bad_q[max_threads] = {};
-  unsigned char bad_k[max_threads] = {};
-
-  /// The pass's result; `factor` turns the summed partials into d(loss_scale * loss)/d(log s), `bias_factor` the
-  /// bias partials into d(loss_scale * loss)/d b (unless `bias_total` gives that sum already).
-  backward_result combine(unsigned workers, double factor, double bias_factor = 0.0) const noexcept
-  {
-    backward_result r;
-    double total = 0.0, bias_total = 0.0;
-    for (unsigned w = 0; w < workers; ++w)
-    {
-      total += dlogs[w];
-      bias_total += dbias[w];
-      r.dq_nonfinite |= bad_q[w] != 0;
-      r.dk_nonfinite |= bad_k[w] != 0;
-    }
-    r.grad_logit_scale = static_cast<float>(factor * total);
-    r.grad_logit_bias = static_cast<float>(bias_factor * bias_total);
-    return r;
-  }
-};
-
-/// sum of a rows x cols block of ws.tile (row stride block_n), e.g. of a gradient tile for d loss / d b.
-inline double tile_sum(std::size_t rows, std::size_t cols, const worker_scratch& ws) noexcept
-{
-  double total = 0.0;
-  for (std::size_t ii = 0; ii < rows; ++ii)
-  {
-    const float* g = &ws.tile[ii * block_n];
-    total += static_cast<double>(lane_sum(cols,
-                                          [&](std::size_t jj)
-                                          {
-                                            return g[jj];
-                                          }));
-  }
-  return total;
-}
-
-/// A rows x cols block of a stored matrix (row stride `ld`; float, or the element type of the materialized logits)
-/// into ws.tile as float, zero up to block_m rows and `width` (>= cols) columns.
-template <class S>
-void load_tile(
-    const S* src, std::size_t ld, std::size_t rows, std::size_t cols, std::size_t width, worker_scratch& ws) noexcept
-{
-  for (std::size_t ii = 0; ii < block_m; ++ii)
-  {
-    float* out = &ws.tile[ii * block_n];
-    std::size_t jj = 0;
-    if (ii < rows)
-    {
-      const S* row = src + ii * ld;
-      for (; jj < cols; ++jj)
-      {
-        out[jj] = element_traits<S>::to_float(row[jj]);
-      }
-    }
-    std::fill(out + jj, out + width, 0.0f);
-  }
-}
-
 /// Everything the algorithms read and write. The caller's q and k are read in place (packed per row block or once
 /// per call); keep them alive from `forward` to `backward`.
 template <class T, class Gemm>
@@ -289,83 +198,6 @@ struct engine_state
     }
   }
 
-  /// Sigmoid objective, forward: adds the negatives' terms softplus(z) of a masked tile of z (rows x cols at (i0,
-  /// j0)) to `loss_acc[ii]` and their largest z to `max_acc[ii]`; with `grads`, also turns the tile into the
-  /// unnormalised G (sigmoid(z) for the negatives, -sigmoid(-z_p) for the positive of each row whose positive is
-  /// in the tile, whose term is then added too) from the same exponential, zero outside rows x cols, and returns
-  /// sum G.
-  double sigmoid_tile(std::size_t i0,
-                      std::size_t j0,
-                      std::size_t rows,
-                      std::size_t cols,
-                      worker_scratch& ws,
-                      float* loss_acc,
-                      float* max_acc,
-                      bool grads) const noexcept
-  {
-    double g_sum = 0.0;
-    for (std::size_t ii = 0; ii < (grads ? block_m : rows); ++ii)
-    {
-      float* x = &ws.tile[ii * block_n];
-      if (ii >= rows)
-      {
-        std::fill(x, x + block_n, 0.0f);
-        continue;
-      }
-      max_acc[ii] = detail::max_f(max_acc[ii],
-                                  lane_max(cols,
-                                           -detail::infinity_f,
-                                           [&](std::size_t jj)
-                                           {
-                                             return x[jj];
-                                           }));
-      if (grads)
-      {
-        loss_acc[ii] += lane_sum(cols,
-                                 [&](std::size_t jj)
-                                 {
-                                   const sigmoid_term t = sigmoid_negative(x[jj]);
-                                   x[jj] = t.grad;
-                                   return t.loss;
-                                 });
-        std::fill(x + cols, x + block_n, 0.0f);
-        const std::size_t p = positive_of(i0 + ii);
-        if (p >= j0 && p < j0 + cols)
-        {
-          const sigmoid_term t = sigmoid_positive(pos[i0 + ii]);
-          x[p - j0] = t.grad;
-          loss_acc[ii] += t.loss;
-        }
-        g_sum += static_cast<double>(lane_sum(cols,
-                                              [&](std::size_t jj)
-                                              {
-                                                return x[jj];
-                                              }));
-      }
-      else
-      {
-        loss_acc[ii] += lane_sum(cols,
-                                 [&](std::size_t jj)
-                                 {
-                                   return sigmoid_negative(x[jj]).loss;
-                                 });
-      }
-    }
-    return g_sum;
-  }
-
-  /// Sigmoid objective: row i's statistics from its negatives' summed terms and largest z (the positive's z is in
-  /// pos): row_lse and row_loss hold the row's loss sum_j softplus(-l_ij z_ij), `add_positive`: its term is added
-  /// here (it is not in `negatives_loss`).
-  void set_sigmoid_row(std::size_t i, float negatives_loss, float negatives_max, bool add_positive) noexcept
-  {
-    const float l = add_positive ? negatives_loss + sigmoid_positive(pos[i]).loss : negatives_loss;
-    row_lse[i] = l;
-    row_loss[i] = l;
-    row_log_sum[i] = 0.0f;
-    row_max[i] = negatives_max;
-  }
-
   /// Forward of tile (i0, j0) (rows x cols; the query block prepared, ws.tile holding the products where the
   /// algorithm stores logits): the rows' running statistics row_state[0, rows) (sigmoid: sig_loss, sig_max), the
   /// positives into pos, and (symmetric) the worker's column statistics. Returns whether a logit was non-finite.
@@ -386,7 +218,7 @@ struct engine_state
     mask_positives(i0, j0, rows, cols, ws, true);
     if (sigmoid())
     {
-      sigmoid_tile(i0, j0, rows, cols, ws, sig_loss, sig_max, false);
+      sigmoid_tile(*this, i0, j0, rows, cols, ws, sig_loss, sig_max, false);
       return bad;
     }
     for (std::size_t ii = 0; ii < rows; ++ii)
@@ -454,7 +286,7 @@ struct engine_state
   {
     if (sigmoid())
     {
-      set_sigmoid_row(i, sig_loss, sig_max, true);
+      set_sigmoid_row(*this, i, sig_loss, sig_max, true);
     }
     else
     {
@@ -513,7 +345,7 @@ struct engine_state
   {
     if (sigmoid())
     {
-      sigmoid_gradient_tile(i0, j0, rows, cols, gc, ws);
+      sigmoid_gradient_tile(*this, i0, j0, rows, cols, gc, ws);
       return;
     }
     const bool sym = symmetric();
@@ -548,38 +380,6 @@ struct engine_state
       {
         g[p - j0] = exact_positive ? exact_positive_gradient(row_loss[i0 + ii], sym ? col_loss[p] : 0.0f, gc, sym)
                                    : positive_gradient(g[p - j0], gc);
-      }
-    }
-  }
-
-  /// The sigmoid objective's G = dL/dz of a tile of z (rows x cols valid, zero elsewhere): gc.row_coef sigmoid(z)
-  /// for the negatives, -gc.row_coef sigmoid(-z_p) for the positive, whose z is read from pos (a cached chunk
-  /// holds -inf in its slot).
-  void sigmoid_gradient_tile(std::size_t i0,
-                             std::size_t j0,
-                             std::size_t rows,
-                             std::size_t cols,
-                             const grad_coefficients& gc,
-                             worker_scratch& ws) const noexcept
-  {
-    const float c = gc.row_coef;
-    for (std::size_t ii = 0; ii < block_m; ++ii)
-    {
-      float* g = &ws.tile[ii * block_n];
-      if (ii >= rows)
-      {
-        std::fill(g, g + block_n, 0.0f);
-        continue;
-      }
-      for (std::size_t jj = 0; jj < cols; ++jj)
-      {
-        g[jj] = c * sigmoid_negative(g[jj]).grad;
-      }
-      std::fill(g + cols, g + block_n, 0.0f);
-      const std::size_t p = positive_of(i0 + ii);
-      if (p >= j0 && p < j0 + cols)
-      {
-        g[p - j0] = c * sigmoid_positive(pos[i0 + ii]).grad;
       }
     }
   }
@@ -680,42 +480,6 @@ struct engine_state
   bool store_row(const float* acc, float factor, Out* out) const noexcept
   {
     return store_scaled_row(acc, factor, out, d);
-  }
-
-  /// The last pass of the fused backwards: float accumulators (row stride ld) scaled by `factor`, rounded into dq
-  /// (n_q rows) and dk (n_k rows) and checked, with the per-worker sums of <dQ_i, q_i> (before rounding) for
-  /// d loss / d log s.
-  template <class Out>
-  backward_partials
-  store_accumulators(const float* dq_acc, const float* dk_acc, std::size_t ld, float factor, Out* dq, Out* dk)
-  {
-    backward_partials parts;
-    constexpr std::size_t chunk = 64;
-    parallel_for(pool,
-                 (n_q + chunk - 1) / chunk,
-                 workers,
-                 [&](std::size_t t, unsigned w)
-                 {
-                   const std::size_t end = std::min(n_q, (t + 1) * chunk);
-                   for (std::size_t i = t * chunk; i < end; ++i)
-                   {
-                     const float* acc = dq_acc + i * ld;
-                     parts.dlogs[w] += static_cast<double>(dot_query(acc, i));
-                     parts.bad_q[w] |= store_row(acc, factor, dq + i * d) ? 1 : 0;
-                   }
-                 });
-    parallel_for(pool,
-                 (n_k + chunk - 1) / chunk,
-                 workers,
-                 [&](std::size_t t, unsigned w)
-                 {
-                   const std::size_t end = std::min(n_k, (t + 1) * chunk);
-                   for (std::size_t j = t * chunk; j < end; ++j)
-                   {
-                     parts.bad_k[w] |= store_row(dk_acc + j * ld, factor, dk + j * d) ? 1 : 0;
-                   }
-                 });
-    return parts;
   }
 
   /// sum_c acc[c] * q_i[c] over d elements.

@@ -19,6 +19,7 @@
 /// tiles are the outer loop: each tile is packed once per round, as the logits' and as dQ's operand.
 
 #include <contrastive/host/engine_state.hpp>
+#include <contrastive/host/gradient_store.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -161,7 +162,7 @@ fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficie
   }
 
   // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
-  const backward_partials parts = st.store_accumulators(dq_acc, dk_acc, ld, out_scale, dq, dk);
+  const backward_partials parts = store_accumulators(st, dq_acc, dk_acc, ld, out_scale, dq, dk);
   return parts.combine(st.workers, static_cast<double>(out_scale));
 }
 } // namespace host

@@ -13,6 +13,7 @@
 /// that owns its row group.
 
 #include <contrastive/host/engine_state.hpp>
+#include <contrastive/host/gradient_store.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -80,8 +81,8 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
                       st.query_block(i0, ws, true);
                       bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws) ? 1 : 0;
                       st.mask_positives(i0, j0, rows, cols, ws, true);
-                      g_sum[w] += st.sigmoid_tile(
-                          i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
+                      g_sum[w] += sigmoid_tile(
+                          st, i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
                       st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
                       st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
                     }
@@ -97,7 +98,7 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
   }
   for (std::size_t i = 0; i < st.n_q; ++i) // the positives' terms are in row_loss already
   {
-    st.set_sigmoid_row(i, st.row_loss[i], st.row_max[i], false);
+    set_sigmoid_row(st, i, st.row_loss[i], st.row_max[i], false);
   }
   return st.finish_rows(any_bad);
 }
@@ -115,7 +116,7 @@ fused_sigmoid_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_c
   const float* dq_acc = in_place ? st.out_dq : st.dq_acc.data();
   const float* dk_acc = in_place ? st.out_dk : st.dk_acc.data();
   const std::size_t ld = in_place ? st.d : st.dp;
-  const backward_partials parts = st.store_accumulators(dq_acc, dk_acc, ld, out_scale, dq, dk);
+  const backward_partials parts = store_accumulators(st, dq_acc, dk_acc, ld, out_scale, dq, dk);
   backward_result r = parts.combine(st.workers, static_cast<double>(out_scale));
   r.grad_logit_bias =
       static_cast<float>(static_cast<double>(loss_scale) * static_cast<double>(gc.row_coef) * st.sigmoid_g_sum);
