@@ -15,9 +15,9 @@ LAYERS = {
     "numeric": 1, "record.hpp": 1, "problem.hpp": 1,
     "policy": 2, "checks.hpp": 2,
     "step/logic.hpp": 3, "step/checkpoint.hpp": 3,
-    "host": 4, "distributed/communicator.hpp": 4, "distributed/agreement.hpp": 4, "distributed/mpi.hpp": 4,
+    "host": 4, "distributed/communicator.hpp": 4, "distributed/agreement.hpp": 4, "distributed/mpi.hpp": 4, "distributed/nccl_comm.cuh": 4,
     "device": 5, "step/driver.hpp": 5, "step/front.hpp": 5, "step/phases.hpp": 5,
-    "step/loss.hpp": 6, "distributed/nccl.cuh": 6,
+    "step/loss.hpp": 6, "distributed/nccl.cuh": 6, "distributed/nccl_kernels.cuh": 6,
     "loss.hpp": 7, "core.hpp": 7, "distributed/loss.hpp": 7,
     "contrastive.hpp": 8,
 }

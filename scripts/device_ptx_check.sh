@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#
+# Whether a change leaves every device kernel as it was, without a GPU: compiles the device translation units (the
+# device tests, the benchmark) to PTX for sm_90 against include/ at REV and against the working tree's include/, and
+# compares them with their debug lines and nvcc's per-file hashes taken out. For moves and renames of device code
+# (which must change no kernel until it has run on a GPU: docs/design.md).
+#
+# Usage: scripts/device_ptx_check.sh [REV]   (REV defaults to HEAD; exits 1 when any PTX differs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rev=${1:-HEAD}
+nvcc=${CUDACXX:-/usr/local/cuda/bin/nvcc}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/old" "$work/ptx_old" "$work/ptx_new"
+git archive "$rev" include | tar -x -C "$work/old"
+units=(tests/device_test.cu tests/device_chunked_test.cu tests/device_distributed_test.cu tests/device_second_tu.cu
+       tests/device_instantiate.cu benchmarks/device_loss.cu)
+
+ptx() { # include dir, output dir
+  local pids=()
+  for u in "${units[@]}"; do
+    "$nvcc" -I"$1" -Itests -O3 -DNDEBUG -arch=compute_90 --expt-relaxed-constexpr -std=c++17 -x cu -ptx "$u" \
+      -o "$2/$(basename "$u" .cu).ptx" &
+    pids+=($!)
+    if (( ${#pids[@]} >= 2 )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for f in "$2"/*.ptx; do
+    grep -v '^[[:space:]]*\.loc\|^[[:space:]]*\.file\|^//' "$f" |
+      sed -E 's/[0-9a-f]{8}_[0-9]+_[A-Za-z0-9_]+_cu_[0-9a-f]{8}_[0-9]+/H/g' > "$f.clean"
+  done
+}
+ptx "$work/old/include" "$work/ptx_old"
+ptx include "$work/ptx_new"
+status=0
+for u in "${units[@]}"; do
+  b=$(basename "$u" .cu)
+  if cmp -s "$work/ptx_old/$b.ptx.clean" "$work/ptx_new/$b.ptx.clean"; then
+    echo "same PTX: $u"
+  else
+    echo "PTX DIFFERS: $u ($(diff "$work/ptx_old/$b.ptx.clean" "$work/ptx_new/$b.ptx.clean" | grep -c '^[<>]') lines)"
+    status=1
+  fi
+done
+exit $status
