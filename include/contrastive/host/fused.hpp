@@ -12,14 +12,12 @@
 /// in order and a column's over the worker's rows in order, exactly as one row block at a time would.
 ///
 /// Backward: work is split so that no worker needs an n_k x D accumulator of its own and every result is
-/// bit-reproducible for a given thread count: the row blocks form W row groups and the key tiles W key groups; in round
-/// r (r = 0..W-1) worker w multiplies row group w against key group (w + r) mod W. Within a round no two workers touch
-/// the same dQ rows or the same dK rows, so dQ and dK accumulate in one shared float buffer each (the caller's dq/dk
-/// themselves when the element type is float and the shapes are aligned), in a fixed order. Within a round the key
-/// tiles are the outer loop: each tile is packed once per round, as the logits' and as dQ's operand.
+/// bit-reproducible for a given thread count: W rounds of row groups x key groups (host/fused_rounds.hpp), dQ and dK
+/// accumulated in one shared float buffer each (the caller's dq/dk themselves when the element type is float and the
+/// shapes are aligned).
 
 #include <contrastive/host/engine_state.hpp>
-#include <contrastive/host/gradient_store.hpp>
+#include <contrastive/host/fused_rounds.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -101,65 +99,22 @@ backward_result
 fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   const float out_scale = loss_scale * st.scale;
-  const std::size_t row_blocks = st.nq_pad / block_m;
-  const std::size_t key_tiles = st.nk_pad / block_n;
-  const unsigned groups = static_cast<unsigned>(std::min<std::size_t>(st.workers, row_blocks));
+  const unsigned groups = fused_groups(st);
   const bool in_place = gemm_backend<Gemm, T>::in_place_ok(st.n_k, st.d);
   float* dq_acc = in_place ? reinterpret_cast<float*>(dq) : st.dq_acc.data();
   float* dk_acc = in_place ? reinterpret_cast<float*>(dk) : st.dk_acc.data();
   const std::size_t ld = in_place ? st.d : st.dp;
-
-  // Zero the accumulators (dk_acc also its padding rows up to the last MR panel).
-  const std::size_t dk_rows = in_place ? st.n_k : st.nk_pad;
-  parallel_for(st.pool,
-               groups,
-               groups,
-               [&](std::size_t g, unsigned)
-               {
-                 const std::size_t q0 = st.n_q * g / groups, q1 = st.n_q * (g + 1) / groups;
-                 std::fill(dq_acc + q0 * ld, dq_acc + q1 * ld, 0.0f);
-                 const std::size_t k0 = dk_rows * g / groups, k1 = dk_rows * (g + 1) / groups;
-                 std::fill(dk_acc + k0 * ld, dk_acc + k1 * ld, 0.0f);
-               });
-
-  for (unsigned round = 0; round < groups; ++round)
-  {
-    st.pool.run(groups,
-                [&](unsigned w)
-                {
-                  worker_scratch& ws = st.scratch[w];
-                  const unsigned kg = (w + round) % groups;
-                  const std::size_t b0 = row_blocks * w / groups, b1 = row_blocks * (w + 1) / groups;
-                  const std::size_t t0 = key_tiles * kg / groups, t1 = key_tiles * (kg + 1) / groups;
-                  if (t0 == t1)
-                  {
-                    return;
-                  }
-                  // Key tiles outer: each tile's dQ operand is packed once per round; the query block is packed
-                  // per (tile, block) pair, and dQ accumulates straight into its rows of dq_acc.
-                  const std::size_t width = in_place ? st.d : st.dp;
-                  for (std::size_t t = t0; t < t1; ++t)
-                  {
-                    const std::size_t j0 = t * block_n;
-                    if (j0 >= st.n_k)
-                    {
-                      break;
-                    }
-                    const std::size_t cols = std::min(block_n, st.n_k - j0);
-                    st.mm.key_tiles(j0, cols, ws, true);
-                    for (std::size_t b = b0; b < b1; ++b)
-                    {
-                      const std::size_t i0 = b * block_m;
-                      const std::size_t rows = std::min(block_m, st.n_q - i0);
-                      st.query_block(i0, ws, true);
-                      st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
-                      st.gradient_tile(true, i0, j0, rows, cols, gc, ws);
-                      st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, width);
-                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, width);
-                    }
-                  }
-                });
-  }
+  zero_accumulators(st, groups, dq_acc, dk_acc, ld, in_place ? st.n_k : st.nk_pad, [](std::size_t, std::size_t) {});
+  // dQ accumulates straight into its rows of dq_acc.
+  for_fused_rounds(st,
+                   groups,
+                   [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned)
+                   {
+                     st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
+                     st.gradient_tile(true, i0, j0, rows, cols, gc, ws);
+                     st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
+                     st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
+                   });
 
   // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
   const backward_partials parts = store_accumulators(st, dq_acc, dk_acc, ld, out_scale, dq, dk);

@@ -13,7 +13,7 @@
 /// that owns its row group.
 
 #include <contrastive/host/engine_state.hpp>
-#include <contrastive/host/gradient_store.hpp>
+#include <contrastive/host/fused_rounds.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -28,67 +28,40 @@ template <class T, class Gemm>
 row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
-  const std::size_t row_blocks = st.nq_pad / block_m;
-  const std::size_t key_tiles = st.nk_pad / block_n;
-  const unsigned groups = static_cast<unsigned>(std::min<std::size_t>(st.workers, row_blocks));
+  const unsigned groups = fused_groups(st);
   // The caller's float outputs (row stride d) where prepare was given them, else the engine's (stride dp).
   const bool in_place = st.out_dq != nullptr;
   float* dq_acc = in_place ? st.out_dq : st.dq_acc.data();
   float* dk_acc = in_place ? st.out_dk : st.dk_acc.data();
   const std::size_t ld = in_place ? st.d : st.dp;
-  const std::size_t dk_rows = in_place ? st.n_k : st.nk_pad;
-  parallel_for(st.pool,
-               groups,
-               groups,
-               [&](std::size_t g, unsigned)
-               {
-                 const std::size_t q0 = st.n_q * g / groups, q1 = st.n_q * (g + 1) / groups;
-                 std::fill(dq_acc + q0 * ld, dq_acc + q1 * ld, 0.0f);
-                 const std::size_t k0 = dk_rows * g / groups, k1 = dk_rows * (g + 1) / groups;
-                 std::fill(dk_acc + k0 * ld, dk_acc + k1 * ld, 0.0f);
-                 std::fill(st.row_loss.begin() + static_cast<std::ptrdiff_t>(q0),
-                           st.row_loss.begin() + static_cast<std::ptrdiff_t>(q1),
-                           0.0f);
-                 std::fill(st.row_max.begin() + static_cast<std::ptrdiff_t>(q0),
-                           st.row_max.begin() + static_cast<std::ptrdiff_t>(q1),
-                           -detail::infinity_f);
-               });
-
+  zero_accumulators(st,
+                    groups,
+                    dq_acc,
+                    dk_acc,
+                    ld,
+                    in_place ? st.n_k : st.nk_pad,
+                    [&](std::size_t q0, std::size_t q1)
+                    {
+                      std::fill(st.row_loss.begin() + static_cast<std::ptrdiff_t>(q0),
+                                st.row_loss.begin() + static_cast<std::ptrdiff_t>(q1),
+                                0.0f);
+                      std::fill(st.row_max.begin() + static_cast<std::ptrdiff_t>(q0),
+                                st.row_max.begin() + static_cast<std::ptrdiff_t>(q1),
+                                -detail::infinity_f);
+                    });
   double g_sum[max_threads] = {};
   unsigned char bad[max_threads] = {};
-  for (unsigned round = 0; round < groups; ++round)
-  {
-    st.pool.run(groups,
-                [&](unsigned w)
-                {
-                  worker_scratch& ws = st.scratch[w];
-                  const unsigned kg = (w + round) % groups;
-                  const std::size_t b0 = row_blocks * w / groups, b1 = row_blocks * (w + 1) / groups;
-                  const std::size_t t0 = key_tiles * kg / groups, t1 = key_tiles * (kg + 1) / groups;
-                  for (std::size_t t = t0; t < t1; ++t)
-                  {
-                    const std::size_t j0 = t * block_n;
-                    if (j0 >= st.n_k)
-                    {
-                      break;
-                    }
-                    const std::size_t cols = std::min(block_n, st.n_k - j0);
-                    st.mm.key_tiles(j0, cols, ws, true);
-                    for (std::size_t b = b0; b < b1; ++b)
-                    {
-                      const std::size_t i0 = b * block_m;
-                      const std::size_t rows = std::min(block_m, st.n_q - i0);
-                      st.query_block(i0, ws, true);
-                      bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws) ? 1 : 0;
-                      st.mask_positives(i0, j0, rows, cols, ws, true);
-                      g_sum[w] += sigmoid_tile(
-                          st, i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
-                      st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
-                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
-                    }
-                  }
-                });
-  }
+  for_fused_rounds(
+      st,
+      groups,
+      [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned w)
+      {
+        bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws) ? 1 : 0;
+        st.mask_positives(i0, j0, rows, cols, ws, true);
+        g_sum[w] += sigmoid_tile(st, i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
+        st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
+        st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
+      });
   bool any_bad = false;
   st.sigmoid_g_sum = 0.0;
   for (unsigned w = 0; w < st.workers; ++w)
