@@ -205,16 +205,16 @@ bool store_scaled_row(const float* acc, float factor, Out* out, std::size_t d) n
   return poison != 0.0f;
 }
 
-/// Rows [r0, r0 + rows) of src (row-major, d columns, element T) as the B operand of the logits product, "columns"
-/// being rows: b_panels [rows_pad / NR][d][NR], zero beyond `rows`. Used for K (S = Q K^T) once per call.
-template <class T>
-void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
+/// Rows [r0, r0 + rows) of src (row-major, d columns, element T) in panels of Width rows over the dimension,
+/// [rows_pad / Width][d][Width], zero beyond `rows`: an operand of the logits product, "columns" being rows.
+template <int Width, class T>
+void pack_row_panels(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
 {
   float buf[pack_segment];
-  for (std::size_t c = 0; c < rows_pad; c += kernel_nr)
+  for (std::size_t c = 0; c < rows_pad; c += Width)
   {
     float* panel = dst + c * d;
-    for (int jj = 0; jj < kernel_nr; ++jj)
+    for (int jj = 0; jj < Width; ++jj)
     {
       const std::size_t r = c + static_cast<std::size_t>(jj);
       if (r < rows)
@@ -226,7 +226,7 @@ void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t
           const float* x = float_row(row + p0, len, buf);
           for (std::size_t p = 0; p < len; ++p)
           {
-            panel[(p0 + p) * kernel_nr + jj] = x[p];
+            panel[(p0 + p) * Width + jj] = x[p];
           }
         }
       }
@@ -234,11 +234,26 @@ void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t
       {
         for (std::size_t p = 0; p < d; ++p)
         {
-          panel[p * kernel_nr + jj] = 0.0f;
+          panel[p * Width + jj] = 0.0f;
         }
       }
     }
   }
+}
+
+/// Rows [r0, r0 + rows) of src as the B operand of the logits product (b_panels [rows_pad / NR][d][NR]): K for
+/// S = Q K^T.
+template <class T>
+void pack_rows_over_dim(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
+{
+  pack_row_panels<kernel_nr>(src, d, r0, rows, rows_pad, dst);
+}
+
+/// Rows [r0, r0 + rows) of src as the A operand of the logits product: a_panels [rows_pad / MR][d][MR].
+template <class T>
+void pack_rows_as_a(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
+{
+  pack_row_panels<kernel_mr>(src, d, r0, rows, rows_pad, dst);
 }
 
 /// Rows [r0, r0 + rows) of src as the B operand of a product over rows (dQ = G K, dK = G^T Q): b_panels over the
@@ -276,40 +291,5 @@ void pack_rows_over_rows(const T* src,
   }
 }
 
-/// Rows [r0, r0 + rows) of src as the A operand of the logits product: a_panels [rows_pad / MR][d][MR], zero beyond
-/// `rows`.
-template <class T>
-void pack_rows_as_a(const T* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, float* dst)
-{
-  float buf[pack_segment];
-  for (std::size_t c = 0; c < rows_pad; c += kernel_mr)
-  {
-    float* panel = dst + c * d;
-    for (int ii = 0; ii < kernel_mr; ++ii)
-    {
-      const std::size_t r = c + static_cast<std::size_t>(ii);
-      if (r < rows)
-      {
-        const T* row = src + (r0 + r) * d;
-        for (std::size_t p0 = 0; p0 < d; p0 += pack_segment)
-        {
-          const std::size_t len = std::min(pack_segment, d - p0);
-          const float* x = float_row(row + p0, len, buf);
-          for (std::size_t p = 0; p < len; ++p)
-          {
-            panel[(p0 + p) * kernel_mr + ii] = x[p];
-          }
-        }
-      }
-      else
-      {
-        for (std::size_t p = 0; p < d; ++p)
-        {
-          panel[p * kernel_mr + ii] = 0.0f;
-        }
-      }
-    }
-  }
-}
 } // namespace host
 } // namespace contrastive

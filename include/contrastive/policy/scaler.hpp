@@ -90,14 +90,7 @@ struct dynamic
                                           std::int32_t incr_every_n_steps = 2000,
                                           std::int32_t decr_every_n_nan_or_inf = 1) noexcept
   {
-    dynamic d{};
-    d.scale = init;
-    d.growth_factor = incr_ratio;
-    d.backoff_factor = decr_ratio;
-    d.growth_interval = incr_every_n_steps;
-    d.backoff_interval = decr_every_n_nan_or_inf;
-    d.refuse_nonfinite_growth = false;
-    return d;
+    return paddle(init, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf, 0.0f, false);
   }
 
   /// Paddle static graph, `update_loss_scaling` operator with `fluid.contrib.mixed_precision.decorate` defaults:
@@ -109,14 +102,26 @@ struct dynamic
                                          std::int32_t incr_every_n_steps = 1000,
                                          std::int32_t decr_every_n_nan_or_inf = 2) noexcept
   {
+    return paddle(init, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf, 1.0f, true);
+  }
+
+  /// Paddle's rules under Paddle's names (both presets above).
+  static constexpr dynamic paddle(float init,
+                                  float incr_ratio,
+                                  float decr_ratio,
+                                  std::int32_t incr_every_n_steps,
+                                  std::int32_t decr_every_n_nan_or_inf,
+                                  float min_scale,
+                                  bool refuse_nonfinite_growth) noexcept
+  {
     dynamic d{};
     d.scale = init;
     d.growth_factor = incr_ratio;
     d.backoff_factor = decr_ratio;
     d.growth_interval = incr_every_n_steps;
     d.backoff_interval = decr_every_n_nan_or_inf;
-    d.min_scale = 1.0f;
-    d.refuse_nonfinite_growth = true;
+    d.min_scale = min_scale;
+    d.refuse_nonfinite_growth = refuse_nonfinite_growth;
     return d;
   }
 
