@@ -486,7 +486,7 @@ TEST(DeviceChunked, DefaultChunkComesFromFreeMemory)
 // once per row tile (N = 65536: ~8.6 GB of K per step instead of ~68 GB).
 TEST(DeviceChunked, TileGridOrderCoversEveryTileOnce)
 {
-  namespace td = cl::device::tile_detail;
+  namespace td = cl::device::logits_tile;
   for (const auto& [rows, cols] : std::vector<std::pair<int, int>>{
            {1, 1}, {1, 7}, {7, 1}, {8, 8}, {9, 3}, {17, 5}, {32, 512}, {33, 100}, {512, 8}, {64, 8192}})
   {

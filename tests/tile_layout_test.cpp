@@ -12,7 +12,7 @@
 #include <set>
 #include <vector>
 
-namespace td = contrastive::device::tile_detail;
+namespace td = contrastive::device::logits_tile;
 using td::config;
 using td::lane_map;
 

@@ -88,7 +88,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   static std::size_t floor_rows_for(const problem<Element>& p, bool tiles) noexcept
   {
     constexpr std::size_t align = chunked_phases::row_align;
-    const std::size_t rows = contrastive::detail::chunk_rows_for(
+    const std::size_t rows = detail::chunk_rows_for(
         chunk_options{}, p.n_q, chunk_bytes_per_row(p, tiles), align, chunked_phases::default_budget);
     const std::size_t all = (p.n_q + align - 1) / align * align;
     return std::max(rows, std::min(chunked_phases::default_min_rows, all));
@@ -135,7 +135,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     {
       return default_rows_for(p, tiles, free_bytes);
     }
-    return contrastive::detail::chunk_rows_for(
+    return detail::chunk_rows_for(
         o, p.n_q, chunk_bytes_per_row(p, tiles), chunked_phases::row_align, chunked_phases::default_budget);
   }
 
@@ -151,16 +151,16 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   static cudaError_t layout_for_rows(
       const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_phases::layout& w)
   {
-    using contrastive::detail::checked_size;
+    using detail::checked_size;
     w.tiles = tiles;
     w.chunk_rows = std::min(rows, p.n_q);
     if (w.tiles) // the tile kernels' grid has one row of blocks per 128 chunk rows, at most 65535 rows
     {
-      w.chunk_rows = std::min(w.chunk_rows, std::size_t(65535) * tile_detail::config::bm);
+      w.chunk_rows = std::min(w.chunk_rows, std::size_t(65535) * logits_tile::config::bm);
     }
     w.ld = (p.n_k + 31) / 32 * 32;
-    constexpr std::size_t bm = tile_detail::config::bm;
-    constexpr std::size_t bn = tile_detail::config::bn;
+    constexpr std::size_t bm = logits_tile::config::bm;
+    constexpr std::size_t bn = logits_tile::config::bn;
     const std::size_t row_tiles = w.tiles ? (w.chunk_rows + bm - 1) / bm : 0;
     const std::size_t col_tiles = w.tiles ? (p.n_k + bn - 1) / bn : 0;
     const checked_size f = sizeof(float);
@@ -176,11 +176,11 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     if (cub_bytes == 0)
     {
       const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
-      CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, cub_bytes));
+      CONTRASTIVE_CUDA_TRY(util::reduction_bytes(n_max, cub_bytes));
     }
     w.cub_bytes = cub_bytes;
     const bool sym = p.obj == objective::symmetric;
-    detail::carver c;
+    util::carver c;
     w.row_lse = c.take(p.n_q * sizeof(float));
     w.row_loss = c.take(p.n_q * sizeof(float));
     w.row_max = c.take(p.n_q * sizeof(float));
@@ -235,7 +235,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     }
     const int n_max = static_cast<int>(std::max(p.n_q, p.n_k));
     std::size_t cub = 0;
-    CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, cub));
+    CONTRASTIVE_CUDA_TRY(util::reduction_bytes(n_max, cub));
     return layout_to_fit(p, chunked_phases::use_tiles(p, o), temp_bytes, cub, w);
   }
 
@@ -270,7 +270,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
               d_state == nullptr ? "d_state" : "handle",
               d_state == nullptr ? "null device state (make_state, then upload_state)" : "null cuBLAS handle"};
     }
-    return detail::device_limits(p);
+    return util::device_limits(p);
   }
 
   /// Steps 1-3 (forward, backward, record) at the state's tau and loss scale. A null d_temp writes the bytes needed.
@@ -293,7 +293,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     cd::layout w{};
     CONTRASTIVE_CUDA_TRY(d_temp == nullptr ? make_layout(p, opts, w) : layout_to_fit(p, opts, temp_bytes, w));
     bool query = false;
-    CONTRASTIVE_CUDA_TRY(detail::workspace_phase(d_temp, temp_bytes, w.total, query));
+    CONTRASTIVE_CUDA_TRY(util::workspace_phase(d_temp, temp_bytes, w.total, query));
     if (query)
     {
       return cudaSuccess;

@@ -7,16 +7,17 @@
 ///
 ///   device/loss.cuh      `device::loss<...>::forward_backward`: checks the caller's arguments, then calls
 ///   device/dispatch.cuh  `dispatch::loss_dispatch<Element, Materialized>`: sizes and carves the workspace, turns the
-///                        problem's runtime flags (objective, labels) into compile-time ones (`detail::static_switch`)
+///                        problem's runtime flags (objective, labels) into compile-time ones (`util::static_switch`)
 ///                        and enqueues the kernels and reductions of forward, backward and the record;
 ///   device/kernels.cuh   the kernels (one tiled row pass for forward and backward, the materialized algorithm's
 ///                        matrix kernels, the single-thread prologue and record kernels).
 ///
-/// Also here: the helpers every device algorithm shares (`CONTRASTIVE_CUDA_TRY`, `detail::align256`, the CUB
-/// reductions `detail::reduce_sum` and `detail::reduce_max`).
+/// The helpers every device algorithm shares (`CONTRASTIVE_CUDA_TRY`, the workspace protocol, `util::align256`, the
+/// CUB reductions) are device/util.cuh's.
 
 #include <contrastive/detail/checked.hpp>
 #include <contrastive/device/kernels.cuh>
+#include <contrastive/device/util.cuh>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
@@ -31,130 +32,10 @@
 
 #include <cuda_runtime.h>
 
-#define CONTRASTIVE_CUDA_TRY(expr)                                                                                     \
-  do                                                                                                                   \
-  {                                                                                                                    \
-    const cudaError_t contrastive_err_ = (expr);                                                                       \
-    if (contrastive_err_ != cudaSuccess)                                                                               \
-      return contrastive_err_;                                                                                         \
-  } while (0)
-
 namespace contrastive
 {
 namespace device
 {
-namespace detail
-{
-inline std::size_t align256(std::size_t x) noexcept
-{
-  return (x + 255) / 256 * 256;
-}
-
-/// The two CUB reductions of a step, one signature for the size query and the calls (the same offset type, int, and
-/// the same operator: CUB sizes its temporary storage per offset type and operator). The max propagates NaN, so a NaN
-/// row maximum reaches the record's max logit.
-inline cudaError_t
-reduce_sum(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cudaStream_t stream = 0)
-{
-  return cub::DeviceReduce::Sum(tmp, bytes, in, out, n, stream);
-}
-
-inline cudaError_t
-reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cudaStream_t stream = 0)
-{
-  return cub::DeviceReduce::Reduce(
-      tmp, bytes, in, out, n, kernels::nan_max{}, -contrastive::detail::infinity_f, stream);
-}
-
-/// What the device path runs, as a status naming the argument (host code: no CUDA call): the softmax objectives
-/// (the sigmoid objective runs on the host only so far: refused instead of computed as a softmax loss) and its size
-/// limits (its kernels index with int and 32-bit grid dimensions): n_q, n_k <= 2^30, dim <= 2^24.
-template <class Problem>
-status device_limits(const Problem& p)
-{
-  if (p.obj == objective::sigmoid)
-  {
-    return {errc::invalid_argument,
-            "obj",
-            "the sigmoid objective has no device path yet: run it on the host (contrastive::loss, CPU tensors)"};
-  }
-  if (p.n_q > (std::size_t(1) << 30) || p.n_k > (std::size_t(1) << 30) || p.dim > (std::size_t(1) << 24))
-  {
-    return {errc::size_overflow,
-            p.dim > (std::size_t(1) << 24)   ? "dim"
-            : p.n_q > (std::size_t(1) << 30) ? "n_q"
-                                             : "n_k",
-            "the device path takes n_q, n_k <= 2^30 and dim <= 2^24 (n_q = " + std::to_string(p.n_q) +
-                ", n_k = " + std::to_string(p.n_k) + ", dim = " + std::to_string(p.dim) + ")"};
-  }
-  return {};
-}
-
-/// The CUB-style two-phase workspace protocol: with a null d_temp, writes `needed` to temp_bytes and answers true
-/// (`query`); otherwise checks that the workspace is large enough and 256-byte aligned (cudaMalloc memory always is).
-inline cudaError_t workspace_phase(void* d_temp, std::size_t& temp_bytes, std::size_t needed, bool& query) noexcept
-{
-  query = d_temp == nullptr;
-  if (query)
-  {
-    temp_bytes = needed;
-    return cudaSuccess;
-  }
-  return temp_bytes < needed || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0 ? cudaErrorInvalidValue
-                                                                                    : cudaSuccess;
-}
-
-/// Temporary bytes for reduce_sum and reduce_max over up to n items (the size query of every layout).
-inline cudaError_t reduction_bytes(int n, std::size_t& bytes)
-{
-  std::size_t sum_bytes = 0, max_bytes = 0;
-  CONTRASTIVE_CUDA_TRY(reduce_sum(nullptr, sum_bytes, nullptr, nullptr, n));
-  CONTRASTIVE_CUDA_TRY(reduce_max(nullptr, max_bytes, nullptr, nullptr, n));
-  bytes = sum_bytes > max_bytes ? sum_bytes : max_bytes;
-  return cudaSuccess;
-}
-
-/// Carves a workspace into 256-byte aligned sub-buffers: c.take(bytes) returns the next one's offset.
-struct carver
-{
-  std::size_t offset = 0;
-  std::size_t take(std::size_t bytes) noexcept
-  {
-    const std::size_t at = offset;
-    offset += align256(bytes);
-    return at;
-  }
-};
-
-/// The one place where runtime flags become template arguments: calls f(std::bool_constant<flags>...) with the
-/// flags in order, e.g. static_switch(f, symmetric, labels) calls f(std::true_type{}, std::false_type{}).
-template <class F>
-auto static_switch(F&& f)
-{
-  return std::forward<F>(f)();
-}
-
-template <class F, class... Flags>
-auto static_switch(F&& f, bool flag, Flags... rest)
-{
-  if (flag)
-  {
-    return static_switch(
-        [&](auto... more)
-        {
-          return f(std::true_type{}, more...);
-        },
-        rest...);
-  }
-  return static_switch(
-      [&](auto... more)
-      {
-        return f(std::false_type{}, more...);
-      },
-      rest...);
-}
-} // namespace detail
-
 namespace dispatch
 {
 /// Forward and backward of the fused (`Materialized` false) and materialized algorithms: the workspace, the
@@ -179,10 +60,10 @@ struct loss_dispatch
   static cudaError_t make_layout(const problem<Element>& p, layout& w)
   {
     {
-      using contrastive::detail::checked_size;
-      const checked_size nq_pad = contrastive::detail::round_up(checked_size(p.n_q), traits::block_m);
-      const checked_size nk_pad = contrastive::detail::round_up(checked_size(p.n_k), traits::block_m);
-      const checked_size ld = contrastive::detail::round_up(checked_size(p.dim), traits::d_chunk);
+      using detail::checked_size;
+      const checked_size nq_pad = detail::round_up(checked_size(p.n_q), traits::block_m);
+      const checked_size nk_pad = detail::round_up(checked_size(p.n_k), traits::block_m);
+      const checked_size ld = detail::round_up(checked_size(p.dim), traits::d_chunk);
       const checked_size f = sizeof(float);
       // Generous bound on the sum of the aligned sub-buffers: 16 x 256 bytes of alignment slack, the statistics, the
       // accumulators and the materialized matrix.
@@ -206,8 +87,8 @@ struct loss_dispatch
     // The calls' own counts are ints (n <= 2^30 is checked before any layout is used for a launch); query with the
     // largest of them through the same functions the calls use.
     const int n_max = static_cast<int>(std::min<std::size_t>(std::max(std::max(p.n_q, p.n_k), w.n_partials), 1u << 30));
-    CONTRASTIVE_CUDA_TRY(detail::reduction_bytes(n_max, w.cub_bytes));
-    detail::carver c;
+    CONTRASTIVE_CUDA_TRY(util::reduction_bytes(n_max, w.cub_bytes));
+    util::carver c;
     w.row_lse = c.take(p.n_q * sizeof(float));
     w.row_loss = c.take(p.n_q * sizeof(float));
     w.row_max = c.take(p.n_q * sizeof(float));
@@ -275,13 +156,13 @@ struct loss_dispatch
     layout w{};
     CONTRASTIVE_CUDA_TRY(make_layout(p, w));
     bool query = false;
-    CONTRASTIVE_CUDA_TRY(detail::workspace_phase(d_temp, temp_bytes, w.total, query));
+    CONTRASTIVE_CUDA_TRY(util::workspace_phase(d_temp, temp_bytes, w.total, query));
     if (query)
     {
       return cudaSuccess;
     }
     const workspace ws(d_temp, w);
-    return detail::static_switch(
+    return util::static_switch(
         [&](auto symmetric, auto labels)
         {
           return run<decltype(symmetric)::value, decltype(labels)::value>(p, dq, dk, d_state, w, ws, stream);
@@ -434,17 +315,17 @@ private:
   static cudaError_t record(const plan& pl, const layout& w, const workspace& ws, State* d_state, cudaStream_t stream)
   {
     std::size_t cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(ws.cub, cub_bytes, ws.row_loss, &ws.sums->row_loss, pl.n_q, stream));
+    CONTRASTIVE_CUDA_TRY(util::reduce_sum(ws.cub, cub_bytes, ws.row_loss, &ws.sums->row_loss, pl.n_q, stream));
     if constexpr (Symmetric)
     {
       cub_bytes = w.cub_bytes;
-      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(ws.cub, cub_bytes, ws.col_loss, &ws.sums->col_loss, pl.n_k, stream));
+      CONTRASTIVE_CUDA_TRY(util::reduce_sum(ws.cub, cub_bytes, ws.col_loss, &ws.sums->col_loss, pl.n_k, stream));
     }
     cub_bytes = w.cub_bytes;
     CONTRASTIVE_CUDA_TRY(
-        detail::reduce_sum(ws.cub, cub_bytes, ws.partials, &ws.sums->dlogs, static_cast<int>(w.n_partials), stream));
+        util::reduce_sum(ws.cub, cub_bytes, ws.partials, &ws.sums->dlogs, static_cast<int>(w.n_partials), stream));
     cub_bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_max(ws.cub, cub_bytes, ws.row_max, &ws.sums->max_logit, pl.n_q, stream));
+    CONTRASTIVE_CUDA_TRY(util::reduce_max(ws.cub, cub_bytes, ws.row_max, &ws.sums->max_logit, pl.n_q, stream));
     kernels::finish_forward_backward<State><<<1, 1, 0, stream>>>(
         d_state, ws.scalars, ws.sums, ws.flags, pl.n_q, pl.n_k, Symmetric ? 1 : 0, Materialized ? 1 : 0);
     return cudaPeekAtLastError();

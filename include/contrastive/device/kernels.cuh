@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
   // NaN-free rows it is fmaxf, so the online log-sum-exp is unchanged).
   const nan_max max_of{};
   online_lse neg{};
-  float pos = -contrastive::detail::infinity_f;
+  float pos = -detail::infinity_f;
   bool bad = false;
   for (int col0 = 0; col0 < p.n_b; col0 += traits::block_n)
   {
@@ -62,17 +62,17 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
     if (row < p.n_a)
     {
       float x[traits::block_n / 4];
-      float m = -contrastive::detail::infinity_f;
+      float m = -detail::infinity_f;
 #pragma unroll
       for (int t = 0; t < traits::block_n / 4; ++t)
       {
         const int c = sub + 4 * t;
         const int col = col0 + c;
-        x[t] = -contrastive::detail::infinity_f;
+        x[t] = -detail::infinity_f;
         if (col < p.n_b)
         {
           const float v = logit_at<T, Src>(sm, p, r, c, row, col, s);
-          bad |= !contrastive::detail::finite(v);
+          bad |= !detail::finite(v);
           if (is_positive<T>(p, row, col))
           {
             pos = v;
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
           }
         }
       }
-      if (!(m == -contrastive::detail::infinity_f)) // some negative in this slice (a NaN one included)
+      if (!(m == -detail::infinity_f)) // some negative in this slice (a NaN one included)
       {
         neg.rebase(max_of(neg.max, m)); // the tile update host and device share (online_lse::rebase)
         const float shift = neg.shift();
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(256) forward_pass(pass_args p)
 #pragma unroll
         for (int t = 0; t < traits::block_n / 4; ++t)
         {
-          sum += contrastive::detail::exp_approx(x[t] - shift);
+          sum += detail::exp_approx(x[t] - shift);
         }
         neg.sum += sum;
       }
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(256) backward_pass(pass_args p)
   }
   // A missing row term (the info_nce column pass) is an infinite log-sum-exp: its exp is 0, never 0 * inf.
   const float lse_row =
-      (Src == source::compute && row < p.n_a && p.lse_a != nullptr) ? p.lse_a[row] : contrastive::detail::infinity_f;
+      (Src == source::compute && row < p.n_a && p.lse_a != nullptr) ? p.lse_a[row] : detail::infinity_f;
   const grad_coefficients coef{p.coef_a, p.coef_b, p.coef_pos};
   float* acc_block = p.acc + static_cast<long long>(row0) * p.ld_acc;
   for (int col0 = 0; col0 < p.n_b; col0 += bn)

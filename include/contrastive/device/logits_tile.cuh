@@ -42,7 +42,7 @@ namespace contrastive
 {
 namespace device
 {
-namespace tile_detail
+namespace logits_tile
 {
 /// One 128 x 128 logits tile per block: the tensor-core product into registers, then the epilogue (statistics or
 /// gradient). Grid: (column tiles, row tiles of the chunk), each block's tile taken in grouped order (grouped_tile:
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(256) finish_tile_rows(const float2* row_part,
     const long long i = c0 + r;
     const long long p = labels != nullptr ? static_cast<long long>(labels[i]) : i;
     // An out-of-range label (not checked on the device) has no positive: -inf makes the row's loss +inf.
-    const float positive = p >= 0 && p < n_k ? pos[i] : -contrastive::detail::infinity_f;
+    const float positive = p >= 0 && p < n_k ? pos[i] : -detail::infinity_f;
     const row_loss rl = finish_row(v, positive);
     out_lse[i] = rl.lse;
     out_loss[i] = rl.loss;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(256)
     col_sum[j] = run.sum;
   }
 }
-} // namespace tile_detail
+} // namespace logits_tile
 } // namespace device
 } // namespace contrastive
 

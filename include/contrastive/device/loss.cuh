@@ -125,7 +125,7 @@ struct loss
     {
       return {errc::null_pointer, "d_state", "null device state (make_state, then upload_state)"};
     }
-    return detail::device_limits(p);
+    return util::device_limits(p);
   }
 
   /// Steps 1-3: forward and backward at the state's tau and loss scale; fills `d_state->record` (pending). Checks the

@@ -14,7 +14,7 @@ namespace contrastive
 {
 namespace device
 {
-namespace tile_detail
+namespace logits_tile
 {
 /// Block tile (rows x columns x depth per stage), warp layout, and the shared-memory row pitch.
 struct config
@@ -150,6 +150,6 @@ CONTRASTIVE_HOST_DEVICE constexpr tile_coord grouped_tile(long long linear, int 
   const long long in = linear - group * per_group;
   return {first + static_cast<int>(in % rows_here), static_cast<int>(in / rows_here)};
 }
-} // namespace tile_detail
+} // namespace logits_tile
 } // namespace device
 } // namespace contrastive

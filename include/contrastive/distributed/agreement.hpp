@@ -161,7 +161,7 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
 {
   global_shape g;
   const std::size_t ranks = all.size();
-  contrastive::detail::checked_size nq(0), nk(0);
+  detail::checked_size nq(0), nk(0);
   g.q_rows.assign(ranks, 0);
   g.k_rows.assign(ranks, 0);
   g.dk_counts.assign(ranks, 0);
@@ -173,8 +173,8 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
       g.q_off = nq.value;
       g.k_off = nk.value;
     }
-    nq = nq + contrastive::detail::checked_size(static_cast<std::size_t>(s.n_q));
-    nk = nk + contrastive::detail::checked_size(static_cast<std::size_t>(s.n_k));
+    nq = nq + detail::checked_size(static_cast<std::size_t>(s.n_q));
+    nk = nk + detail::checked_size(static_cast<std::size_t>(s.n_k));
     g.any_failed |= s.code != 0;
     if (g.bad_rank >= 0 || s.code != 0)
     {
@@ -212,8 +212,8 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
                                 float_text(all[0].bias_bits) + ": every rank's step must use the same bias"});
     }
     else if (s.n_q > INT_MAX || s.n_k > INT_MAX ||
-             (contrastive::detail::checked_size(static_cast<std::size_t>(s.n_k)) * static_cast<std::size_t>(s.dim))
-                     .value > static_cast<std::size_t>(INT_MAX))
+             (detail::checked_size(static_cast<std::size_t>(s.n_k)) * static_cast<std::size_t>(s.dim)).value >
+                 static_cast<std::size_t>(INT_MAX))
     {
       g.bad_rank = rr;
       (void)(g.why = status{errc::size_overflow,

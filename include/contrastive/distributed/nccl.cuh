@@ -142,7 +142,7 @@ public:
     }
     if (local.ok())
     {
-      (void)(local = contrastive::device::detail::device_limits(p));
+      (void)(local = contrastive::device::util::device_limits(p));
     }
     CONTRASTIVE_RETURN_IF_ERROR(agreement::agree_on_problem(comm_,
                                                             p,
@@ -179,7 +179,7 @@ public:
     Element* k_all = reinterpret_cast<Element*>(static_cast<char*>(ws_) + x_.k_all);
     auto* labels = reinterpret_cast<std::int32_t*>(static_cast<char*>(ws_) + x_.labels);
     CONTRASTIVE_RETURN_IF_ERROR(comm_.allgatherv_rows(p.k, g_.k_rows.data(), d * sizeof(Element), k_all));
-    device_detail::fill_labels<><<<blocks, device_detail::threads, 0, stream>>>(
+    nccl_kernels::fill_labels<><<<blocks, nccl_kernels::threads, 0, stream>>>(
         labels, p.labels, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
     note(cudaPeekAtLastError());
 
@@ -213,16 +213,16 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(gmax, n, reduce_op::max));
       if (local_err == cudaSuccess)
       {
-        device_detail::rescale_columns<><<<blocks, device_detail::threads, 0, stream>>>(
+        nccl_kernels::rescale_columns<><<<blocks, nccl_kernels::threads, 0, stream>>>(
             run.a.col_max, run.a.col_sum, gmax, pack, static_cast<long long>(n));
-        device_detail::scatter_positives<><<<blocks, device_detail::threads, 0, stream>>>(
+        nccl_kernels::scatter_positives<><<<blocks, nccl_kernels::threads, 0, stream>>>(
             run.a.pos, pack + n, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
         note(cudaPeekAtLastError());
       }
       CONTRASTIVE_RETURN_IF_ERROR(comm_.allreduce(pack, 2 * n, reduce_op::sum));
       if (local_err == cudaSuccess)
       {
-        device_detail::finish_global_columns<><<<blocks, device_detail::threads, 0, stream>>>(
+        nccl_kernels::finish_global_columns<><<<blocks, nccl_kernels::threads, 0, stream>>>(
             gmax, pack, run.a.col_lse, run.a.col_loss, static_cast<long long>(n));
         note(cudaPeekAtLastError());
       }
@@ -248,7 +248,7 @@ public:
     }
     if (local_err == cudaSuccess)
     {
-      device_detail::pack_results<><<<1, 1, 0, stream>>>(run.sums(), run.flags(), red);
+      nccl_kernels::pack_results<><<<1, 1, 0, stream>>>(run.sums(), run.flags(), red);
       note(cudaPeekAtLastError());
     }
     // The failure flag is sent from the constant 0 or 1 in small_ (no copy that could fail first), and all three
@@ -272,7 +272,7 @@ public:
                   " during the step (this rank: " +
                   (local_err == cudaSuccess ? "none" : cudaGetErrorString(local_err)) + "); no policy changed"};
     }
-    device_detail::unpack_results<><<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
+    nccl_kernels::unpack_results<><<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
     contrastive::device::kernels::finish_forward_backward<state_type>
         <<<1, 1, 0, stream>>>(d_state,
                               run.scalars(),
@@ -317,7 +317,7 @@ public:
     else
     {
       std::int32_t mine[2] = {none_on_device, -1};
-      device_detail::site_out<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
+      nccl_kernels::site_out<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
       cudaError_t e = cudaPeekAtLastError();
       if (e == cudaSuccess)
       {
@@ -342,12 +342,12 @@ public:
     const std::int32_t agreed[2] = {site == none ? none_on_device : site, 0}; // pageable: copied before return
     CONTRASTIVE_RETURN_IF_ERROR(
         cuda(cudaMemcpyAsync(small_site(), agreed, sizeof agreed, cudaMemcpyHostToDevice, stream)));
-    device_detail::site_in<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
+    nccl_kernels::site_in<state_type><<<1, 1, 0, stream>>>(d_state, small_site());
     CONTRASTIVE_RETURN_IF_ERROR(cuda(cudaPeekAtLastError()));
     CONTRASTIVE_RETURN_IF_ERROR(cuda(single::finish_step(d_state, stream)));
     // Saturates, as the host losses' count does (every rank holds the same count, so all saturate together). A rank
     // whose device failed above does not count the step: its next call is refused on every rank.
-    steps_ = contrastive::detail::saturating_increment(steps_);
+    steps_ = detail::saturating_increment(steps_);
     return {};
   }
 
@@ -398,7 +398,7 @@ private:
   static extras extras_after(const problem<Element>& p, std::size_t n, std::size_t base) noexcept
   {
     extras x{};
-    contrastive::device::detail::carver c{base};
+    contrastive::device::util::carver c{base};
     x.k_all = c.take(n * p.dim * sizeof(Element));
     x.labels = c.take(p.n_q * sizeof(std::int32_t));
     x.col_max = c.take(n * sizeof(float));

@@ -19,7 +19,7 @@ namespace contrastive
 {
 namespace distributed
 {
-namespace device_detail
+namespace nccl_kernels
 {
 constexpr int threads = 256;
 
@@ -43,8 +43,8 @@ rescale_columns(const float* local_max, const float* local_sum, const float* glo
        j += static_cast<long long>(gridDim.x) * blockDim.x)
   {
     online_lse s{local_max[j], local_sum[j]};
-    s.rebase(global_max[j] == -contrastive::detail::infinity_f ? s.max : global_max[j]);
-    pack[j] = s.max == -contrastive::detail::infinity_f ? 0.0f : s.sum;
+    s.rebase(global_max[j] == -detail::infinity_f ? s.max : global_max[j]);
+    pack[j] = s.max == -detail::infinity_f ? 0.0f : s.sum;
     pack[n + j] = 0.0f;
   }
 }
@@ -115,6 +115,6 @@ __global__ void site_in(State* state, const std::int32_t* site)
     state->record.first_nonfinite = site[0] == (1 << 30) ? nonfinite_site::none : static_cast<nonfinite_site>(site[0]);
   }
 }
-} // namespace device_detail
+} // namespace nccl_kernels
 } // namespace distributed
 } // namespace contrastive

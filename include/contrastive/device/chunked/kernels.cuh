@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long lon
   for (int j = threadIdx.x; j < a.n_k; j += threads)
   {
     const float v = s * x[j];
-    bad |= !contrastive::detail::finite(v);
+    bad |= !detail::finite(v);
     if (j != p)
     {
       neg.absorb(v);
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long lon
   if (threadIdx.x == 0)
   {
     // An out-of-range label (not checked on the device) has no positive: -inf makes the row's loss +inf.
-    const float positive = p >= 0 && p < a.n_k ? s * x[p] : -contrastive::detail::infinity_f;
+    const float positive = p >= 0 && p < a.n_k ? s * x[p] : -detail::infinity_f;
     const row_loss rl = finish_row(all, positive);
     a.row_lse[i] = rl.lse;
     a.row_loss[i] = rl.loss;
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(threads) store_rows(const float* acc,
     const float v = in[c];
     const T t = element_traits<T>::from_float(f * v);
     o[c] = t;
-    bad |= !contrastive::detail::finite(element_traits<T>::to_float(t));
+    bad |= !detail::finite(element_traits<T>::to_float(t));
     if (row_dot != nullptr)
     {
       dot += v * element_traits<T>::to_float(rows_in[r * dim + c]);

@@ -65,7 +65,7 @@ inline bool device_runs_tiles() noexcept
   cudaFuncAttributes fa{};
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&fa, tile_detail::tile_kernel<__nv_bfloat16, tile_detail::statistics_epilogue>) !=
+      cudaFuncGetAttributes(&fa, logits_tile::tile_kernel<__nv_bfloat16, logits_tile::statistics_epilogue>) !=
           cudaSuccess)
   {
     (void)cudaGetLastError();
@@ -99,9 +99,9 @@ bool use_tiles(const problem<Element>& p, const chunk_options& o) noexcept
 template <class Element>
 constexpr std::size_t tile_bytes_per_row(std::size_t ld) noexcept
 {
-  const std::size_t col_tiles = (ld + tile_detail::config::bn - 1) / tile_detail::config::bn;
+  const std::size_t col_tiles = (ld + logits_tile::config::bn - 1) / logits_tile::config::bn;
   return ld * sizeof(Element) + col_tiles * sizeof(float2) +
-         (ld * sizeof(float2) + tile_detail::config::bm - 1) / tile_detail::config::bm;
+         (ld * sizeof(float2) + logits_tile::config::bm - 1) / logits_tile::config::bm;
 }
 
 /// Restores the handle's stream and pointer mode when the call ends.
@@ -262,9 +262,9 @@ struct runner
   }
 
   /// Arguments of the tile kernels for the chunk at row c0.
-  tile_detail::tile_args tile_args_for(std::size_t c0, int rows) const noexcept
+  logits_tile::tile_args tile_args_for(std::size_t c0, int rows) const noexcept
   {
-    tile_detail::tile_args t;
+    logits_tile::tile_args t;
     t.q = p.q + c0 * p.dim;
     t.k = p.k;
     t.rows = rows;
@@ -291,8 +291,8 @@ struct runner
 
   static dim3 tile_grid(int rows, int n_k) noexcept
   {
-    return dim3(static_cast<unsigned>((n_k + tile_detail::config::bn - 1) / tile_detail::config::bn),
-                static_cast<unsigned>((rows + tile_detail::config::bm - 1) / tile_detail::config::bm));
+    return dim3(static_cast<unsigned>((n_k + logits_tile::config::bn - 1) / logits_tile::config::bn),
+                static_cast<unsigned>((rows + logits_tile::config::bm - 1) / logits_tile::config::bm));
   }
 
   /// The tile path's forward of one chunk: statistics tiles, then the rows' and (symmetric) the columns' merges.
@@ -300,17 +300,17 @@ struct runner
   {
     if constexpr (sixteen_bit)
     {
-      const tile_detail::tile_args t = tile_args_for(c0, rows);
+      const logits_tile::tile_args t = tile_args_for(c0, rows);
       const dim3 grid = tile_grid(rows, a.n_k);
-      tile_detail::tile_kernel<Element, tile_detail::statistics_epilogue>
-          <<<grid, tile_detail::config::threads, 0, stream>>>(t);
+      logits_tile::tile_kernel<Element, logits_tile::statistics_epilogue>
+          <<<grid, logits_tile::config::threads, 0, stream>>>(t);
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-      tile_detail::finish_tile_rows<><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
+      logits_tile::finish_tile_rows<><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
           t.row_part, static_cast<int>(grid.x), rows, t.c0, a.n_k, p.labels, a.row_lse, a.row_loss, a.row_max, a.pos);
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
       if (sym)
       {
-        tile_detail::merge_tile_columns<>
+        logits_tile::merge_tile_columns<>
             <<<static_cast<unsigned>(std::min(1024, (a.n_k + 255) / 256)), 256, 0, stream>>>(
                 t.col_part, static_cast<int>(grid.y), a.n_k, c0 == 0 ? 1 : 0, a.col_max, a.col_sum);
       }
@@ -329,8 +329,8 @@ struct runner
   {
     if constexpr (sixteen_bit)
     {
-      tile_detail::tile_kernel<Element, tile_detail::gradient_epilogue>
-          <<<tile_grid(rows, a.n_k), tile_detail::config::threads, 0, stream>>>(tile_args_for(c0, rows));
+      logits_tile::tile_kernel<Element, logits_tile::gradient_epilogue>
+          <<<tile_grid(rows, a.n_k), logits_tile::config::threads, 0, stream>>>(tile_args_for(c0, rows));
       return cudaPeekAtLastError();
     }
     else
@@ -475,16 +475,16 @@ struct runner
     void* tmp = base + w.cub;
     std::size_t bytes = w.cub_bytes;
     const int n_q = static_cast<int>(p.n_q);
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.row_loss, &sums()->row_loss, n_q, stream));
+    CONTRASTIVE_CUDA_TRY(util::reduce_sum(tmp, bytes, a.row_loss, &sums()->row_loss, n_q, stream));
     if (sym)
     {
       bytes = w.cub_bytes;
-      CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, a.col_loss, &sums()->col_loss, a.n_k, stream));
+      CONTRASTIVE_CUDA_TRY(util::reduce_sum(tmp, bytes, a.col_loss, &sums()->col_loss, a.n_k, stream));
     }
     bytes = w.cub_bytes;
-    CONTRASTIVE_CUDA_TRY(detail::reduce_sum(tmp, bytes, f(w.row_dot), &sums()->dlogs, n_q, stream));
+    CONTRASTIVE_CUDA_TRY(util::reduce_sum(tmp, bytes, f(w.row_dot), &sums()->dlogs, n_q, stream));
     bytes = w.cub_bytes;
-    return detail::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
+    return util::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
   }
 };
 } // namespace chunked_phases

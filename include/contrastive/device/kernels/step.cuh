@@ -59,15 +59,14 @@ __global__ void finish_forward_backward(State* state,
 {
   const float ls = scalars->loss_scale;
   const float s = scalars->scale;
-  contrastive::detail::pass_outcome o{};
+  detail::pass_outcome o{};
   o.loss = symmetric ? 0.5f * (sums->row_loss / n_q + sums->col_loss / n_k) : sums->row_loss / n_q;
   o.max_logit = sums->max_logit;
   o.grad_logit_scale_scaled = materialized ? s * sums->dlogs : ls * s * sums->dlogs;
   o.logits_bad = flags[0] != 0;
   o.dq_bad = flags[1] != 0;
   o.dk_bad = flags[2] != 0;
-  state->record =
-      contrastive::detail::make_record(state->step, state->temperature.tau(), ls, scalars->wants_gradient != 0, o);
+  state->record = detail::make_record(state->step, state->temperature.tau(), ls, scalars->wants_gradient != 0, o);
 }
 
 /// Step 4 on the device: scaler update, then the temperature update for a finite step.
@@ -78,7 +77,7 @@ __global__ void finish_step(State* state)
   {
     return;
   }
-  contrastive::detail::finish_step<Element>(state->temperature, state->scaler, state->record);
+  detail::finish_step<Element>(state->temperature, state->scaler, state->record);
   state->step += 1;
 }
 
@@ -90,14 +89,14 @@ __global__ void __launch_bounds__(256) unscale_and_check(float* grads, long long
   {
     return; // no step in progress: nothing to unscale against (the host API reports this as an error)
   }
-  const float inv = contrastive::detail::unscale_factor(state->record.loss_scale);
+  const float inv = detail::unscale_factor(state->record.loss_scale);
   bool bad = false;
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x)
   {
     const float g = grads[i] * inv;
     grads[i] = g;
-    bad |= !contrastive::detail::finite(g);
+    bad |= !detail::finite(g);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0)
   {

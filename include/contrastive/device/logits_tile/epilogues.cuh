@@ -27,7 +27,7 @@ namespace contrastive
 {
 namespace device
 {
-namespace tile_detail
+namespace logits_tile
 {
 /// Two adjacent elements stored with one 4-byte access.
 template <class T>
@@ -101,7 +101,7 @@ statistics_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned 
           if (row_ok && j < a.n_k)
           {
             const float v = s * acc[mi][ni][2 * h + e];
-            bad |= !contrastive::detail::finite(v);
+            bad |= !detail::finite(v);
             if (j == p)
             {
               a.pos[i] = v;
@@ -278,6 +278,6 @@ gradient_epilogue::apply(const tile_args& a, tile_accumulators& acc, unsigned ch
     }
   }
 }
-} // namespace tile_detail
+} // namespace logits_tile
 } // namespace device
 } // namespace contrastive

@@ -22,7 +22,7 @@ namespace contrastive
 {
 namespace device
 {
-namespace tile_detail
+namespace logits_tile
 {
 template <class T>
 struct smem_tiles
@@ -248,6 +248,6 @@ __device__ CONTRASTIVE_FORCEINLINE void tile_product(
     __syncthreads(); // the next iteration's load overwrites the stage just read
   }
 }
-} // namespace tile_detail
+} // namespace logits_tile
 } // namespace device
 } // namespace contrastive
