@@ -338,6 +338,47 @@ TEST(DeviceChunked, GraphReplayEqualsEagerSteps)
   }
 }
 
+// The chunked loss's status calls: arguments named as check() names them; a cuBLAS result keeps cuBLAS's code (and
+// maps to the cudaError_t the CUB-style call returns); without a device the default size query's free-memory read
+// fails, and the status carries CUDA's code, the same the CUB-style call returns.
+TEST(DeviceChunked, StatusCallsNameTheArgumentOrCarryTheLibrarysCode)
+{
+  using L = dloss<float>;
+  float dummy[4] = {};
+  typename L::state_type* state = reinterpret_cast<typename L::state_type*>(dummy); // never dereferenced
+  const cl::problem<float> p{dummy, dummy + 1, 1, 1, 1, nullptr, cl::objective::symmetric};
+  std::size_t bytes = 0;
+  EXPECT_EQ(L::step_status(nullptr, bytes, p, dummy + 2, dummy + 3, state, nullptr).argument(), "handle");
+
+  const cl::status blas = cl::device::chunked_phases::cublas_status(CUBLAS_STATUS_ALLOC_FAILED, "cublasGemmEx");
+  EXPECT_EQ(blas.code(), cl::errc::cuda_error);
+  EXPECT_EQ(blas.argument(), "cublasGemmEx");
+  EXPECT_EQ(blas.native().api, cl::native_api::cublas);
+  EXPECT_EQ(blas.native().code, static_cast<int>(CUBLAS_STATUS_ALLOC_FAILED));
+  EXPECT_NE(blas.message().find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos) << blas.message();
+  EXPECT_EQ(L::cuda_error_of(blas), cudaErrorMemoryAllocation);
+  EXPECT_EQ(L::cuda_error_of(cl::detail::cuda_status(cudaErrorLaunchFailure, "x")), cudaErrorLaunchFailure);
+  EXPECT_TRUE(cl::device::chunked_phases::cublas_status(CUBLAS_STATUS_SUCCESS, "x").ok());
+
+  const auto h = reinterpret_cast<cublasHandle_t>(dummy); // a size query never uses the handle
+  std::size_t query = 0, query_cub = 0;
+  const cl::status st = L::forward_backward_status(nullptr, query, p, dummy + 2, dummy + 3, state, h);
+  const cudaError_t e = L::forward_backward(nullptr, query_cub, p, dummy + 2, dummy + 3, state, h);
+  EXPECT_EQ(L::cuda_error_of(st), e) << st.message();
+  if (!contrastive_test::device_unavailable().empty())
+  {
+    ASSERT_FALSE(st.ok()) << "without a device the default size query cannot read the free memory";
+    EXPECT_EQ(st.native().api, cl::native_api::cuda);
+    EXPECT_NE(st.native().code, 0);
+    return;
+  }
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(query, query_cub);
+  std::size_t short_bytes = query - 1;
+  EXPECT_EQ(L::forward_backward_status(dummy, short_bytes, p, dummy + 2, dummy + 3, state, h).code(),
+            cl::errc::workspace_too_small);
+}
+
 // A default size query (it reads the free memory) made while the stream is being captured in global mode neither
 // fails nor invalidates the capture, and its bytes run a step captured after it.
 TEST(DeviceChunked, DefaultSizeQueryDuringGraphCapture)

@@ -232,6 +232,70 @@ TEST(Device, BadArgumentsAreRefused)
   EXPECT_TRUE(device_loss::check(ok, dummy + 2, dummy + 3, state).ok());
 }
 
+// The status calls: an argument the call refuses is named as check() names it, the workspace's verdict is a status of
+// its own, and a CUDA failure carries CUDA's code, the same code the CUB-style call returns (without a device, the
+// size query's own CUDA calls fail: that failure is the case tested here; with one, the workspace verdicts).
+TEST(Device, StatusCallsNameTheArgumentOrCarryCudasCode)
+{
+  using L = cl::device::loss<float, cl::temperature::learnable, cl::scaler::dynamic>;
+  alignas(256) static unsigned char fake_state[sizeof(L::state_type)];
+  auto* state = reinterpret_cast<L::state_type*>(fake_state); // never dereferenced
+  float dummy[8] = {};
+  std::size_t bytes = 0;
+  const cl::problem<float> ok{dummy, dummy + 1, 1, 1, 1, nullptr, cl::objective::symmetric};
+  cl::problem<float> sig = ok;
+  sig.obj = cl::objective::sigmoid;
+  EXPECT_EQ(L::step_status(nullptr, bytes, sig, dummy + 2, dummy + 3, state).argument(), "obj");
+  EXPECT_EQ(L::step_status(nullptr, bytes, ok, dummy + 2, dummy + 3, nullptr).argument(), "d_state");
+  EXPECT_EQ(L::step_status(nullptr, bytes, ok, nullptr, dummy + 3, state).code(), cl::errc::null_pointer);
+  EXPECT_EQ(L::step_status(nullptr, bytes, ok, nullptr, dummy + 3, state).native().api, cl::native_api::none);
+
+  // The workspace's verdict (host code).
+  EXPECT_EQ(cl::device::util::workspace_status(nullptr, 10, 20).code(), cl::errc::workspace_too_small);
+  EXPECT_EQ(cl::device::util::workspace_status(nullptr, 10, 20).argument(), "temp_bytes");
+  EXPECT_EQ(cl::device::util::workspace_status(fake_state + 8, 20, 20).argument(), "d_temp");
+  EXPECT_TRUE(cl::device::util::workspace_status(fake_state, 20, 20).ok());
+
+  // A CUDA result as a status and back.
+  const cl::status oom = cl::detail::cuda_status(cudaErrorMemoryAllocation, "cudaMalloc");
+  EXPECT_EQ(oom.code(), cl::errc::cuda_error);
+  EXPECT_EQ(oom.argument(), "cudaMalloc");
+  EXPECT_EQ(oom.native().api, cl::native_api::cuda);
+  EXPECT_EQ(oom.native().code, static_cast<int>(cudaErrorMemoryAllocation));
+  EXPECT_NE(oom.message().find("cudaErrorMemoryAllocation"), std::string::npos) << oom.message();
+  EXPECT_EQ(cl::device::util::cuda_error_of(oom), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cl::device::util::cuda_error_of(cl::device::util::workspace_status(nullptr, 1, 2)), cudaErrorInvalidValue);
+  EXPECT_EQ(cl::device::util::cuda_error_of(cl::status{}), cudaSuccess);
+  EXPECT_TRUE(cl::detail::cuda_status(cudaSuccess, "x").ok());
+
+  // A real call: the size query of a valid problem.
+  std::size_t query = 0;
+  const cl::status st = L::forward_backward_status(nullptr, query, ok, dummy + 2, dummy + 3, state);
+  std::size_t query_cub = 0;
+  const cudaError_t e = L::forward_backward(nullptr, query_cub, ok, dummy + 2, dummy + 3, state);
+  EXPECT_EQ(cl::device::util::cuda_error_of(st), e) << st.message();
+  if (!contrastive_test::device_unavailable().empty())
+  {
+    ASSERT_FALSE(st.ok()) << "without a device the size query's CUDA calls fail";
+    EXPECT_EQ(st.code(), cl::errc::cuda_error);
+    EXPECT_EQ(st.native().api, cl::native_api::cuda);
+    EXPECT_NE(st.native().code, 0);
+    EXPECT_NE(st.message().find(cudaGetErrorName(static_cast<cudaError_t>(st.native().code))), std::string::npos)
+        << st.message();
+    return;
+  }
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(query, query_cub);
+  EXPECT_GT(query, 0u);
+  // A workspace one byte short, then a misaligned one: named, and nothing launched (the state is not a device one).
+  std::size_t short_bytes = query - 1;
+  EXPECT_EQ(L::forward_backward_status(fake_state, short_bytes, ok, dummy + 2, dummy + 3, state).argument(),
+            "temp_bytes");
+  std::size_t all_bytes = query;
+  EXPECT_EQ(L::forward_backward_status(fake_state + 8, all_bytes, ok, dummy + 2, dummy + 3, state).argument(),
+            "d_temp");
+}
+
 // upload_state: a null state is refused before any launch (runs without a device); on a device the state lands in
 // stream order on a non-blocking stream, byte for byte, from a host object gone out of scope.
 TEST(Device, UploadStateWritesTheStateInStreamOrder)

@@ -397,3 +397,26 @@ TEST(Overflow, ForwardBackwardHalvesReportTheDiagnosis)
   EXPECT_GT(cool.last_forward().max_logit, 0.0f);
   EXPECT_LE(cool.last_forward().max_logit, 10.0f + 1e-2f); // |S| <= s for unit vectors
 }
+
+// A status carries the code of the library below that failed (CUDA, cuBLAS, NCCL, MPI); the library's own refusals
+// carry none, and copies keep it.
+TEST(Status, CarriesTheNativeCodeOfTheLibraryThatFailed)
+{
+  const cl::status own{cl::errc::invalid_argument, "dim", "dim must be positive"};
+  EXPECT_EQ(own.native().api, cl::native_api::none);
+  EXPECT_EQ(own.native().code, 0);
+  EXPECT_EQ(cl::status{}.native().api, cl::native_api::none);
+  const cl::status nccl{cl::errc::communication_error,
+                        "ncclAllReduce",
+                        "ncclAllReduce failed: unhandled system error",
+                        {cl::native_api::nccl, 2}};
+  const cl::status copy = nccl;
+  EXPECT_EQ(copy.native().api, cl::native_api::nccl);
+  EXPECT_EQ(copy.native().code, 2);
+  EXPECT_EQ(copy.message(), "ncclAllReduce: ncclAllReduce failed: unhandled system error");
+  EXPECT_STREQ(cl::to_string(cl::native_api::cuda), "cuda");
+  EXPECT_STREQ(cl::to_string(cl::native_api::cublas), "cublas");
+  EXPECT_STREQ(cl::to_string(cl::native_api::nccl), "nccl");
+  EXPECT_STREQ(cl::to_string(cl::native_api::mpi), "mpi");
+  EXPECT_STREQ(cl::to_string(cl::native_api::none), "none");
+}

@@ -22,11 +22,46 @@ enum class errc
   invalid_scaler,      ///< a loss-scaler setting is out of its domain
   invalid_argument,    ///< any other argument outside its domain
   workspace_too_small, ///< the caller's workspace is smaller than required
-  cuda_error,          ///< a CUDA runtime call failed
+  cuda_error,          ///< a CUDA runtime or cuBLAS call failed (status::native() has its own code)
   size_overflow,       ///< a product of sizes (elements or bytes of a buffer) does not fit in size_t
   resource_exhausted,  ///< memory (the message gives the bytes asked for) or threads could not be had
-  communication_error, ///< a collective of the distributed loss failed (MPI's or NCCL's message attached)
+  communication_error, ///< a collective of the distributed loss failed (MPI's or NCCL's message and code attached)
 };
+
+/// The library below a failure, whose own code a status carries (`status::native()`).
+enum class native_api : int
+{
+  none = 0,
+  cuda,   ///< the CUDA runtime: a cudaError_t
+  cublas, ///< cuBLAS: a cublasStatus_t
+  nccl,   ///< NCCL: an ncclResult_t
+  mpi,    ///< MPI: an MPI error code
+};
+
+/// A failure's code in the library that reported it (api none: the failure is the library's own).
+struct native_error
+{
+  native_api api = native_api::none;
+  int code = 0;
+};
+
+inline const char* to_string(native_api a) noexcept
+{
+  switch (a)
+  {
+  case native_api::none:
+    return "none";
+  case native_api::cuda:
+    return "cuda";
+  case native_api::cublas:
+    return "cublas";
+  case native_api::nccl:
+    return "nccl";
+  case native_api::mpi:
+    return "mpi";
+  }
+  return "unknown";
+}
 
 /// Short name of an error code.
 inline const char* to_string(errc e) noexcept
@@ -66,13 +101,14 @@ inline const char* to_string(errc e) noexcept
 }
 
 /// Result of a host call. `ok()` is true on success; otherwise `code()` classifies the error, `argument()` names the
-/// argument at fault and `message()` says what was wrong with it.
+/// argument at fault (or the call that failed) and `message()` says what was wrong with it; a failure of CUDA,
+/// cuBLAS, NCCL or MPI also carries that library's own code (`native()`).
 class [[nodiscard]] status
 {
 public:
   status() = default;
-  status(errc code, std::string argument, std::string message)
-      : code_(code), argument_(std::move(argument)), message_(std::move(message))
+  status(errc code, std::string argument, std::string message, native_error native = {})
+      : code_(code), argument_(std::move(argument)), message_(std::move(message)), native_(native)
   {
   }
 
@@ -102,11 +138,17 @@ public:
   {
     return message_;
   }
+  /// The code of the library below that failed (api none for the library's own checks).
+  native_error native() const noexcept
+  {
+    return native_;
+  }
 
 private:
   errc code_ = errc::success;
   std::string argument_;
   std::string message_;
+  native_error native_{};
 };
 
 } // namespace contrastive

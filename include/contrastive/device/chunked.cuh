@@ -258,6 +258,14 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return layout_for_rows(p, tiles, floor, cub, w);
   }
 
+  /// A status as the cudaError_t of the CUB-style calls: util::cuda_error_of, cuBLAS's codes mapped by from_cublas.
+  static cudaError_t cuda_error_of(const status& st) noexcept
+  {
+    return st.native().api == native_api::cublas
+               ? chunked_phases::from_cublas(static_cast<cublasStatus_t>(st.native().code))
+               : util::cuda_error_of(st);
+  }
+
   /// Why forward_backward and step refuse these arguments (cudaErrorInvalidValue), as a status naming the argument
   /// (host code, no CUDA call): device::loss::check's verdict, then the cuBLAS handle.
   static status check(
@@ -284,41 +292,82 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
                                                     cudaStream_t stream = 0,
                                                     const chunk_options& opts = {})
   {
+    return cuda_error_of(forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_state, handle, stream, opts));
+  }
+
+  /// forward_backward with a status instead of a cudaError_t (as device::loss::forward_backward_status): an argument
+  /// the call refuses is named, and a CUDA or cuBLAS failure names the call with that library's own code in
+  /// status::native().
+  static status forward_backward_status(void* d_temp,
+                                        std::size_t& temp_bytes,
+                                        const problem<Element>& p,
+                                        Element* dq,
+                                        Element* dk,
+                                        state_type* d_state,
+                                        cublasHandle_t handle,
+                                        cudaStream_t stream = 0,
+                                        const chunk_options& opts = {})
+  {
     namespace cd = chunked_phases;
-    if (!check(p, dq, dk, d_state, handle).ok())
-    {
-      return cudaErrorInvalidValue;
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(check(p, dq, dk, d_state, handle));
     // The size query sizes a default chunk from free memory; the step takes the rows its workspace holds (the same).
     cd::layout w{};
-    CONTRASTIVE_CUDA_TRY(d_temp == nullptr ? make_layout(p, opts, w) : layout_to_fit(p, opts, temp_bytes, w));
-    bool query = false;
-    CONTRASTIVE_CUDA_TRY(util::workspace_phase(d_temp, temp_bytes, w.total, query));
-    if (query)
+    CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(
+        d_temp == nullptr ? make_layout(p, opts, w) : layout_to_fit(p, opts, temp_bytes, w), "the workspace layout"));
+    if (d_temp == nullptr)
     {
-      return cudaSuccess;
+      temp_bytes = w.total;
+      return {};
     }
+    CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, w.total));
     cd::handle_guard guard{handle};
-    CONTRASTIVE_CUDA_TRY(cd::from_cublas(guard.enter(stream)));
+    CONTRASTIVE_RETURN_IF_ERROR(cd::cublas_status(guard.enter(stream), "handle (cublasSetStream)"));
     cd::runner<Element> run(p, w, d_temp, handle, stream, make_grad_coefficients(p.obj, p.n_q, p.n_k));
-    CONTRASTIVE_CUDA_TRY(run.begin(d_state));
-    if (run.sym)
+    const cudaError_t e = [&]() -> cudaError_t
     {
-      CONTRASTIVE_CUDA_TRY(run.forward_all());
-      CONTRASTIVE_CUDA_TRY(run.finish_columns_local());
+      CONTRASTIVE_CUDA_TRY(run.begin(d_state));
+      if (run.sym)
+      {
+        CONTRASTIVE_CUDA_TRY(run.forward_all());
+        CONTRASTIVE_CUDA_TRY(run.finish_columns_local());
+      }
+      CONTRASTIVE_CUDA_TRY(run.backward_all(dq));
+      CONTRASTIVE_CUDA_TRY(run.store_dk(run.dk_accumulator(), dk, p.n_k));
+      CONTRASTIVE_CUDA_TRY(run.reduce_local());
+      kernels::finish_forward_backward<state_type><<<1, 1, 0, stream>>>(d_state,
+                                                                        run.scalars(),
+                                                                        run.sums(),
+                                                                        run.flags(),
+                                                                        static_cast<int>(p.n_q),
+                                                                        static_cast<int>(p.n_k),
+                                                                        run.sym ? 1 : 0,
+                                                                        /*materialized=*/0);
+      return cudaPeekAtLastError();
+    }();
+    if (run.cublas_failure() != CUBLAS_STATUS_SUCCESS)
+    {
+      return cd::cublas_status(run.cublas_failure(), "cublasGemmEx");
     }
-    CONTRASTIVE_CUDA_TRY(run.backward_all(dq));
-    CONTRASTIVE_CUDA_TRY(run.store_dk(run.dk_accumulator(), dk, p.n_k));
-    CONTRASTIVE_CUDA_TRY(run.reduce_local());
-    kernels::finish_forward_backward<state_type><<<1, 1, 0, stream>>>(d_state,
-                                                                      run.scalars(),
-                                                                      run.sums(),
-                                                                      run.flags(),
-                                                                      static_cast<int>(p.n_q),
-                                                                      static_cast<int>(p.n_k),
-                                                                      run.sym ? 1 : 0,
-                                                                      /*materialized=*/0);
-    return cudaPeekAtLastError();
+    return detail::cuda_status(e, "forward_backward");
+  }
+
+  /// step with a status (see forward_backward_status).
+  static status step_status(void* d_temp,
+                            std::size_t& temp_bytes,
+                            const problem<Element>& p,
+                            Element* dq,
+                            Element* dk,
+                            state_type* d_state,
+                            cublasHandle_t handle,
+                            cudaStream_t stream = 0,
+                            const chunk_options& opts = {})
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_state, handle, stream, opts));
+    if (d_temp == nullptr)
+    {
+      return {};
+    }
+    return detail::cuda_status(finish_step(d_state, stream), "finish_step");
   }
 
   [[nodiscard]] static cudaError_t

@@ -148,6 +148,46 @@ struct loss
     return dispatch_type::dispatch(d_temp, temp_bytes, p, dq, dk, d_state, stream);
   }
 
+  /// forward_backward with a status instead of a cudaError_t, for callers that report errors to people (the PyTorch
+  /// binding): an argument the call refuses is named (`check`; a workspace too small, errc::workspace_too_small
+  /// "temp_bytes", or misaligned, "d_temp"), and a CUDA failure names the call with CUDA's own code in
+  /// status::native(). The same work, size query included.
+  static status forward_backward_status(void* d_temp,
+                                        std::size_t& temp_bytes,
+                                        const problem<Element>& p,
+                                        Element* dq,
+                                        Element* dk,
+                                        state_type* d_state,
+                                        cudaStream_t stream = 0)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(check(p, dq, dk, d_state));
+    if (d_temp != nullptr)
+    {
+      std::size_t needed = 0;
+      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(workspace_bytes(p, needed), "workspace_bytes"));
+      CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, needed));
+    }
+    return detail::cuda_status(dispatch_type::dispatch(d_temp, temp_bytes, p, dq, dk, d_state, stream),
+                               "forward_backward");
+  }
+
+  /// step with a status (see forward_backward_status).
+  static status step_status(void* d_temp,
+                            std::size_t& temp_bytes,
+                            const problem<Element>& p,
+                            Element* dq,
+                            Element* dk,
+                            state_type* d_state,
+                            cudaStream_t stream = 0)
+  {
+    CONTRASTIVE_RETURN_IF_ERROR(forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_state, stream));
+    if (d_temp == nullptr)
+    {
+      return {};
+    }
+    return detail::cuda_status(finish_step(d_state, stream), "finish_step");
+  }
+
   /// One pass over a caller gradient buffer: unscale in place and flag non-finite values (site `parameters`).
   [[nodiscard]] static cudaError_t
   unscale_and_check(float* grads, std::size_t n, state_type* d_state, cudaStream_t stream = 0)

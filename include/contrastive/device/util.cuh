@@ -7,6 +7,7 @@
 /// device path's limits as a status, and the one place where runtime flags become template arguments.
 
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/detail/cuda_status.cuh>
 #include <contrastive/device/kernels/args.cuh>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/problem.hpp>
@@ -92,6 +93,37 @@ inline cudaError_t workspace_phase(void* d_temp, std::size_t& temp_bytes, std::s
   }
   return temp_bytes < needed || reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0 ? cudaErrorInvalidValue
                                                                                     : cudaSuccess;
+}
+
+/// What workspace_phase refuses (cudaErrorInvalidValue), as a status naming the argument: a workspace of
+/// `temp_bytes` smaller than the `needed` bytes (errc::workspace_too_small, "temp_bytes"), or one not 256-byte
+/// aligned (errc::invalid_argument, "d_temp").
+inline status workspace_status(const void* d_temp, std::size_t temp_bytes, std::size_t needed)
+{
+  if (temp_bytes < needed)
+  {
+    return {errc::workspace_too_small,
+            "temp_bytes",
+            "the workspace holds " + std::to_string(temp_bytes) + " bytes; this problem needs " +
+                std::to_string(needed) + " (the size query, d_temp = nullptr, writes the bytes needed)"};
+  }
+  if (reinterpret_cast<std::uintptr_t>(d_temp) % 256 != 0)
+  {
+    return {errc::invalid_argument, "d_temp", "the workspace must be 256-byte aligned (cudaMalloc memory always is)"};
+  }
+  return {};
+}
+
+/// A status of the status-returning device calls as the cudaError_t of their CUB-style siblings: CUDA's own code
+/// where CUDA failed, cudaErrorInvalidValue for an argument or workspace the call refused. (cuBLAS codes are mapped by
+/// the chunked loss, which includes cuBLAS.)
+inline cudaError_t cuda_error_of(const status& st) noexcept
+{
+  if (st.ok())
+  {
+    return cudaSuccess;
+  }
+  return st.native().api == native_api::cuda ? static_cast<cudaError_t>(st.native().code) : cudaErrorInvalidValue;
 }
 
 /// Temporary bytes for reduce_sum and reduce_max over up to n items (the size query of every layout).

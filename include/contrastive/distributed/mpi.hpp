@@ -163,7 +163,10 @@ private:
     char text[MPI_MAX_ERROR_STRING] = {};
     int len = 0;
     MPI_Error_string(code, text, &len);
-    return {errc::communication_error, what, std::string(what) + " failed: " + std::string(text, text + len)};
+    return {errc::communication_error,
+            what,
+            std::string(what) + " failed: " + std::string(text, text + len),
+            {native_api::mpi, code}};
   }
 
   static status too_large(const char* what, std::size_t bytes)

@@ -270,7 +270,8 @@ public:
               "cuda",
               std::string("a CUDA or cuBLAS call failed on ") + (any_failed > 1.5f ? "several ranks" : "one rank") +
                   " during the step (this rank: " +
-                  (local_err == cudaSuccess ? "none" : cudaGetErrorString(local_err)) + "); no policy changed"};
+                  (local_err == cudaSuccess ? "none" : cudaGetErrorString(local_err)) + "); no policy changed",
+              {local_err == cudaSuccess ? native_api::none : native_api::cuda, static_cast<int>(local_err)}};
     }
     nccl_kernels::unpack_results<><<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
     contrastive::device::kernels::finish_forward_backward<state_type>
@@ -391,7 +392,10 @@ private:
     {
       return {};
     }
-    return {errc::cuda_error, "cuda", std::string("a CUDA or cuBLAS call failed: ") + cudaGetErrorString(e)};
+    return {errc::cuda_error,
+            "cuda",
+            std::string("a CUDA or cuBLAS call failed: ") + cudaGetErrorName(e) + ": " + cudaGetErrorString(e),
+            {native_api::cuda, static_cast<int>(e)}};
   }
 
   /// The distributed buffers laid out from byte offset `base` (after the chunked runner's), for n global keys.

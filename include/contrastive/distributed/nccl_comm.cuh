@@ -7,6 +7,7 @@
 /// The device loss over it is distributed/nccl.cuh. Include it in a .cu file and link NCCL (CMake:
 /// `contrastive::nccl`).
 
+#include <contrastive/detail/cuda_status.cuh>
 #include <contrastive/distributed/communicator.hpp>
 #include <contrastive/status.hpp>
 
@@ -181,16 +182,15 @@ private:
     {
       return {};
     }
-    return {errc::communication_error, what, std::string(what) + " failed: " + ncclGetErrorString(r)};
+    return {errc::communication_error,
+            what,
+            std::string(what) + " failed: " + ncclGetErrorString(r),
+            {native_api::nccl, static_cast<int>(r)}};
   }
 
   static status cuda(const char* what, cudaError_t e)
   {
-    if (e == cudaSuccess)
-    {
-      return {};
-    }
-    return {errc::cuda_error, what, std::string(what) + " failed: " + cudaGetErrorString(e)};
+    return detail::cuda_status(e, what);
   }
 
   ncclComm_t comm_ = nullptr;

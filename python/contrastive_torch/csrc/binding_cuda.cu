@@ -24,19 +24,12 @@ namespace cl = contrastive;
 
 namespace
 {
-/// A CUDA result after the arguments passed L::check (whose status is raised with the reason): what is left is the
-/// workspace (invalid value) or the device itself.
-void check(cudaError_t e, const char* what)
+/// Raises a failed status of the library (the argument it names, or the CUDA/cuBLAS call with its own code).
+void check(const cl::status& st)
 {
-  if (e == cudaErrorInvalidValue)
+  if (!st.ok())
   {
-    throw std::invalid_argument(std::string("contrastive: ") + what +
-                                ": the workspace was refused (too small or not "
-                                "256-byte aligned) [invalid_argument]");
-  }
-  if (e != cudaSuccess)
-  {
-    throw std::runtime_error(std::string("contrastive: ") + what + ": " + cudaGetErrorString(e) + " [cuda_error]");
+    contrastive_torch::raise(st);
   }
 }
 
@@ -72,7 +65,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   auto* d_state = static_cast<state_type*>(state.data_ptr());
   // The state travels as a kernel argument: no pageable copy (which the driver may stage by waiting on the stream),
   // and capturable in a graph; `st` may go out of scope once the call returns.
-  check(L::upload_state(st, d_state, stream), "state upload");
+  check(cl::detail::cuda_status(L::upload_state(st, d_state, stream), "upload_state"));
 
   const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
   torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
@@ -85,23 +78,15 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   {
     const cl::chunk_options o{static_cast<std::size_t>(chunk_rows), 0, fused_tiles};
     const cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
-    if (const cl::status why = L::check(p, dq_p, dk_p, d_state, h); !why.ok())
-    {
-      contrastive_torch::raise(why);
-    }
-    check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, h, stream, o), "size query");
+    check(L::forward_backward_status(nullptr, bytes, p, dq_p, dk_p, d_state, h, stream, o));
     work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
-    check(L::forward_backward(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, h, stream, o), "step");
+    check(L::forward_backward_status(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, h, stream, o));
   }
   else
   {
-    if (const cl::status why = L::check(p, dq_p, dk_p, d_state); !why.ok())
-    {
-      contrastive_torch::raise(why);
-    }
-    check(L::forward_backward(nullptr, bytes, p, dq_p, dk_p, d_state, stream), "size query");
+    check(L::forward_backward_status(nullptr, bytes, p, dq_p, dk_p, d_state, stream));
     work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
-    check(L::forward_backward(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, stream), "step");
+    check(L::forward_backward_status(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, stream));
   }
 
   // The record's fields, as views (the caching allocator keeps `state` alive while a view lives).

@@ -13,11 +13,14 @@
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
 
+#include <contrastive/status.hpp>
+
 #include <cub/block/block_reduce.cuh>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include <cublas_v2.h>
@@ -63,6 +66,21 @@ constexpr cudaDataType_t cuda_type() noexcept
   }
 }
 
+/// A cuBLAS result as a status: errc::cuda_error naming the call `what`, with cuBLAS's name and text and
+/// native() = {cublas, s}.
+inline status cublas_status(cublasStatus_t s, const char* what)
+{
+  if (s == CUBLAS_STATUS_SUCCESS)
+  {
+    return {};
+  }
+  return {errc::cuda_error,
+          what,
+          std::string(what) + " failed: " + cublasGetStatusName(s) + ": " + cublasGetStatusString(s),
+          {native_api::cublas, static_cast<int>(s)}};
+}
+
+/// A cuBLAS result as the cudaError_t of the CUB-style calls (the status calls keep cuBLAS's own code).
 inline cudaError_t from_cublas(cublasStatus_t s) noexcept
 {
   switch (s)

@@ -226,6 +226,13 @@ struct runner
     return sixteen_bit ? static_cast<void*>(base + w.grad) : static_cast<void*>(f(w.logits));
   }
 
+  /// The first cuBLAS failure of this runner's products (CUBLAS_STATUS_SUCCESS: none), whose code the
+  /// status-returning calls report (the cudaError_t they return maps it: from_cublas).
+  cublasStatus_t cublas_failure() const noexcept
+  {
+    return cublas_failure_;
+  }
+
   /// Clears the flags and reads tau and the loss scale from the state (prologue kernel).
   template <class State>
   cudaError_t begin(State* d_state)
@@ -240,25 +247,25 @@ struct runner
   {
     const float one = 1.0f, zero = 0.0f;
     const cudaDataType_t et = cuda_type<Element>();
-    return from_cublas(cublasGemmEx(handle,
-                                    CUBLAS_OP_T,
-                                    CUBLAS_OP_N,
-                                    a.n_k,
-                                    rows,
-                                    dim(),
-                                    &one,
-                                    p.k,
-                                    et,
-                                    dim(),
-                                    p.q + c0 * p.dim,
-                                    et,
-                                    dim(),
-                                    &zero,
-                                    f(w.logits),
-                                    CUDA_R_32F,
-                                    static_cast<int>(w.ld),
-                                    CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+    return blas(cublasGemmEx(handle,
+                             CUBLAS_OP_T,
+                             CUBLAS_OP_N,
+                             a.n_k,
+                             rows,
+                             dim(),
+                             &one,
+                             p.k,
+                             et,
+                             dim(),
+                             p.q + c0 * p.dim,
+                             et,
+                             dim(),
+                             &zero,
+                             f(w.logits),
+                             CUDA_R_32F,
+                             static_cast<int>(w.ld),
+                             CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT));
   }
 
   /// Arguments of the tile kernels for the chunk at row c0.
@@ -378,49 +385,49 @@ struct runner
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     }
     // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
-    CONTRASTIVE_CUDA_TRY(from_cublas(cublasGemmEx(handle,
-                                                  CUBLAS_OP_N,
-                                                  CUBLAS_OP_N,
-                                                  dim(),
-                                                  rows,
-                                                  a.n_k,
-                                                  &down,
-                                                  p.k,
-                                                  et,
-                                                  dim(),
-                                                  grad(),
-                                                  gt,
-                                                  static_cast<int>(w.ld),
-                                                  &zero,
-                                                  f(w.dq),
-                                                  CUDA_R_32F,
-                                                  dim(),
-                                                  CUBLAS_COMPUTE_32F,
-                                                  CUBLAS_GEMM_DEFAULT)));
+    CONTRASTIVE_CUDA_TRY(blas(cublasGemmEx(handle,
+                                           CUBLAS_OP_N,
+                                           CUBLAS_OP_N,
+                                           dim(),
+                                           rows,
+                                           a.n_k,
+                                           &down,
+                                           p.k,
+                                           et,
+                                           dim(),
+                                           grad(),
+                                           gt,
+                                           static_cast<int>(w.ld),
+                                           &zero,
+                                           f(w.dq),
+                                           CUDA_R_32F,
+                                           dim(),
+                                           CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT)));
     store_rows<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
         f(w.dq), dim(), p.q + c0 * p.dim, dq + c0 * p.dim, scalars(), f(w.row_dot) + c0, flags() + 1);
     CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     // dK^T (d x n_k) += Q_c^T (d x rows) G_c (rows x n_k), times 2^-k; the first chunk starts the accumulator.
     const float* beta = c0 == 0 ? &zero : &one;
-    return from_cublas(cublasGemmEx(handle,
-                                    CUBLAS_OP_N,
-                                    CUBLAS_OP_T,
-                                    dim(),
-                                    a.n_k,
-                                    rows,
-                                    &down,
-                                    p.q + c0 * p.dim,
-                                    et,
-                                    dim(),
-                                    grad(),
-                                    gt,
-                                    static_cast<int>(w.ld),
-                                    beta,
-                                    f(w.dk),
-                                    CUDA_R_32F,
-                                    dim(),
-                                    CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+    return blas(cublasGemmEx(handle,
+                             CUBLAS_OP_N,
+                             CUBLAS_OP_T,
+                             dim(),
+                             a.n_k,
+                             rows,
+                             &down,
+                             p.q + c0 * p.dim,
+                             et,
+                             dim(),
+                             grad(),
+                             gt,
+                             static_cast<int>(w.ld),
+                             beta,
+                             f(w.dk),
+                             CUDA_R_32F,
+                             dim(),
+                             CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT));
   }
 
   /// Symmetric, pass 1: every chunk's row statistics and column partials (col_max / col_sum: each column's
@@ -486,6 +493,19 @@ struct runner
     bytes = w.cub_bytes;
     return util::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
   }
+
+private:
+  /// A cuBLAS product's result as a cudaError_t (from_cublas), its first failure kept for cublas_failure().
+  cudaError_t blas(cublasStatus_t st) noexcept
+  {
+    if (st != CUBLAS_STATUS_SUCCESS && cublas_failure_ == CUBLAS_STATUS_SUCCESS)
+    {
+      cublas_failure_ = st;
+    }
+    return from_cublas(st);
+  }
+
+  cublasStatus_t cublas_failure_ = CUBLAS_STATUS_SUCCESS;
 };
 } // namespace chunked_phases
 } // namespace device
