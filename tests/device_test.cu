@@ -237,7 +237,7 @@ TEST(Device, BadArgumentsAreRefused)
 // size query's own CUDA calls fail: that failure is the case tested here; with one, the workspace verdicts).
 TEST(Device, StatusCallsNameTheArgumentOrCarryCudasCode)
 {
-  using L = cl::device::loss<float, cl::temperature::learnable, cl::scaler::dynamic>;
+  using L = cl::device::loss<float, cl::temperature::fixed, cl::scaler::static_scale>;
   alignas(256) static unsigned char fake_state[sizeof(L::state_type)];
   auto* state = reinterpret_cast<L::state_type*>(fake_state); // never dereferenced
   float dummy[8] = {};

@@ -184,12 +184,8 @@ public:
     note(cudaPeekAtLastError());
 
     const problem<Element> block{p.q, k_all, p.n_q, n, d, labels, p.obj};
-    const grad_coefficients gc =
-        sym ? grad_coefficients{static_cast<float>(0.5 / double(g_.n_q_total)),
-                                static_cast<float>(0.5 / double(n)),
-                                static_cast<float>(0.5 / double(g_.n_q_total)) + static_cast<float>(0.5 / double(n))}
-            : grad_coefficients{
-                  static_cast<float>(1.0 / double(g_.n_q_total)), 0.0f, static_cast<float>(1.0 / double(g_.n_q_total))};
+    // The global batch's coefficients (symmetric: n_q_total == n, so 0.5/n_q + 0.5/n is 2 * (0.5/n_q) exactly).
+    const grad_coefficients gc = make_grad_coefficients(p.obj, g_.n_q_total, n);
     contrastive::device::chunked_phases::handle_guard guard{handle_};
     note(contrastive::device::chunked_phases::from_cublas(guard.enter(stream)));
     contrastive::device::chunked_phases::runner<Element> run(block, w_, ws_, handle_, stream, gc);
