@@ -15,8 +15,8 @@ namespace contrastive
 {
 namespace detail
 {
-/// cudaSuccess: an ok status; otherwise errc::cuda_error with argument `what` (the call that failed), the message
-/// "<what> failed: <cudaErrorName>: <text>" and native() = {cuda, e}.
+/// cudaSuccess: an ok status; otherwise errc::cuda_error with argument `what` (the call that failed), the reason
+/// "<cudaErrorName>: <text>" (message(): "<what>: <cudaErrorName>: <text>") and native() = {cuda, e}.
 inline status cuda_status(cudaError_t e, const char* what)
 {
   if (e == cudaSuccess)
@@ -25,7 +25,7 @@ inline status cuda_status(cudaError_t e, const char* what)
   }
   return {errc::cuda_error,
           what,
-          std::string(what) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e),
+          std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e),
           {native_api::cuda, static_cast<int>(e)}};
 }
 } // namespace detail

@@ -76,7 +76,7 @@ inline status cublas_status(cublasStatus_t s, const char* what)
   }
   return {errc::cuda_error,
           what,
-          std::string(what) + " failed: " + cublasGetStatusName(s) + ": " + cublasGetStatusString(s),
+          std::string(cublasGetStatusName(s)) + ": " + cublasGetStatusString(s),
           {native_api::cublas, static_cast<int>(s)}};
 }
 
