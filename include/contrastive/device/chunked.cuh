@@ -392,12 +392,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
                                         cudaStream_t stream = 0,
                                         const chunk_options& opts = {})
   {
-    CONTRASTIVE_CUDA_TRY(forward_backward(d_temp, temp_bytes, p, dq, dk, d_state, handle, stream, opts));
-    if (d_temp == nullptr)
-    {
-      return cudaSuccess;
-    }
-    return finish_step(d_state, stream);
+    return cuda_error_of(step_status(d_temp, temp_bytes, p, dq, dk, d_state, handle, stream, opts));
   }
 };
 } // namespace device
