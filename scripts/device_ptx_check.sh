@@ -7,6 +7,8 @@
 # (which must change no kernel until it has run on a GPU: docs/design.md).
 #
 # Usage: scripts/device_ptx_check.sh [REV] [OLD=NEW ...]   (REV defaults to HEAD; exits 1 when any PTX differs)
+# Where a TU differs, scripts/ptx_entries.py lists its kernels that changed, were added or were removed (demangled),
+# so a change that adds kernels can still show that every existing one is as it was.
 # Each OLD=NEW renames a namespace or other identifier in REV's PTX first (its mangled form, length-prefixed), so a
 # change that only renames one is proven to change nothing else.
 set -euo pipefail
@@ -54,6 +56,8 @@ for u in "${units[@]}"; do
     echo "same PTX: $u"
   else
     echo "PTX DIFFERS: $u ($(diff "$work/ptx_old/$b.ptx.clean" "$work/ptx_new/$b.ptx.clean" | grep -c '^[<>]') lines)"
+    # Kernel by kernel: which entries (and device functions) changed, were added or removed.
+    python3 scripts/ptx_entries.py "$work/ptx_old/$b.ptx.clean" "$work/ptx_new/$b.ptx.clean" || true
     status=1
   fi
 done
