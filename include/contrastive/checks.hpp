@@ -18,10 +18,9 @@
 
 namespace contrastive
 {
+/// Whether `A` is one of the library's algorithm tags (algorithm::all).
 template <class A>
-inline constexpr bool is_algorithm_v =
-    std::is_same_v<A, algorithm::fused> || std::is_same_v<A, algorithm::materialized> ||
-    std::is_same_v<A, algorithm::chunked>;
+inline constexpr bool is_algorithm_v = algorithm::is_algorithm_v<A>;
 
 /// Checks that the gradient outputs dq (n_q x dim) and dk (n_k x dim) do not overlap each other or the inputs q and
 /// k: dq == dk would silently lose dQ, and an output over an input would be read after it is written. The sizes must

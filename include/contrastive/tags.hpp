@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace contrastive
@@ -25,7 +26,8 @@ enum class objective : std::int32_t
   info_nce = 1,
   /// SigLIP's pairwise sigmoid loss: (1/n_q) sum_ij softplus(-l_ij z_ij) over the logits z_ij = S_ij + b (b: the
   /// logit bias, a parameter of the call), with l_ij = +1 for the positive pair p_i = labels[i] (default i) and -1
-  /// for every other; n_k may differ from n_q (numeric/sigmoid_math.hpp). Host only so far.
+  /// for every other; n_k may differ from n_q (numeric/sigmoid_math.hpp). Host: every algorithm; device:
+  /// algorithm::chunked (device/chunked.cuh) and the NCCL loss.
   sigmoid = 2,
 };
 
@@ -52,6 +54,7 @@ namespace algorithm
 struct materialized
 {
   static constexpr const char* name = "materialized";
+  static constexpr bool element_logits = true; ///< the logits are stored in the element type (the device dispatch)
 };
 
 /// Tiled, online log-sum-exp (flash-attention style): logits live only in float tiles, never in memory; backward
@@ -60,6 +63,7 @@ struct materialized
 struct fused
 {
   static constexpr const char* name = "fused";
+  static constexpr bool element_logits = false;
 };
 
 /// Row chunks of B queries against all keys: S_c = s Q_c K^T is stored for one chunk at a time (float), its row
@@ -72,6 +76,7 @@ struct fused
 struct chunked
 {
   static constexpr const char* name = "chunked";
+  static constexpr bool element_logits = false; ///< float chunks of logits (on the device: device/chunked.cuh)
 };
 
 /// Every algorithm, in the order the bindings list them: the one table their names come from.
@@ -81,6 +86,17 @@ struct list
   static constexpr std::size_t size = sizeof...(A);
 };
 using all = list<fused, materialized, chunked>;
+
+/// Whether `A` is one of `list`'s algorithms.
+template <class A, class List>
+struct in_list;
+template <class A, class... B>
+struct in_list<A, list<B...>> : std::bool_constant<(std::is_same_v<A, B> || ...)>
+{
+};
+/// Whether `A` is one of the library's algorithms (a member of `all`).
+template <class A>
+inline constexpr bool is_algorithm_v = in_list<A, all>::value;
 
 /// Calls `f(Algorithm{})` for the algorithm of `list` whose `name` is `name` and returns true; false when none is
 /// (then `names()` lists them for the error message).
