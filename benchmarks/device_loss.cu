@@ -174,7 +174,9 @@ cudaError_t call_step(void* temp,
   }
 }
 
-template <class T, class Algorithm, bool Tiles = false>
+/// One training step (forward, backward, policies) at N x N, D: symmetric, or (Sigmoid) SigLIP's sigmoid loss with
+/// open_clip's initial t = 10 and a learnable b = -10.
+template <class T, class Algorithm, bool Tiles = false, bool Sigmoid = false>
 void step_benchmark(benchmark::State& state)
 {
   using L = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, Algorithm>;
@@ -187,11 +189,13 @@ void step_benchmark(benchmark::State& state)
   typename L::state_type host_state{}, *d_state = nullptr;
   void* temp = nullptr;
   std::size_t bytes = 0;
-  cl::problem<T> p{q, k, n, n, dim, nullptr, cl::objective::symmetric};
+  cl::problem<T> p{q, k, n, n, dim, nullptr, Sigmoid ? cl::objective::sigmoid : cl::objective::symmetric};
+  const cl::logit_bias bias = Sigmoid ? cl::logit_bias::learnable(-10.0f) : cl::logit_bias{};
   const bool ok =
       q && k && cublasCreate(&h) == CUBLAS_STATUS_SUCCESS && cudaMalloc(&dq, n * dim * sizeof(T)) == cudaSuccess &&
       cudaMalloc(&dk, n * dim * sizeof(T)) == cudaSuccess && cudaMalloc(&d_state, sizeof(host_state)) == cudaSuccess &&
-      L::make_state(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch(), host_state).ok() &&
+      L::make_state(cl::temperature::learnable(Sigmoid ? 0.1f : 0.07f), cl::scaler::dynamic::torch(), bias, host_state)
+          .ok() &&
       cudaMemcpy(d_state, &host_state, sizeof(host_state), cudaMemcpyHostToDevice) == cudaSuccess &&
       call_step<L, Algorithm, Tiles>(nullptr, bytes, p, dq, dk, d_state, h) == cudaSuccess &&
       cudaMalloc(&temp, bytes) == cudaSuccess;
@@ -387,6 +391,7 @@ int main(int argc, char** argv)
     reg("baseline/cublas_bf16_3gemm", cublas_baseline, n);
     reg("step/half/chunked", step_benchmark<__half, cl::algorithm::chunked>, n);
     reg("step/float/chunked", step_benchmark<float, cl::algorithm::chunked>, n);
+    reg("step/bf16/sigmoid_chunked", step_benchmark<__nv_bfloat16, cl::algorithm::chunked, false, true>, n);
   }
   benchmark::RegisterBenchmark("step/bf16/chunked", step_benchmark<__nv_bfloat16, cl::algorithm::chunked>)
       ->Args({1L << 20, 512})

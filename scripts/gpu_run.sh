@@ -296,7 +296,8 @@ table_step table.txt
 bench_step n_2pow20 75 '--benchmark_filter=^step/bf16/chunked/1048576/'
 table_step table.txt
 
-# ---- then: NCCL on one GPU, and compute-sanitizer memcheck of one small test (the tile kernels' cases).
+# ---- then: NCCL on one GPU, and compute-sanitizer memcheck of two small tests (the tile kernels' cases, and the
+# sigmoid objective's chunked cases: the newest kernel).
 gtest_step nccl_test 30 "$out/nccl.log" device_distributed_test
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ ! -x "$cs" ] && [ "$dry" = 0 ]; then
@@ -304,12 +305,12 @@ if [ ! -x "$cs" ] && [ "$dry" = 0 ]; then
 elif [ ! -x "$tbin/device_chunked_test" ]; then
   note memcheck SKIP 0 "device_chunked_test not in the bundle"
 else
-  lim=$(limit_for 40)
+  lim=$(limit_for 60)
   if [ "$lim" -lt 5 ]; then
     note memcheck SKIP 0 "no time left in the ${budget}s budget"
   else
     run_step memcheck "$lim" "$out/memcheck.log" "$cs" --tool memcheck --error-exitcode 9 \
-      "$tbin/device_chunked_test" --gtest_color=no --gtest_filter='DeviceChunked.FusedTilesMatchFloat64AndTheHostPath'
+      "$tbin/device_chunked_test" --gtest_color=no --gtest_filter='DeviceChunked.FusedTilesMatchFloat64AndTheHostPath:DeviceChunkedSigmoid.MatchesFloat64AndTheHostPath'
     if [ "$dry" = 1 ]; then
       note memcheck SKIP 0 "dry run"
     else

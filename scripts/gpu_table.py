@@ -3,8 +3,8 @@
 
     python3 scripts/gpu_table.py gpu-out/bench.json [gpu-out/torch.log]
 
-Rows: N; columns: time, useful TFLOP/s (6 N^2 D) and memory (GiB) of each algorithm, the cuBLAS three-GEMM baseline
-and PyTorch's ClipLoss pattern; then chunked's time and memory relative to the baseline, and the measured ceilings.
+Rows: N; columns: time, useful TFLOP/s (6 N^2 D) and memory (GiB) of each algorithm, the cuBLAS three-GEMM
+baseline, the sigmoid objective's chunked step (SigLIP; one pass, 6 N^2 D) and PyTorch's ClipLoss pattern; then chunked's time and memory relative to the baseline, and the measured ceilings.
 
 The JSON may hold several Google Benchmark documents one after another (gpu-bundle/run.sh appends one per benchmark
 step) and the last may be cut off (a run killed at its time limit): every complete benchmark entry is read. A time
@@ -23,6 +23,7 @@ COLUMNS = [
     ("fused", "step/bf16/fused"),
     ("materialized", "step/bf16/materialized"),
     ("cuBLAS 3-GEMM", "baseline/cublas_bf16_3gemm"),
+    ("sigmoid chunked", "step/bf16/sigmoid_chunked"),
 ]
 # Google Benchmark's name suffixes that are not arguments: /iterations:N, /repeats:N, /threads:N, /min_time:X,
 # /min_warmup_time:X, /manual_time, /real_time, /process_time.

@@ -70,6 +70,59 @@ const case_t cases[] = {
     {1, 1, 8, cl::objective::symmetric, false, 0},
 };
 
+/// A case's random inputs (rows, labels) on the host and the device, the gradient outputs poisoned (all-ones bytes:
+/// NaN in every element type) until the step writes them.
+template <class T>
+struct device_inputs
+{
+  std::vector<T> q, k;
+  std::vector<std::int32_t> labels;
+  ct::device_buffer<T> d_q, d_k, d_dq, d_dk;
+  ct::device_buffer<std::int32_t> d_labels;
+
+  device_inputs(std::size_t n_q, std::size_t n_k, std::size_t dim, std::uint32_t seed)
+      : q(ct::random_rows<T>(n_q, dim, seed)), k(ct::random_rows<T>(n_k, dim, seed + 1)),
+        labels(ct::random_labels(n_q, n_k, seed + 2)), d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size()),
+        d_labels(labels.size())
+  {
+  }
+  bool ready()
+  {
+    return d_q.upload(q) == cudaSuccess && d_k.upload(k) == cudaSuccess && d_labels.upload(labels) == cudaSuccess &&
+           d_dq.poison(0xff) == cudaSuccess && d_dk.poison(0xff) == cudaSuccess;
+  }
+};
+
+/// The host chunked loss's step with the policies a device step started from, against that device step's state
+/// `after`: one step counted, the same loss scale, tau within 1e-3 (the recorded gradients agree within their
+/// tolerance, not to the bit). Returns the host loss's logit bias after the step.
+template <class T, class State>
+float expect_host_policies(const device_inputs<T>& in,
+                           const cl::problem<T>& device_problem,
+                           const cl::temperature::learnable& temperature,
+                           float scale,
+                           const cl::logit_bias& bias,
+                           const State& after)
+{
+  cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::chunked> host(temperature,
+                                                                                            scaler_at(scale));
+  EXPECT_TRUE(host.set_logit_bias(bias).ok());
+  std::vector<T> hq(in.q.size()), hk(in.k.size());
+  cl::step_record hrec;
+  const cl::problem<T> p{in.q.data(),
+                         in.k.data(),
+                         device_problem.n_q,
+                         device_problem.n_k,
+                         device_problem.dim,
+                         device_problem.labels != nullptr ? in.labels.data() : nullptr,
+                         device_problem.obj};
+  EXPECT_TRUE(host.step(p, hq.data(), hk.data(), hrec).ok());
+  EXPECT_EQ(after.step, 1);
+  EXPECT_EQ(after.scaler.loss_scale(), host.scaler().loss_scale());
+  EXPECT_NEAR(after.temperature.tau(), host.temperature().tau(), 1e-3 * host.temperature().tau());
+  return host.bias().value;
+}
+
 /// One step on the device and the same step on the host (float64 reference); compares loss, dQ, dK,
 /// d loss / d log s and the policy updates.
 template <class T>
@@ -80,15 +133,10 @@ void check_case(const case_t& c, std::uint32_t seed, bool tiles = false)
                " " + cl::to_string(c.obj) + (tiles ? " fused_tiles" : ""));
   using L = dloss<T>;
   using tol = ct::tolerance<T, cl::algorithm::chunked>;
-  const auto q = ct::random_rows<T>(c.n_q, c.dim, seed);
-  const auto k = ct::random_rows<T>(c.n_k, c.dim, seed + 1);
-  const auto labels = ct::random_labels(c.n_q, c.n_k, seed + 2);
-  ct::device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
-  ct::device_buffer<std::int32_t> d_labels(labels.size());
+  device_inputs<T> in(c.n_q, c.n_k, c.dim, seed);
+  ASSERT_TRUE(in.ready());
+  auto& [q, k, labels, d_q, d_k, d_dq, d_dk, d_labels] = in;
   ct::device_buffer<typename L::state_type> d_state(1);
-  ASSERT_EQ(d_q.upload(q), cudaSuccess);
-  ASSERT_EQ(d_k.upload(k), cudaSuccess);
-  ASSERT_EQ(d_labels.upload(labels), cudaSuccess);
   typename L::state_type st;
   const float scale = std::is_same_v<T, float> ? 1.0f : 256.0f;
   ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f)), scaler_at(scale), st).ok());
@@ -131,18 +179,8 @@ void check_case(const case_t& c, std::uint32_t seed, bool tiles = false)
 
   // The host chunked algorithm with the same policies reaches the same policy state (bit-exact when the recorded
   // gradient is the same float; here within its tolerance, so compare the record instead).
-  cl::loss<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::chunked> host(
-      cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f)), scaler_at(scale));
-  std::vector<T> hq(q.size()), hk(k.size());
-  cl::step_record hrec;
-  ASSERT_TRUE(host.step({q.data(), k.data(), c.n_q, c.n_k, c.dim, c.labels ? labels.data() : nullptr, c.obj},
-                        hq.data(),
-                        hk.data(),
-                        hrec)
-                  .ok());
-  EXPECT_EQ(after.step, 1);
-  EXPECT_EQ(after.scaler.loss_scale(), host.scaler().loss_scale());
-  EXPECT_NEAR(after.temperature.tau(), host.temperature().tau(), 1e-3 * host.temperature().tau());
+  (void)expect_host_policies(
+      in, p, cl::temperature::learnable(0.05f, cl::optimizer::adam(1e-2f)), scale, cl::logit_bias{}, after);
 }
 } // namespace
 
@@ -453,8 +491,7 @@ TEST(DeviceChunked, RefusesBadArgumentsWithoutTouchingTheDevice)
   EXPECT_EQ(L::check(far, at(3), at(4), state, h).argument(), "n_q");
   cl::problem<float> sig = p;
   sig.obj = cl::objective::sigmoid;
-  EXPECT_EQ(L::check(sig, dummy + 2, dummy + 3, state, h).argument(), "obj");
-  EXPECT_EQ(L::step(nullptr, bytes, sig, dummy + 2, dummy + 3, state, h), cudaErrorInvalidValue);
+  EXPECT_TRUE(L::check(sig, dummy + 2, dummy + 3, state, h).ok()); // the sigmoid objective runs chunked
   EXPECT_TRUE(L::check(p, dummy + 2, dummy + 3, state, h).ok());
   // Chunk rows: multiples of 64, at most every row; without free memory known (0), the default's floor: S_c and G_c
   // in 384 MiB, and at least 256 rows. Given rows or a budget keep their meaning whatever is free.
@@ -688,4 +725,246 @@ TEST(DeviceChunked, FusedTilesReportNonFiniteLikeTheCublasPath)
     EXPECT_EQ(out[1].scaler.loss_scale(), out[0].scaler.loss_scale());
     EXPECT_EQ(out[1].temperature.tau(), out[0].temperature.tau());
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The sigmoid objective (SigLIP) on the device: algorithm::chunked only (S_c by cuBLAS, the loss terms and G_c in one
+// element-wise pass per chunk). Against the float64 reference and the host chunked loss with the same policies.
+
+namespace
+{
+struct sigmoid_case
+{
+  std::size_t n_q, n_k, dim;
+  bool labels;
+  std::size_t chunk_rows; // 0: default (one chunk here)
+  float tau, bias;        // s = 1/tau; z = s <q, k> + bias
+};
+
+const sigmoid_case sigmoid_cases[] = {
+    {300, 300, 64, false, 64, 0.1f, -10.0f}, // SigLIP's initial t = 10, b = -10; several chunks
+    {200, 500, 40, true, 128, 0.05f, -2.0f}, // labels, rectangular
+    {129, 300, 17, false, 0, 0.2f, 0.0f},    // rectangular diagonal (n_q < n_k), dim not a multiple of 8
+    {1, 1, 8, false, 0, 0.1f, 1.5f},
+};
+
+/// One sigmoid step on the device with a learnable temperature and bias, against float64 and against the host chunked
+/// loss's policy updates. `tiles`: chunk_options::fused_tiles asked for (the sigmoid objective ignores it).
+template <class T>
+void check_sigmoid_case(const sigmoid_case& c, std::uint32_t seed, bool tiles)
+{
+  SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " n_q " + std::to_string(c.n_q) + " n_k " +
+               std::to_string(c.n_k) + " dim " + std::to_string(c.dim) + " chunk " + std::to_string(c.chunk_rows) +
+               " tau " + std::to_string(c.tau) + " b " + std::to_string(c.bias) + (c.labels ? " labels" : "") +
+               (tiles ? " fused_tiles" : ""));
+  using L = dloss<T>;
+  using tol = ct::tolerance<T, cl::algorithm::chunked>;
+  device_inputs<T> in(c.n_q, c.n_k, c.dim, seed);
+  ASSERT_TRUE(in.ready());
+  auto& [q, k, labels, d_q, d_k, d_dq, d_dk, d_labels] = in;
+  ct::device_buffer<typename L::state_type> d_state(1);
+  const float scale = std::is_same_v<T, float> ? 1.0f : 1024.0f;
+  const auto temperature = cl::temperature::learnable(c.tau, cl::optimizer::adam(1e-2f));
+  const auto bias = cl::logit_bias::learnable(c.bias, cl::optimizer::adam(1e-2f));
+  typename L::state_type st;
+  ASSERT_TRUE(L::make_state(temperature, scaler_at(scale), bias, st).ok());
+  ASSERT_EQ(L::upload_state(st, d_state.ptr), cudaSuccess);
+  const cl::problem<T> p{
+      d_q.ptr, d_k.ptr, c.n_q, c.n_k, c.dim, c.labels ? d_labels.ptr : nullptr, cl::objective::sigmoid};
+  handle h;
+  ASSERT_NE(h.h, nullptr);
+  const cl::chunk_options opts{c.chunk_rows, 0, tiles};
+  cl::device::chunked_phases::layout lay{};
+  ASSERT_EQ(L::make_layout(p, opts, lay), cudaSuccess);
+  EXPECT_FALSE(lay.tiles);
+  std::size_t bytes = 0;
+  ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts), cudaSuccess);
+  ct::device_buffer<char> temp(bytes);
+  const cl::status run = L::forward_backward_status(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h, 0, opts);
+  ASSERT_TRUE(run.ok()) << run.message();
+  typename L::state_type mid;
+  ASSERT_EQ(cudaMemcpy(&mid, d_state.ptr, sizeof mid, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(mid.bias_step, 1);
+  EXPECT_EQ(mid.bias.value, c.bias); // forward_backward reads the bias, finish_step moves it
+  ASSERT_EQ(L::finish_step(d_state.ptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  typename L::state_type after;
+  ASSERT_EQ(cudaMemcpy(&after, d_state.ptr, sizeof after, cudaMemcpyDeviceToHost), cudaSuccess);
+  const cl::step_record& rec = after.record;
+  ASSERT_EQ(rec.first_nonfinite, cl::nonfinite_site::none);
+  EXPECT_FALSE(rec.skipped);
+  EXPECT_EQ(rec.logit_bias, c.bias);
+  EXPECT_EQ(after.bias_step, 0);
+
+  const ct::reference ref = ct::compute_sigmoid_reference(ct::to_double(q),
+                                                          ct::to_double(k),
+                                                          c.n_q,
+                                                          c.n_k,
+                                                          c.dim,
+                                                          c.labels ? labels.data() : nullptr,
+                                                          1.0 / double(c.tau),
+                                                          double(c.bias));
+  // As the host's float algorithms (core_test's sigmoid cases): the loss to float accuracy of its terms and their
+  // sensitivity; the gradients with one more rounding of u_T (G_c is stored in T for the tensor-core products).
+  const double loss_tol = 64 * tol::u_f * (1.0 + ref.loss + ref.loss_sensitivity);
+  EXPECT_NEAR(rec.loss, ref.loss, loss_tol);
+  const double grad_tol = tol::grad(ref.max_abs_logit) + 2.0 * tol::u_t;
+  EXPECT_LE(ct::max_rel_error(d_dq.download(), ref.dq, 1.0 / scale), grad_tol);
+  EXPECT_LE(ct::max_rel_error(d_dk.download(), ref.dk, 1.0 / scale), grad_tol);
+  const double gtol = 64 * grad_tol * (1.0 + ref.loss_sensitivity);
+  EXPECT_NEAR(rec.grad_logit_scale, ref.grad_logit_scale, gtol);
+  // d loss / d b sums float G (never rounded to T): float accuracy of the terms and of z (u_f |z| each).
+  EXPECT_NEAR(rec.grad_logit_bias,
+              ref.grad_logit_bias,
+              64 * tol::u_f * (1.0 + ref.loss_sensitivity) + 1e-5 * (1.0 + std::fabs(ref.grad_logit_bias)));
+  // z = s <q, k> + b from a float product of dim terms: s dim u_f beside the rounding of z itself.
+  EXPECT_NEAR(rec.max_logit,
+              ref.max_logit,
+              8 * tol::u_f * (1.0 + ref.max_abs_logit) + double(c.dim) * tol::u_f / double(c.tau));
+
+  // The host chunked loss with the same policies: the same scaler, and tau and b moved alike (Adam's first step is
+  // about lr times the gradient's sign, so both land within a small fraction of lr of each other).
+  EXPECT_NEAR(after.bias.value, expect_host_policies(in, p, temperature, scale, bias, after), 1e-3);
+  EXPECT_NE(after.bias.value, c.bias);
+}
+} // namespace
+
+TEST(DeviceChunkedSigmoid, MatchesFloat64AndTheHostPath)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  std::uint32_t seed = 2500;
+  for (const sigmoid_case& c : sigmoid_cases)
+  {
+    for (const bool tiles : {false, true})
+    {
+      check_sigmoid_case<float>(c, seed += 3, tiles);
+      check_sigmoid_case<__half>(c, seed += 3, tiles);
+      check_sigmoid_case<__nv_bfloat16>(c, seed += 3, tiles);
+    }
+  }
+}
+
+// What moves the bias: a finite sigmoid step with a learnable bias does; a fixed bias, a skipped sigmoid step (NaN
+// in q: site logits, the scaler backs off) and a softmax step do not. The host loss refuses a learnable bias with a
+// softmax objective; the device cannot read its state on the host, so its softmax steps ignore the bias (documented).
+TEST(DeviceChunkedSigmoid, OnlyAFiniteSigmoidStepMovesALearnableBias)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  using T = __half;
+  using L = dloss<T>;
+  const std::size_t n = 96, dim = 32;
+  handle h;
+  ASSERT_NE(h.h, nullptr);
+  struct run_case
+  {
+    const char* what;
+    cl::objective obj;
+    bool learnable, poison;
+    bool moves;
+  };
+  const run_case runs[] = {
+      {"learnable", cl::objective::sigmoid, true, false, true},
+      {"fixed", cl::objective::sigmoid, false, false, false},
+      {"skipped", cl::objective::sigmoid, true, true, false},
+      {"softmax", cl::objective::symmetric, true, false, false},
+  };
+  for (const run_case& rc : runs)
+  {
+    SCOPED_TRACE(rc.what);
+    auto q = ct::random_rows<T>(n, dim, 71);
+    const auto k = ct::random_rows<T>(n, dim, 72);
+    if (rc.poison)
+    {
+      q[5 * dim + 1] = cl::element_traits<T>::from_float(std::nanf(""));
+    }
+    ct::device_buffer<T> d_q(q.size()), d_k(k.size()), d_dq(q.size()), d_dk(k.size());
+    ASSERT_EQ(d_q.upload(q), cudaSuccess);
+    ASSERT_EQ(d_k.upload(k), cudaSuccess);
+    const cl::logit_bias b =
+        rc.learnable ? cl::logit_bias::learnable(-10.0f, cl::optimizer::sgd(1.0f)) : cl::logit_bias::fixed(-10.0f);
+    typename L::state_type st;
+    ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.1f), scaler_at(1024.0f), b, st).ok());
+    ct::device_buffer<typename L::state_type> d_state(1);
+    ASSERT_EQ(L::upload_state(st, d_state.ptr), cudaSuccess);
+    const cl::problem<T> p{d_q.ptr, d_k.ptr, n, n, dim, nullptr, rc.obj};
+    std::size_t bytes = 0;
+    ASSERT_EQ(L::step(nullptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h), cudaSuccess);
+    ct::device_buffer<char> temp(bytes);
+    ASSERT_EQ(L::step(temp.ptr, bytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h), cudaSuccess);
+    typename L::state_type after;
+    ASSERT_EQ(cudaMemcpy(&after, d_state.ptr, sizeof after, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(after.step, 1);
+    EXPECT_EQ(after.bias_step, 0);
+    EXPECT_EQ(after.record.skipped, rc.poison);
+    if (rc.poison)
+    {
+      EXPECT_EQ(after.record.first_nonfinite, cl::nonfinite_site::logits);
+      EXPECT_EQ(after.scaler.loss_scale(), 512.0f);
+    }
+    if (rc.moves)
+    {
+      // SGD with lr 1: b moves by exactly -d loss / d b (float).
+      EXPECT_EQ(after.bias.value, -10.0f - after.record.grad_logit_bias);
+      // At n = 96 each row's positive (z ~ -10: -sigmoid(10) / n) outweighs its 95 negatives (sigmoid(-10) / n
+      // each), so d loss / d b ~ -1 and b rises; it falls only once n e^-10 E[e^S] > 1 (n above ~5000).
+      EXPECT_LT(after.record.grad_logit_bias, -0.5f);
+    }
+    else
+    {
+      EXPECT_EQ(after.bias.value, -10.0f);
+    }
+    EXPECT_EQ(after.record.logit_bias, rc.obj == cl::objective::sigmoid ? -10.0f : 0.0f);
+  }
+}
+
+// Without a GPU: the chunked loss takes the sigmoid objective (any n_q <= n_k with the diagonal, labels otherwise),
+// lays out one more row buffer (the rows' sums of G) and never the tile path; an invalid bias is refused by
+// make_state naming it; fused and materialized refuse the objective by name.
+TEST(DeviceChunkedSigmoid, ChecksLayoutAndStateWithoutADevice)
+{
+  using L = dloss<float>;
+  float dummy[16] = {};
+  alignas(256) static unsigned char fake_state[sizeof(L::state_type)];
+  auto* state = reinterpret_cast<L::state_type*>(fake_state); // never dereferenced
+  const auto h = reinterpret_cast<cublasHandle_t>(dummy);
+  const cl::problem<float> sig{dummy, dummy + 1, 2, 3, 1, nullptr, cl::objective::sigmoid};
+  EXPECT_TRUE(L::check(sig, dummy + 4, dummy + 6, state, h).ok());
+  cl::problem<float> tall = sig;
+  tall.n_q = 4;
+  tall.n_k = 2;
+  EXPECT_EQ(L::check(tall, dummy + 8, dummy + 12, state, h).argument(), "labels");
+  using F = cl::device::loss<float, cl::temperature::learnable, cl::scaler::dynamic>;
+  const cl::status fused = F::check(sig, dummy + 4, dummy + 6, reinterpret_cast<F::state_type*>(fake_state));
+  EXPECT_EQ(fused.argument(), "obj");
+  EXPECT_NE(fused.message().find("algorithm::chunked"), std::string::npos) << fused.message();
+
+  cl::problem<__nv_bfloat16> big{nullptr, nullptr, 4096, 8192, 512, nullptr, cl::objective::sigmoid};
+  big.q = reinterpret_cast<const __nv_bfloat16*>(std::uintptr_t(1) << 20); // aligned, never dereferenced
+  big.k = reinterpret_cast<const __nv_bfloat16*>(std::uintptr_t(1) << 30);
+  EXPECT_FALSE(cl::device::chunked_phases::use_tiles(big, {0, 0, true}));
+  std::size_t cub = 4096; // given: no CUDA call
+  cl::device::chunked_phases::layout with{}, without{};
+  ASSERT_EQ(dloss<__nv_bfloat16>::layout_for_rows(big, false, 1024, cub, with), cudaSuccess);
+  cl::problem<__nv_bfloat16> soft = big;
+  soft.obj = cl::objective::info_nce;
+  ASSERT_EQ(dloss<__nv_bfloat16>::layout_for_rows(soft, false, 1024, cub, without), cudaSuccess);
+  EXPECT_EQ(with.total - without.total, 4096 * sizeof(float)); // row_bias: one float per row (256-byte multiple)
+  EXPECT_EQ(with.row_bias, without.col_max);                   // carved where info_nce's (empty) buffers begin
+
+  L::state_type st;
+  EXPECT_TRUE(L::make_state(cl::temperature::learnable(0.1f), cl::scaler::dynamic{}, st).ok());
+  EXPECT_EQ(st.bias.value, 0.0f);
+  EXPECT_FALSE(st.bias.is_learnable());
+  EXPECT_EQ(st.bias_step, 0);
+  const cl::status bad =
+      L::make_state(cl::temperature::learnable(0.1f), cl::scaler::dynamic{}, cl::logit_bias::fixed(INFINITY), st);
+  EXPECT_EQ(bad.code(), cl::errc::invalid_argument);
+  EXPECT_EQ(bad.argument(), "logit_bias");
+  ASSERT_TRUE(L::make_state(cl::temperature::learnable(0.1f),
+                            cl::scaler::dynamic{},
+                            cl::logit_bias::learnable(-10.0f, cl::optimizer::adam(1e-3f)),
+                            st)
+                  .ok());
+  EXPECT_EQ(st.bias.value, -10.0f);
+  EXPECT_TRUE(st.bias.is_learnable());
 }

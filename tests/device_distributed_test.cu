@@ -29,11 +29,12 @@ using single = cl::device::loss<T, cl::temperature::learnable, cl::scaler::stati
 using dist = cl::distributed::device_loss<T, cl::temperature::learnable, cl::scaler::static_scale>;
 } // namespace
 
-// One rank: the distributed code path (gather, column combine, reduce-scatter through NCCL) equals one GPU.
+// One rank: the distributed code path (gather, column combine, reduce-scatter through NCCL) equals one GPU, for each
+// objective (sigmoid: with a learnable bias, d loss / d b all-reduced and the bias moved alike).
 TEST(DeviceDistributed, OneRankEqualsOneGpu)
 {
   CONTRASTIVE_SKIP_WITHOUT_DEVICE();
-  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce})
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce, cl::objective::sigmoid})
   {
     SCOPED_TRACE(cl::to_string(obj));
     const std::size_t n = 300, dim = 64;
@@ -43,7 +44,8 @@ TEST(DeviceDistributed, OneRankEqualsOneGpu)
     ASSERT_EQ(d_q.upload(q), cudaSuccess);
     ASSERT_EQ(d_k.upload(k), cudaSuccess);
     single::state_type st;
-    ASSERT_TRUE(single::make_state(cl::temperature::learnable(0.05f), cl::scaler::static_scale(64.0f), st).ok());
+    const cl::logit_bias bias = obj == cl::objective::sigmoid ? cl::logit_bias::learnable(-10.0f) : cl::logit_bias{};
+    ASSERT_TRUE(single::make_state(cl::temperature::learnable(0.05f), cl::scaler::static_scale(64.0f), bias, st).ok());
     ASSERT_EQ(cudaMemcpy(s1.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(s2.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
     const cl::problem<T> p{d_q.ptr, d_k.ptr, n, n, dim, nullptr, obj};
@@ -75,6 +77,13 @@ TEST(DeviceDistributed, OneRankEqualsOneGpu)
         b.record.grad_logit_scale, a.record.grad_logit_scale, 1e-5 * (1.0 + std::fabs(a.record.grad_logit_scale)));
     EXPECT_EQ(b.record.first_nonfinite, a.record.first_nonfinite);
     EXPECT_EQ(b.temperature.tau(), a.temperature.tau());
+    EXPECT_NEAR(b.record.grad_logit_bias, a.record.grad_logit_bias, 1e-6 * (1.0 + std::fabs(a.record.grad_logit_bias)));
+    EXPECT_EQ(b.record.logit_bias, a.record.logit_bias);
+    EXPECT_EQ(b.bias.value, a.bias.value);
+    if (obj == cl::objective::sigmoid)
+    {
+      EXPECT_NE(b.bias.value, -10.0f); // a finite step moved the learnable bias
+    }
     // Same kernels, same coefficients, one-rank collectives are copies: the results should agree to the bit.
     EXPECT_LE(ct::rel_diff(dq2.download(), dq1.download()), 1e-6);
     EXPECT_LE(ct::rel_diff(dk2.download(), dk1.download()), 1e-6);

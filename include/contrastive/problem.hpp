@@ -28,7 +28,8 @@ struct chunk_options
   /// in registers (forward: row and column statistics; backward: G_c) instead of a cuBLAS product written to and read
   /// back from a float chunk: 6 bytes of memory traffic per logit instead of 26, and no float chunk (about 2.1 bytes
   /// per chunk logit instead of 6, so a budget holds ~3x the rows). Used where the device is sm_80 or later, dim is a
-  /// multiple of 8 and q, k are 16-byte aligned; otherwise (and on the host, and for float) the cuBLAS path runs.
+  /// multiple of 8 and q, k are 16-byte aligned; otherwise (and on the host, for float and for the sigmoid objective)
+  /// the cuBLAS path runs.
   /// Off by default until it has been measured on a GPU (scripts/gpu_check.sh runs both).
   bool fused_tiles = false;
 };

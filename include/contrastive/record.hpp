@@ -56,7 +56,7 @@ struct step_record
   float grad_logit_scale = 0.0f; ///< unscaled d(loss)/d(log s)
   float max_logit = 0.0f;        ///< largest logit S_ij of the step (materialized: its element-type value; sigmoid:
                                  ///< of z = S + b)
-  bool skipped = false;          ///< a non-finite value was found: the temperature did not move
+  bool skipped = false;          ///< a non-finite value was found: the temperature (and a learnable bias) did not move
   nonfinite_site first_nonfinite = nonfinite_site::none;
   bool pending = false;         ///< forward/backward done, `finish_step` not yet called
   float grad_logit_bias = 0.0f; ///< unscaled d(loss)/d b (sigmoid objective; 0 otherwise)

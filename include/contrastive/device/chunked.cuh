@@ -28,6 +28,11 @@
 /// Workspace: B x ld (float S_c, G_c in place for float; + B x ld of T for 16-bit), n_k x dim floats (dK),
 /// B x dim floats (dQ_c), O(n_q + n_k) statistics. Work: 6 n_q n_k d flops (one chunk or info_nce), else 8.
 ///
+/// The sigmoid objective (SigLIP; z = s S + b with the bias from the device state, make_state(t, s, b, out)) runs
+/// forward and backward in one pass per chunk (no normaliser): S_c, then one kernel for the loss terms and G_c
+/// (numeric/sigmoid_math.hpp), then the same products; 6 n_q n_k d flops, one more float per row (the rows' sums of
+/// G, d loss / d b). finish_step moves a learnable bias after a finite step. fused_tiles does not apply to it.
+///
 /// chunk_options::fused_tiles (16-bit types, sm_80+; device/logits_tile.cuh): S_c tiles on tensor cores in the
 /// library's kernel, reduced (forward) or turned into G_c (backward) in registers; no float S_c (workspace B x ld of T
 /// plus small tile partials); always 8 n_q n_k d flops (S_c computed in both passes, also for info_nce).
@@ -67,6 +72,12 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)
   {
     return common::make_state(t, s, out);
+  }
+
+  /// With the sigmoid objective's logit bias (see device::loss::make_state).
+  static status make_state(const Temperature& t, const Scaler& s, const logit_bias& b, state_type& out)
+  {
+    return common::make_state(t, s, b, out);
   }
 
   /// The state to device memory in stream order, as a kernel argument (see device/loss.cuh).
@@ -152,7 +163,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
       const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_phases::layout& w)
   {
     using detail::checked_size;
-    w.tiles = tiles;
+    w.tiles = tiles && p.obj != objective::sigmoid; // the tile epilogues are the softmax's
     w.chunk_rows = std::min(rows, p.n_q);
     if (w.tiles) // the tile kernels' grid has one row of blocks per 128 chunk rows, at most 65535 rows
     {
@@ -165,7 +176,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     const std::size_t col_tiles = w.tiles ? (p.n_k + bn - 1) / bn : 0;
     const checked_size f = sizeof(float);
     const checked_size bound =
-        checked_size(64 * 256) + checked_size(5) * p.n_q * f + checked_size(4) * p.n_k * f +
+        checked_size(64 * 256) + checked_size(6) * p.n_q * f + checked_size(4) * p.n_k * f +
         checked_size(w.chunk_rows) * w.ld * (f + checked_size(sixteen_bit ? sizeof(Element) : 0)) +
         (checked_size(w.chunk_rows) + p.n_k) * checked_size(p.dim) * f +
         (checked_size(w.chunk_rows) * col_tiles + checked_size(row_tiles) * p.n_k) * checked_size(sizeof(float2));
@@ -186,6 +197,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     w.row_max = c.take(p.n_q * sizeof(float));
     w.pos = c.take(p.n_q * sizeof(float));
     w.row_dot = c.take(p.n_q * sizeof(float));
+    w.row_bias = c.take(p.obj == objective::sigmoid ? p.n_q * sizeof(float) : 0);
     w.col_max = c.take(sym ? p.n_k * sizeof(float) : 0);
     w.col_sum = c.take(sym ? p.n_k * sizeof(float) : 0);
     w.col_lse = c.take(sym ? p.n_k * sizeof(float) : 0);
@@ -334,15 +346,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
       CONTRASTIVE_CUDA_TRY(run.backward_all(dq));
       CONTRASTIVE_CUDA_TRY(run.store_dk(run.dk_accumulator(), dk, p.n_k));
       CONTRASTIVE_CUDA_TRY(run.reduce_local());
-      kernels::finish_forward_backward<state_type><<<1, 1, 0, stream>>>(d_state,
-                                                                        run.scalars(),
-                                                                        run.sums(),
-                                                                        run.flags(),
-                                                                        static_cast<int>(p.n_q),
-                                                                        static_cast<int>(p.n_k),
-                                                                        run.sym ? 1 : 0,
-                                                                        /*materialized=*/0);
-      return cudaPeekAtLastError();
+      return run.finish(d_state, p.n_q, p.n_k);
     }();
     if (run.cublas_failure() != CUBLAS_STATUS_SUCCESS)
     {

@@ -29,6 +29,7 @@
 #include <contrastive/device/dispatch.cuh>
 #include <contrastive/device/kernels.cuh>
 #include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/policy/bias.hpp>
 #include <contrastive/policy/range_guard.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
@@ -46,7 +47,7 @@ namespace contrastive
 {
 namespace device
 {
-/// Policies, step counter and the last step record, in device memory.
+/// Policies, step counter and the last step record, in device memory; the sigmoid objective's logit bias after them.
 template <class Temperature, class Scaler>
 struct state
 {
@@ -54,6 +55,11 @@ struct state
   Scaler scaler;
   std::int64_t step;
   step_record record;
+  /// The sigmoid objective's logit bias (z = s <q, k> + b; algorithm::chunked), fixed or learnable, moved by
+  /// finish_step after a finite sigmoid step as the host loss moves it. The softmax objectives neither read nor move
+  /// it (they are invariant to a bias).
+  logit_bias bias;
+  std::int32_t bias_step; ///< 1 from a sigmoid step's forward_backward to its finish_step: the bias moves then
 };
 
 template <class Element,
@@ -71,8 +77,15 @@ struct loss
                 "algorithm::chunked on the device needs #include <contrastive/device/chunked.cuh> and cuBLAS "
                 "(CMake: link contrastive::cublas)");
   using state_type = state<Temperature, Scaler>;
-  /// A validated initial state (copy it to device memory yourself).
+  /// A validated initial state (copy it to device memory with upload_state), with a logit bias fixed at 0.
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)
+  {
+    return make_state(t, s, logit_bias{}, out);
+  }
+
+  /// The same with the sigmoid objective's logit bias `b` (`logit_bias::fixed(b)`, or `logit_bias::learnable(b,
+  /// optimizer)`: SigLIP and open_clip start at -10 with t = 10; invalid_argument "logit_bias" when invalid).
+  static status make_state(const Temperature& t, const Scaler& s, const logit_bias& b, state_type& out)
   {
     if (const char* why = t.validate(); why[0] != '\0')
     {
@@ -82,7 +95,11 @@ struct loss
     {
       return {errc::invalid_scaler, "scaler", why};
     }
-    out = state_type{t, s, 0, step_record{}};
+    if (const char* why = b.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_argument, "logit_bias", why};
+    }
+    out = state_type{t, s, 0, step_record{}, b, 0};
     return {};
   }
 
@@ -125,6 +142,7 @@ struct loss
     {
       return {errc::null_pointer, "d_state", "null device state (make_state, then upload_state)"};
     }
+    CONTRASTIVE_RETURN_IF_ERROR(util::row_pass_objective(p));
     return util::device_limits(p);
   }
 
@@ -234,7 +252,7 @@ struct loss
   }
 
 private:
-  using dispatch_type = dispatch::loss_dispatch<Element, std::is_same_v<Algorithm, algorithm::materialized>>;
+  using dispatch_type = dispatch::loss_dispatch<Element, Algorithm::element_logits>;
 };
 } // namespace device
 } // namespace contrastive

@@ -57,18 +57,27 @@ reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cu
   return cub::DeviceReduce::Reduce(tmp, bytes, in, out, n, kernels::nan_max{}, -detail::infinity_f, stream);
 }
 
-/// What the device path runs, as a status naming the argument (host code: no CUDA call): the softmax objectives
-/// (the sigmoid objective runs on the host only so far: refused instead of computed as a softmax loss) and its size
-/// limits (its kernels index with int and 32-bit grid dimensions): n_q, n_k <= 2^30, dim <= 2^24.
+/// Whether a device algorithm other than algorithm::chunked runs this objective, as a status naming the argument:
+/// the sigmoid objective runs on the device with algorithm::chunked only (refused here instead of computed as a
+/// softmax loss).
 template <class Problem>
-status device_limits(const Problem& p)
+status row_pass_objective(const Problem& p)
 {
   if (p.obj == objective::sigmoid)
   {
     return {errc::invalid_argument,
             "obj",
-            "the sigmoid objective has no device path yet: run it on the host (contrastive::loss, CPU tensors)"};
+            "the sigmoid objective runs on the device with algorithm::chunked (device/chunked.cuh) only; fused and "
+            "materialized: on the host"};
   }
+  return {};
+}
+
+/// The device path's size limits, as a status naming the argument (host code: no CUDA call; its kernels index with
+/// int and 32-bit grid dimensions): n_q, n_k <= 2^30, dim <= 2^24.
+template <class Problem>
+status device_limits(const Problem& p)
+{
   if (p.n_q > (std::size_t(1) << 30) || p.n_k > (std::size_t(1) << 30) || p.dim > (std::size_t(1) << 24))
   {
     return {errc::size_overflow,

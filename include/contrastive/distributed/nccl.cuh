@@ -14,8 +14,10 @@
 ///   all-gathered (grouped broadcasts, so ranks may hold unequal rows) -> the rank's block of rows through the chunked
 ///   runner with the global coefficients -> symmetric: column partials combined (all-reduce max of N floats, sum of 2
 ///   N) -> backward -> dK partials reduce-scattered (grouped reduces) and rounded -> sums and flags all-reduced -> the
-///   record on every rank. `finish_step` all-reduces the first non-finite site, so a `parameters` site found by one
-///   rank's `unscale_and_check` skips the step on every rank.
+///   record on every rank. The sigmoid objective (SigLIP; positives on the global diagonal or global labels, the bias
+///   from each rank's state) has no column phase: the rank's rows against the gathered keys in one pass per chunk,
+///   dK reduce-scattered, and d loss / d b all-reduced with the sums. `finish_step` all-reduces the first non-finite
+///   site, so a `parameters` site found by one rank's `unscale_and_check` skips the step on every rank.
 ///
 /// One rank per GPU and per host thread: set the rank's device (cudaSetDevice) before constructing and calling its
 /// loss (the agreement synchronizes the stream, so one thread cannot drive several ranks), and do not share one
@@ -93,6 +95,11 @@ public:
   {
     return single::make_state(t, s, out);
   }
+  /// With the sigmoid objective's logit bias (see device::loss::make_state); every rank starts from the same one.
+  static status make_state(const Temperature& t, const Scaler& s, const logit_bias& b, state_type& out)
+  {
+    return single::make_state(t, s, b, out);
+  }
   std::size_t workspace_bytes() const noexcept
   {
     return ws_bytes_;
@@ -124,10 +131,6 @@ public:
   {
     comm_.set_stream(stream);
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
-    if (local.ok() && p.obj == objective::sigmoid)
-    {
-      (void)(local = status{errc::invalid_argument, "obj", "objective::sigmoid runs on the host only so far"});
-    }
     if (local.ok() && small_ == nullptr)
     {
       (void)(local = status{errc::resource_exhausted,
@@ -253,9 +256,14 @@ public:
     const status sums = comm_.allreduce(red, 5, reduce_op::sum);
     const status fails = comm_.allreduce(failed, red + 5, 1, reduce_op::sum);
     const status maxes = comm_.allreduce(red + 6, 1, reduce_op::max);
+    // The sigmoid objective's d loss / d b, summed in place (its own collective: every rank's objective is this one).
+    float* dbias = reinterpret_cast<float*>(reinterpret_cast<char*>(run.sums()) +
+                                            offsetof(contrastive::device::kernels::step_sums, dbias));
+    const status biases = run.sigmoid ? comm_.allreduce(dbias, 1, reduce_op::sum) : status{};
     CONTRASTIVE_RETURN_IF_ERROR(sums);
     CONTRASTIVE_RETURN_IF_ERROR(fails);
     CONTRASTIVE_RETURN_IF_ERROR(maxes);
+    CONTRASTIVE_RETURN_IF_ERROR(biases);
     float any_failed = 0.0f;
     CONTRASTIVE_RETURN_IF_ERROR(
         cuda(cudaMemcpyAsync(&any_failed, red + 5, sizeof any_failed, cudaMemcpyDeviceToHost, stream)));
@@ -270,16 +278,7 @@ public:
               {local_err == cudaSuccess ? native_api::none : native_api::cuda, static_cast<int>(local_err)}};
     }
     nccl_kernels::unpack_results<><<<1, 1, 0, stream>>>(red, run.sums(), run.flags());
-    contrastive::device::kernels::finish_forward_backward<state_type>
-        <<<1, 1, 0, stream>>>(d_state,
-                              run.scalars(),
-                              run.sums(),
-                              run.flags(),
-                              static_cast<int>(g_.n_q_total),
-                              static_cast<int>(n),
-                              sym ? 1 : 0,
-                              /*materialized=*/0);
-    return cuda(cudaPeekAtLastError());
+    return cuda(run.finish(d_state, g_.n_q_total, n)); // its cudaPeekAtLastError also sees unpack's launch
   }
 
   /// This rank's own gradients (device), as on one GPU.

@@ -31,7 +31,7 @@ struct logit_bias
   {
     return logit_bias{b, 1, o, optimizer_state{}};
   }
-  bool is_learnable() const noexcept
+  CONTRASTIVE_HOST_DEVICE bool is_learnable() const noexcept
   {
     return trained != 0;
   }
@@ -58,8 +58,9 @@ struct logit_bias
     return "";
   }
 
-  /// One optimiser step on d(loss)/d b, for a learnable bias (a finite step only: the caller skips otherwise).
-  void advance(float grad) noexcept
+  /// One optimiser step on d(loss)/d b, for a learnable bias (a finite step only: the caller skips otherwise). Host and
+  /// device (the device loss's finish_step).
+  CONTRASTIVE_HOST_DEVICE void advance(float grad) noexcept
   {
     if (trained != 0)
     {

@@ -4,7 +4,8 @@
 /// \file
 /// The chunked device algorithm's element-wise part (device/chunked.cuh describes the algorithm): its constants, the
 /// cuBLAS type and status translations, the chunk kernels' arguments and the kernels themselves (row statistics,
-/// column partials and their finish, G_c, the scaled rows of dQ and dK), built from the shared per-logit math.
+/// column partials and their finish, G_c, the sigmoid objective's one-pass chunk, the scaled rows of dQ and dK),
+/// built from the shared per-logit math.
 /// Internal to the chunked loss and the NCCL loss (distributed/nccl.cuh); device/chunked/runner.cuh orders them.
 
 #include <contrastive/device/kernels.cuh>
@@ -12,6 +13,7 @@
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/numeric/sigmoid_math.hpp>
 
 #include <contrastive/status.hpp>
 
@@ -147,8 +149,8 @@ struct chunk_args
   const kernels::step_scalars* scalars = nullptr;
   float* row_lse = nullptr;
   float* row_loss = nullptr;
-  float* row_max = nullptr; ///< reported max logit per row (positive included)
-  float* pos = nullptr;     ///< the positive logit of each row
+  float* row_max = nullptr; ///< reported max logit per row (positive included; sigmoid: of z = s S + b)
+  float* pos = nullptr;     ///< the positive logit of each row (sigmoid: its z)
   float* col_max = nullptr; ///< symmetric: running column state of the negatives
   float* col_sum = nullptr;
   float* col_lse = nullptr;
@@ -269,6 +271,79 @@ __global__ void __launch_bounds__(threads)
       float gv = logit_gradient(v, lr, symmetric ? a.col_lse[j] : 0.0f, gc, symmetric != 0);
       gv = j == p ? pos_g : gv;
       out[j] = element_traits<T>::from_float(gv * factor);
+    }
+  }
+}
+
+/// A sigmoid row's sums over its columns: loss terms, G (for d loss / d b) and the largest z.
+struct sigmoid_row
+{
+  float loss;
+  float grad_sum;
+  float max;
+};
+
+struct sigmoid_row_merge
+{
+  __device__ sigmoid_row operator()(const sigmoid_row& a, const sigmoid_row& b) const noexcept
+  {
+    return {a.loss + b.loss, a.grad_sum + b.grad_sum, kernels::nan_max{}(a.max, b.max)};
+  }
+};
+
+/// The sigmoid objective, one block per chunk row: forward and G_c in one pass (no normaliser couples the logits).
+/// z = s x + b; the row's loss sum_j softplus(-l_ij z_ij) into row_loss (and row_lse, as the host keeps it), its
+/// largest z into row_max, its positive's z into pos, the sum of its G = coef (-l sigmoid(-l z)) into grad_sum
+/// (before rounding: d loss / d b); G times 2^k rounded to T into g (row stride ld; may be the logits themselves
+/// when T is float: each element is read before it is written, by the same thread). An out-of-range label (not
+/// checked on the device) leaves the row without a positive: its loss is +inf, so the step is skipped as the
+/// softmax objectives skip it.
+template <class T>
+__global__ void __launch_bounds__(threads)
+    sigmoid_chunk(chunk_args a, long long c0, float coef, float factor, T* g, float* grad_sum)
+{
+  const long long r = blockIdx.x;
+  const long long i = c0 + r;
+  const float s = a.scalars->scale;
+  const float b = a.scalars->bias;
+  const float* x = a.logits + r * a.ld;
+  T* out = g + r * a.ld;
+  const long long p = positive_of(a, i);
+  sigmoid_row part{0.0f, 0.0f, -detail::infinity_f};
+  bool bad = false;
+  for (int j = threadIdx.x; j < a.n_k; j += threads)
+  {
+    const float z = s * x[j] + b;
+    bad |= !detail::finite(z);
+    const sigmoid_term t = j == p ? sigmoid_positive(z) : sigmoid_negative(z);
+    const float gv = coef * t.grad;
+    part.loss += t.loss;
+    part.grad_sum += gv;
+    part.max = kernels::nan_max{}(part.max, z);
+    out[j] = element_traits<T>::from_float(gv * factor);
+    if (j == p)
+    {
+      a.pos[i] = z;
+    }
+  }
+  using reduce_t = cub::BlockReduce<sigmoid_row, threads>;
+  __shared__ typename reduce_t::TempStorage tmp;
+  const sigmoid_row all = reduce_t(tmp).Reduce(part, sigmoid_row_merge{});
+  if (__syncthreads_or(bad) && threadIdx.x == 0)
+  {
+    a.flags[0] = 1;
+  }
+  if (threadIdx.x == 0)
+  {
+    const bool has_positive = p >= 0 && p < a.n_k;
+    const float loss = has_positive ? all.loss : detail::infinity_f;
+    a.row_loss[i] = loss;
+    a.row_lse[i] = loss;
+    a.row_max[i] = all.max;
+    grad_sum[i] = all.grad_sum;
+    if (!has_positive)
+    {
+      a.pos[i] = -detail::infinity_f;
     }
   }
 }

@@ -2,11 +2,12 @@
 #pragma once
 
 /// \file
-/// The chunked device step, phase by phase (device/chunked.cuh describes the algorithm): the workspace layout, the
-/// free-memory and tile-path probes, the cuBLAS handle guard and `runner`, which the one-process chunked loss
-/// (device/chunked.cuh) and the NCCL loss (distributed/nccl.cuh) both drive.
+/// The chunked device step, phase by phase (device/chunked.cuh describes the algorithm): `runner`, which the
+/// one-process chunked loss (device/chunked.cuh) and the NCCL loss (distributed/nccl.cuh) both drive, over the
+/// workspace and handle of device/chunked/resources.cuh.
 
 #include <contrastive/device/chunked/kernels.cuh>
+#include <contrastive/device/chunked/resources.cuh>
 #include <contrastive/device/dispatch.cuh>
 #include <contrastive/device/logits_tile.cuh>
 #include <contrastive/problem.hpp>
@@ -26,134 +27,13 @@ namespace device
 {
 namespace chunked_phases
 {
-/// Sub-buffers of the chunked workspace (byte offsets, 256-byte aligned).
-struct layout
-{
-  std::size_t row_lse, row_loss, row_max, pos, row_dot, col_max, col_sum, col_lse, col_loss, logits, grad, dq, dk, sums,
-      flags, scalars, cub, row_part, col_part, total;
-  std::size_t chunk_rows, ld, cub_bytes;
-  bool tiles; ///< chunk_options::fused_tiles in effect (no float S_c; row_part / col_part hold the tile partials)
-};
-
-/// The current device's free memory (cudaMemGetInfo), 0 when that fails (no device; the error is cleared). A size
-/// query may run while this thread captures a graph: the call is made in relaxed capture mode, which allows calls
-/// that global mode prohibits, and the thread's mode is restored.
-inline std::size_t device_free_bytes() noexcept
-{
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
-  std::size_t free_bytes = 0, total_bytes = 0;
-  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
-  if (exchanged)
-  {
-    (void)cudaThreadExchangeStreamCaptureMode(&mode);
-  }
-  if (e != cudaSuccess || !exchanged)
-  {
-    (void)cudaGetLastError();
-  }
-  return e == cudaSuccess ? free_bytes : 0;
-}
-
-/// Whether the current device runs the tile kernels: compute capability 8.0 or later, and the code this program
-/// loads for them built for sm_80 or later (a build for sm_70/75 alone would run compute_7x PTX, where mma.sync
-/// m16n8k16 is missing and the kernels trap). A CUDA error (no device) answers no; that error is cleared.
-inline bool device_runs_tiles() noexcept
-{
-  int dev = 0;
-  int major = 0;
-  cudaFuncAttributes fa{};
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&fa, logits_tile::tile_kernel<__nv_bfloat16, logits_tile::statistics_epilogue>) !=
-          cudaSuccess)
-  {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major >= 8 && fa.ptxVersion >= 80 && fa.binaryVersion >= 80;
-}
-
-/// chunk_options::fused_tiles in effect for this problem (see there).
-template <class Element>
-bool use_tiles(const problem<Element>& p, const chunk_options& o) noexcept
-{
-  if constexpr (std::is_same_v<Element, float>)
-  {
-    (void)p;
-    (void)o;
-    return false;
-  }
-  else
-  {
-    const auto aligned = [](const void* ptr)
-    {
-      return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
-    };
-    return o.fused_tiles && p.dim % 8 == 0 && aligned(p.q) && aligned(p.k) && device_runs_tiles();
-  }
-}
-
-/// Bytes per chunk row of the tile path's buffers: G_c in T, one row partial per column tile, and (amortised over a
-/// row tile) one column partial per column.
-template <class Element>
-constexpr std::size_t tile_bytes_per_row(std::size_t ld) noexcept
-{
-  const std::size_t col_tiles = (ld + logits_tile::config::bn - 1) / logits_tile::config::bn;
-  return ld * sizeof(Element) + col_tiles * sizeof(float2) +
-         (ld * sizeof(float2) + logits_tile::config::bm - 1) / logits_tile::config::bm;
-}
-
-/// Restores the handle's stream and pointer mode when the call ends.
-struct handle_guard
-{
-  cublasHandle_t h;
-  cudaStream_t old_stream = nullptr;
-  cublasPointerMode_t old_mode = CUBLAS_POINTER_MODE_HOST;
-  bool set_stream = false; // changed by enter, so restored on exit
-  bool set_mode = false;
-
-  /// Sets the stream and host pointer mode only where the handle differs: cublasSetStream also resets the handle's
-  /// workspace to the default pool, which would drop a workspace the caller attached (PyTorch attaches its own to
-  /// the handle it hands out, already on its current stream).
-  cublasStatus_t enter(cudaStream_t stream) noexcept
-  {
-    cublasStatus_t st = cublasGetStream(h, &old_stream);
-    if (st == CUBLAS_STATUS_SUCCESS)
-    {
-      st = cublasGetPointerMode(h, &old_mode);
-    }
-    if (st == CUBLAS_STATUS_SUCCESS && old_stream != stream)
-    {
-      st = cublasSetStream(h, stream);
-      set_stream = st == CUBLAS_STATUS_SUCCESS;
-    }
-    if (st == CUBLAS_STATUS_SUCCESS && old_mode != CUBLAS_POINTER_MODE_HOST)
-    {
-      st = cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST);
-      set_mode = st == CUBLAS_STATUS_SUCCESS;
-    }
-    return st;
-  }
-  ~handle_guard()
-  {
-    if (set_mode)
-    {
-      cublasSetPointerMode(h, old_mode);
-    }
-    if (set_stream)
-    {
-      cublasSetStream(h, old_stream);
-    }
-  }
-};
-
 /// One chunked step's work on a problem whose workspace is laid out by `layout`, phase by phase, so that the
 /// single-process loss and the distributed one (distributed/nccl.cuh) share it. `p.labels` (device) give each row's
 /// positive column (null: the diagonal); `gc` the gradient coefficients (the problem's own, or the global batch's).
 /// The caller has entered the handle (handle_guard) and orders the phases:
 ///   begin -> [symmetric: forward_all -> column statistics (finish_columns_local, or combined across ranks)]
-///         -> backward_all -> store_dk -> reduce_local -> a finish kernel.
+///         -> backward_all -> store_dk -> reduce_local -> finish (the record kernel).
+/// The sigmoid objective has no column statistics: backward_all runs its forward and backward in one pass per chunk.
 template <class Element>
 struct runner
 {
@@ -166,6 +46,7 @@ struct runner
   cudaStream_t stream;
   grad_coefficients gc;
   bool sym;
+  bool sigmoid;
   float up, down; // 2^k and 2^-k around the element-type G (fp16 only; else 1)
   chunk_args a;
 
@@ -176,7 +57,7 @@ struct runner
          cudaStream_t s,
          const grad_coefficients& coef)
       : p(prob), w(lay), base(static_cast<char*>(d_temp)), handle(h), stream(s), gc(coef),
-        sym(prob.obj == objective::symmetric)
+        sym(prob.obj == objective::symmetric), sigmoid(prob.obj == objective::sigmoid)
   {
     const int shift = gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
     up = std::ldexp(1.0f, shift);
@@ -233,7 +114,7 @@ struct runner
     return cublas_failure_;
   }
 
-  /// Clears the flags and reads tau and the loss scale from the state (prologue kernel).
+  /// Clears the flags and reads tau, the loss scale and the logit bias from the state (prologue kernel).
   template <class State>
   cudaError_t begin(State* d_state)
   {
@@ -369,9 +250,6 @@ struct runner
   /// G_c, dQ_c (scaled, rounded into dq's rows, <dQ_i, q_i> kept), dK += G_c^T Q_c (float accumulator).
   cudaError_t backward_chunk(std::size_t c0, int rows, Element* dq)
   {
-    const float one = 1.0f, zero = 0.0f;
-    const cudaDataType_t et = cuda_type<Element>();
-    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
     const dim3 grid(static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)),
                     static_cast<unsigned>(std::min(rows, 65535)));
     if (w.tiles)
@@ -384,6 +262,25 @@ struct runner
           a, static_cast<long long>(c0), rows, gc, sym ? 1 : 0, up, static_cast<Element*>(grad()));
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     }
+    return gradient_products(c0, rows, dq);
+  }
+
+  /// The sigmoid objective's chunk: S_c, then its loss terms and G_c in one kernel, then the products.
+  cudaError_t sigmoid_chunk_step(std::size_t c0, int rows, Element* dq)
+  {
+    CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
+    sigmoid_chunk<Element><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+        a, static_cast<long long>(c0), gc.row_coef, up, static_cast<Element*>(grad()), f(w.row_bias));
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    return gradient_products(c0, rows, dq);
+  }
+
+  /// From the chunk's G_c: dQ_c (scaled, rounded into dq's rows, <dQ_i, q_i> kept) and dK += G_c^T Q_c.
+  cudaError_t gradient_products(std::size_t c0, int rows, Element* dq)
+  {
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType_t et = cuda_type<Element>();
+    const cudaDataType_t gt = sixteen_bit ? et : CUDA_R_32F;
     // dQ_c^T (d x rows) = K^T (d x n_k) G_c^T (n_k x rows), times 2^-k.
     CONTRASTIVE_CUDA_TRY(blas(cublasGemmEx(handle,
                                            CUBLAS_OP_N,
@@ -448,13 +345,19 @@ struct runner
     return cudaPeekAtLastError();
   }
 
-  /// Symmetric, pass 2 (S_c recomputed unless one chunk holds every row); info_nce: forward and backward per chunk.
+  /// Symmetric, pass 2 (S_c recomputed unless one chunk holds every row); info_nce and sigmoid: forward and backward
+  /// per chunk.
   cudaError_t backward_all(Element* dq)
   {
     const bool one_chunk = w.chunk_rows >= p.n_q;
     for (std::size_t c0 = 0; c0 < p.n_q; c0 += w.chunk_rows)
     {
       const int rows = static_cast<int>(std::min(w.chunk_rows, p.n_q - c0));
+      if (sigmoid)
+      {
+        CONTRASTIVE_CUDA_TRY(sigmoid_chunk_step(c0, rows, dq));
+        continue;
+      }
       if (!sym)
       {
         CONTRASTIVE_CUDA_TRY(forward_chunk(c0, rows));
@@ -476,7 +379,7 @@ struct runner
     return cudaPeekAtLastError();
   }
 
-  /// This problem's sums (row losses, column losses when symmetric, <dQ, Q>) and max logit, into sums().
+  /// This problem's sums (row losses, column losses when symmetric, <dQ, Q>, sigmoid: G) and max logit, into sums().
   cudaError_t reduce_local()
   {
     void* tmp = base + w.cub;
@@ -490,8 +393,35 @@ struct runner
     }
     bytes = w.cub_bytes;
     CONTRASTIVE_CUDA_TRY(util::reduce_sum(tmp, bytes, f(w.row_dot), &sums()->dlogs, n_q, stream));
+    if (sigmoid)
+    {
+      bytes = w.cub_bytes;
+      CONTRASTIVE_CUDA_TRY(util::reduce_sum(tmp, bytes, f(w.row_bias), &sums()->dbias, n_q, stream));
+    }
     bytes = w.cub_bytes;
     return util::reduce_max(tmp, bytes, a.row_max, &sums()->max_logit, n_q, stream);
+  }
+
+  /// The record kernel of this objective, from the sums and flags (a distributed caller's all-reduced ones): the
+  /// batch has n_q_total rows and n_k_total keys.
+  template <class State>
+  cudaError_t finish(State* d_state, std::size_t n_q_total, std::size_t n_k_total)
+  {
+    if (sigmoid)
+    {
+      kernels::finish_sigmoid_forward_backward<State>
+          <<<1, 1, 0, stream>>>(d_state, scalars(), sums(), flags(), static_cast<int>(n_q_total));
+      return cudaPeekAtLastError();
+    }
+    kernels::finish_forward_backward<State><<<1, 1, 0, stream>>>(d_state,
+                                                                 scalars(),
+                                                                 sums(),
+                                                                 flags(),
+                                                                 static_cast<int>(n_q_total),
+                                                                 static_cast<int>(n_k_total),
+                                                                 sym ? 1 : 0,
+                                                                 /*materialized=*/0);
+    return cudaPeekAtLastError();
   }
 
 private:

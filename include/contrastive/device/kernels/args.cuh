@@ -38,6 +38,7 @@ struct step_scalars
   float scale;      ///< s = 1/tau
   float loss_scale; ///< loss scale of this step
   int wants_gradient;
+  float bias; ///< the sigmoid objective's logit bias b (z = s <q, k> + b); the softmax objectives do not read it
 };
 
 /// Arguments of a row pass (plain data, passed by value).

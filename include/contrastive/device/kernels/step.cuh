@@ -35,6 +35,7 @@ __global__ void prologue(const State* state, step_scalars* out)
   out->scale = state->temperature.scale();
   out->loss_scale = state->scaler.loss_scale();
   out->wants_gradient = state->temperature.wants_gradient() ? 1 : 0;
+  out->bias = state->bias.value;
 }
 
 /// Sums of the reductions the finish kernel reads.
@@ -44,6 +45,7 @@ struct step_sums
   float col_loss;
   float dlogs;
   float max_logit;
+  float dbias; ///< sigmoid: sum of G (d loss / d b before the loss scale)
 };
 
 /// Fills the pending step record from the reductions and flags (steps 1-3 of a step).
@@ -67,9 +69,37 @@ __global__ void finish_forward_backward(State* state,
   o.dq_bad = flags[1] != 0;
   o.dk_bad = flags[2] != 0;
   state->record = detail::make_record(state->step, state->temperature.tau(), ls, scalars->wants_gradient != 0, o);
+  state->bias_step = 0; // a softmax step: its finish_step leaves the bias alone, whatever came before
 }
 
-/// Step 4 on the device: scaler update, then the temperature update for a finite step.
+/// The sigmoid objective's step record (steps 1-3): the mean of the rows' losses, d loss / d log s and d loss / d b
+/// (the sum of G), the bias used; a learnable bias with a non-finite gradient skips the step (`grad_logit_bias`), as
+/// on the host. Marks the step as one whose finish_step moves the bias.
+template <class State>
+__global__ void finish_sigmoid_forward_backward(
+    State* state, const step_scalars* scalars, const step_sums* sums, const int* flags, int n_q)
+{
+  const float ls = scalars->loss_scale;
+  detail::pass_outcome o{};
+  o.loss = sums->row_loss / n_q;
+  o.max_logit = sums->max_logit;
+  o.grad_logit_scale_scaled = ls * scalars->scale * sums->dlogs;
+  o.logits_bad = flags[0] != 0;
+  o.dq_bad = flags[1] != 0;
+  o.dk_bad = flags[2] != 0;
+  o.grad_logit_bias_scaled = ls * sums->dbias;
+  step_record rec = detail::make_record(state->step, state->temperature.tau(), ls, scalars->wants_gradient != 0, o);
+  rec.logit_bias = scalars->bias;
+  if (state->bias.is_learnable() && rec.first_nonfinite == nonfinite_site::none && !detail::finite(rec.grad_logit_bias))
+  {
+    rec.first_nonfinite = nonfinite_site::grad_logit_bias;
+  }
+  state->record = rec;
+  state->bias_step = 1;
+}
+
+/// Step 4 on the device: scaler update, then the temperature update for a finite step, and after a sigmoid step the
+/// bias's (finite steps only, as on the host).
 template <class Element, class State>
 __global__ void finish_step(State* state)
 {
@@ -78,6 +108,14 @@ __global__ void finish_step(State* state)
     return;
   }
   detail::finish_step<Element>(state->temperature, state->scaler, state->record);
+  if (state->bias_step != 0)
+  {
+    if (!state->record.skipped)
+    {
+      state->bias.advance(state->record.grad_logit_bias);
+    }
+    state->bias_step = 0;
+  }
   state->step += 1;
 }
 
