@@ -184,10 +184,10 @@ def _bias_value(logit_bias):
 
 
 def _like(value, param):
-    """A 0-dim gradient `value` (a float64 tensor) in the dtype and shape of `param` (a tensor; None for a number)."""
+    """A 0-dim gradient `value` (a tensor) in the device, dtype and shape of `param` (a tensor; None for a number)."""
     if not isinstance(param, torch.Tensor):
         return None
-    return value.to(param.dtype).reshape(param.shape)
+    return value.to(device=param.device, dtype=param.dtype).reshape(param.shape)
 
 
 class _Pool:
@@ -304,12 +304,17 @@ class _SigmoidFunction(torch.autograd.Function):
         return dq, dk, d_scale, d_bias, None, None, None, None
 
 
+def _check_finite(named):
+    """Raises ValueError naming the first (name, tensor) that holds a non-finite value (reads the values: one sync)."""
+    for name, x in named:
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name}: holds a non-finite value")
+
+
 def _check_cuda_values(q, k, labels32, symmetric):
     """The device API does not check values (that would synchronise inside the step); checked here, once. Returns the
     labels on the features' device."""
-    for name, x in (("image_features" if symmetric else "query", q), ("text_features" if symmetric else "keys", k)):
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name}: holds a non-finite value")
+    _check_finite((("image_features" if symmetric else "query", q), ("text_features" if symmetric else "keys", k)))
     if labels32 is not None:
         labels32 = labels32.to(q.device)
         if labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
@@ -347,6 +352,40 @@ class _CudaFunction(torch.autograd.Function):
             d_scale = (dlogs * grad / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
         # In float: a GradScaler scale of 65536 does not fit float16.
         return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None, None
+
+
+def _check_cuda_sigmoid(q, k):
+    """SigLipLoss on CUDA tensors: what the device API does not check (values; that would synchronise inside the
+    step), once, here."""
+    _check_finite((("image_features", q), ("text_features", k)))
+    if q.shape[0] > k.shape[0]:
+        raise ValueError(f"features: the positives are the diagonal, which needs as many texts as images or more "
+                         f"({q.shape[0]} images, {k.shape[0]} texts)")
+
+
+class _CudaSigmoidFunction(torch.autograd.Function):
+    """SigLIP's sigmoid loss on CUDA tensors: the device's chunked step computes the loss and every gradient at loss
+    scale 1 in the forward (as _CudaFunction); the backward multiplies them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, logit_scale, logit_bias, report):
+        scale, bias = _scale_value(logit_scale), _bias_value(logit_bias)
+        loss, dq, dk, dlogs, max_logit, site, dbias = cuda_extension().sigmoid_step(q, k, scale, bias, None, 0)
+        report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
+        ctx.save_for_backward(dq, dk, dlogs, dbias)
+        ctx.scale = scale
+        ctx.params = (logit_scale if isinstance(logit_scale, torch.Tensor) else None,
+                      logit_bias if isinstance(logit_bias, torch.Tensor) else None)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        dq, dk, dlogs, dbias = ctx.saved_tensors
+        scale_param, bias_param = ctx.params
+        # d loss / d s = (d loss / d log s) / s; in float: a GradScaler scale of 65536 does not fit float16.
+        d_scale = _like(dlogs * grad / ctx.scale, scale_param) if ctx.needs_input_grad[2] else None
+        d_bias = _like(dbias * grad, bias_param) if ctx.needs_input_grad[3] else None
+        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, d_bias, None
 
 
 # --- torch.distributed ------------------------------------------------------------------------------------------
@@ -681,6 +720,36 @@ if HAS_CUSTOM_OPS:
 
     _cuda_step_op.register_autograd(_cuda_autograd, setup_context=_cuda_setup_context)
 
+    # SigLipLoss on CUDA tensors (contrastive_torch::cuda_sigmoid_step): the device's chunked step, all gradients in
+    # one call, as cuda_step; the bias is a tensor input (SigLipLoss passes a 0 for None). Written and traced on the
+    # CPU only (its fake implementation); not yet run on a GPU.
+    @torch.library.custom_op("contrastive_torch::cuda_sigmoid_step", mutates_args=(), device_types="cuda")
+    def _cuda_sigmoid_step_op(
+            q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor,
+            logit_bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        _check_cuda_sigmoid(q, k)
+        loss, dq, dk, dlogs, _max_logit, _site, dbias = cuda_extension().sigmoid_step(
+            q, k, _scale_value(logit_scale), _bias_value(logit_bias), None, 0)
+        # loss, dlogs and dbias view the step's state buffer: an operator's outputs must not alias, so they are copied.
+        return loss.clone(), dq, dk, dlogs.clone(), dbias.clone()
+
+    @_cuda_sigmoid_step_op.register_fake
+    def _(q, k, logit_scale, logit_bias):
+        scalar = q.new_empty((), dtype=torch.float32)
+        return scalar, torch.empty_like(q), torch.empty_like(k), torch.empty_like(scalar), torch.empty_like(scalar)
+
+    def _cuda_sigmoid_setup_context(ctx, inputs, output):
+        _loss, dq, dk, dlogs, dbias = output
+        ctx.save_for_backward(dq, dk, dlogs, dbias, inputs[2], inputs[3])
+
+    def _cuda_sigmoid_autograd(ctx, grad, _grad_dq, _grad_dk, _grad_dlogs, _grad_dbias):
+        dq, dk, dlogs, dbias, logit_scale, logit_bias = ctx.saved_tensors
+        d_scale = _like(dlogs * grad / logit_scale.float().to(dlogs.device), logit_scale)
+        d_bias = _like(dbias * grad, logit_bias)
+        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, d_bias
+
+    _cuda_sigmoid_step_op.register_autograd(_cuda_sigmoid_autograd, setup_context=_cuda_sigmoid_setup_context)
+
 
 def _compiling():
     """True while torch.compile (dynamo) traces the caller."""
@@ -953,14 +1022,17 @@ _DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 class SigLipLoss(_Base):
     """open_clip's SigLipLoss: same constructor, same call.
 
-        loss_fn = SigLipLoss(cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm="fused",
+        loss_fn = SigLipLoss(cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm=None,
                              threads=0, group=None)
         loss = loss_fn(image_features, text_features, logit_scale, logit_bias)  # logit_scale = t = exp(t')
 
     SigLIP's pairwise sigmoid loss (Zhai et al. 2023): logits z = t I T^T + b, loss -(1/n) sum log sigmoid(l z) with
     l = +1 on the diagonal and -1 elsewhere, n the number of images; gradients to both feature tensors, to
-    logit_scale and to logit_bias (None: no bias). The library's objective::sigmoid on the host engine (CPU tensors;
-    the fused algorithm runs forward and backward in one pass and never forms the n x n logits). `cache_labels` caches
+    logit_scale and to logit_bias (None: no bias). The library's objective::sigmoid: on CPU tensors the host engine
+    (algorithm None or 'fused': forward and backward in one pass, never the n x n logits; 'materialized', 'chunked'),
+    on CUDA tensors the device's chunked step (cuBLAS products, one element-wise pass per chunk; algorithm None or
+    'chunked', the one device algorithm for this loss: 'fused' and 'materialized' are refused there by name). The CUDA
+    path is written and compiled but has not run on a GPU yet. `cache_labels` caches
     open_clip's label matrix (nothing to cache here: the diagonal is implied); `dist_impl` picks open_clip's exchange
     for world_size > 1 ('bidir', 'shift', 'reduce', 'gather', default 'bidir'): all four give the same loss and
     gradients, and so does this one, which gathers the text features once and reduce-scatters their gradients
@@ -977,9 +1049,12 @@ class SigLipLoss(_Base):
     On PyTorch >= 2.4 the one-process loss is also the custom operators contrastive_torch::sigmoid_loss and
     ::sigmoid_loss_backward, which torch.compile traces (custom_ops=True uses them in eager calls too)."""
 
-    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm="fused", threads=0,
+    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, algorithm=None, threads=0,
                  custom_ops=False, group=None):
-        super().__init__(algorithm=algorithm, threads=threads, custom_ops=custom_ops)
+        # None: 'fused' on CPU tensors, 'chunked' (the only device algorithm of this loss) on CUDA tensors.
+        super().__init__(algorithm="fused" if algorithm is None else algorithm, threads=threads,
+                         custom_ops=custom_ops)
+        self.algorithm_given = algorithm is not None
         self.cache_labels = _flag("cache_labels", cache_labels)
         self.rank = _index("rank", rank)
         self.world_size = _index("world_size", world_size)
@@ -1017,29 +1092,50 @@ class SigLipLoss(_Base):
             raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype})")
         if q.shape[1] != k.shape[1]:
             raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
-        if q.device.type != "cpu" or k.device.type != "cpu":
-            raise NotImplementedError(
-                "image_features: CUDA tensors: SigLipLoss runs on the host engine only for now (the device paths "
-                "have no sigmoid objective yet); pass CPU tensors")
+        if q.device != k.device:
+            raise ValueError(f"features: on different devices ({q.device} and {k.device})")
+        if q.device.type == "cuda":
+            return self._run_sigmoid_cuda(q, k, logit_scale, logit_bias)
         if HAS_CUSTOM_OPS and (self.use_custom_ops or _compiling()):
             # The operators (what torch.compile traces): checks that read no values here; values inside the op.
-            if isinstance(logit_bias, bool) or not (logit_bias is None
-                                                    or isinstance(logit_bias, (torch.Tensor, float, int))):
-                raise TypeError(f"logit_bias: expected None, a number or a one-element tensor, got "
-                                f"{type(logit_bias).__name__}")
-            if not isinstance(logit_scale, torch.Tensor):
-                logit_scale = torch.tensor(float(logit_scale), dtype=torch.float32)
-            if not isinstance(logit_bias, torch.Tensor):
-                logit_bias = torch.tensor(float(logit_bias or 0.0), dtype=torch.float32)
-            for name, x in (("logit_scale", logit_scale), ("logit_bias", logit_bias)):
-                if x.numel() != 1:
-                    raise ValueError(f"{name}: expected one value, got shape {tuple(x.shape)}")
+            logit_scale, logit_bias = _operator_scalars(logit_scale, logit_bias, None)
             return torch.ops.contrastive_torch.sigmoid_loss(q, k, logit_scale, logit_bias, self.algorithm,
                                                             self.threads)
         _bias_value(logit_bias)  # its type and value, before any work
         report = {}
         self.last_step = report
         return _SigmoidFunction.apply(q, k, logit_scale, logit_bias, None, self.algorithm, self.threads, report)
+
+    def _run_sigmoid_cuda(self, q, k, logit_scale, logit_bias):
+        if self.algorithm_given and self.algorithm != "chunked":
+            raise ValueError(f"algorithm: '{self.algorithm}' has no device path for the sigmoid loss; on CUDA tensors "
+                             f"SigLipLoss runs 'chunked' (pass algorithm='chunked', or leave it unset)")
+        if HAS_CUSTOM_OPS and (self.use_custom_ops or _compiling()):
+            # The operator (what torch.compile traces): nothing here reads a value; the operator checks them.
+            logit_scale, logit_bias = _operator_scalars(logit_scale, logit_bias, q.device)
+            loss, _dq, _dk, _dlogs, _dbias = torch.ops.contrastive_torch.cuda_sigmoid_step(q, k, logit_scale,
+                                                                                          logit_bias)
+            return loss
+        _bias_value(logit_bias)  # its type and value, before any work
+        _check_cuda_sigmoid(q, k)
+        report = {}
+        self.last_step = report
+        return _CudaSigmoidFunction.apply(q, k, logit_scale, logit_bias, report)
+
+
+def _operator_scalars(logit_scale, logit_bias, device):
+    """SigLipLoss's logit_scale and logit_bias as the one-element tensors its operators take (numbers become float32
+    tensors on `device`, None for the default; a None bias is 0), checked without reading a value."""
+    if isinstance(logit_bias, bool) or not (logit_bias is None or isinstance(logit_bias, (torch.Tensor, float, int))):
+        raise TypeError(f"logit_bias: expected None, a number or a one-element tensor, got {type(logit_bias).__name__}")
+    if not isinstance(logit_scale, torch.Tensor):
+        logit_scale = torch.tensor(float(logit_scale), dtype=torch.float32, device=device)
+    if not isinstance(logit_bias, torch.Tensor):
+        logit_bias = torch.tensor(float(logit_bias or 0.0), dtype=torch.float32, device=device)
+    for name, x in (("logit_scale", logit_scale), ("logit_bias", logit_bias)):
+        if x.numel() != 1:
+            raise ValueError(f"{name}: expected one value, got shape {tuple(x.shape)}")
+    return logit_scale, logit_bias
 
 
 class InfoNCELoss(_Base):

@@ -40,7 +40,8 @@ for src in ("binding.cpp", "binding_cuda.cu", "errors.hpp", "problem_of.hpp", "t
 if os.environ.get("CONTRASTIVE_TORCH_CUDA") == "1":
     import importlib
     cuda = importlib.import_module("contrastive_torch._C_cuda")  # built by pip (with nvcc), loads without a GPU
-    assert hasattr(cuda, "step"), "contrastive_torch._C_cuda has no step()"
+    for fn in ("step", "sigmoid_step"):
+        assert hasattr(cuda, fn), f"contrastive_torch._C_cuda has no {fn}()"
     print(f"CUDA extension built and loaded: {cuda.__file__}")
 print(f"installed: {ct.__file__}; extension {ext.__file__}; torch {ct.torch.__version__}")
 PY

@@ -226,3 +226,104 @@ def test_global_batch_over_gloo(world, seed, tmp_path):
     assert not failures, "\n".join(failures[:20])
     # 2 dtypes x 3 algorithms x 2 x 5 values, 2 refusals and the check after them: every check ran on every rank.
     assert checks == [2 * 3 * 10 + 3] * world, f"checks per rank: {checks}"
+
+
+# CUDA tensors: the device's chunked step (contrastive_torch._C_cuda.sigmoid_step and the operator
+# contrastive_torch::cuda_sigmoid_step). The operator's fake implementation and autograd formula are checked here on
+# the CPU; running it needs a GPU (the tests after them skip without one).
+
+
+def test_cuda_sigmoid_operator_traces_without_a_gpu():
+    if not ct.HAS_CUSTOM_OPS:
+        pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(8, 4, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(12, 4, device="cuda", dtype=torch.bfloat16)
+        t, b = torch.empty((), device="cuda"), torch.empty((), device="cuda")
+        loss, dq, dk, dlogs, dbias = torch.ops.contrastive_torch.cuda_sigmoid_step(q, k, t, b)
+    assert (loss.shape, loss.dtype, loss.device.type) == ((), torch.float32, "cuda")
+    assert (dq.shape, dq.dtype, dk.shape, dk.dtype) == (q.shape, q.dtype, k.shape, k.dtype)
+    assert (dlogs.shape, dlogs.dtype, dbias.shape, dbias.dtype) == ((), torch.float32, (), torch.float32)
+
+
+def test_cuda_sigmoid_autograd_formula():
+    # The step's gradients at loss scale 1, times the incoming gradient; d loss / d t = (d loss / d log t) / t and
+    # d loss / d b as it is, each in its parameter's dtype, shape and device.
+    if not ct.HAS_CUSTOM_OPS:
+        pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    dq, dk = torch.randn(6, 3).to(torch.float16), torch.randn(9, 3).to(torch.float16)
+    dlogs, dbias = torch.tensor(0.75), torch.tensor(-0.5)
+    t, b = torch.tensor([10.0], dtype=torch.float64), torch.tensor(-10.0)
+    ctx.saved_tensors = (dq, dk, dlogs, dbias, t, b)
+    gq, gk, gt, gb = ct._cuda_sigmoid_autograd(ctx, torch.tensor(65536.0), None, None, None, None)
+    assert gq.dtype == torch.float16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.float16))
+    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.float16))
+    assert gt.dtype == torch.float64 and gt.shape == t.shape
+    assert float(gt) == pytest.approx(0.75 * 65536.0 / 10.0, rel=1e-6)
+    assert gb.shape == b.shape and float(gb) == -0.5 * 65536.0
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_matches_open_clip(dtype, seed):
+    oc = _open_clip_loss_module()
+    require("open_clip", oc is not None, "open-clip-torch is not installed")
+    for n, d, t, b in ((48, 32, 10.0, -10.0), (300, 64, 30.0, -12.0)):
+        img, txt = _draw(n, d, seed + n)
+        I, T = img.to(dtype), txt.to(dtype)
+        fn = ct.SigLipLoss()  # algorithm None: 'chunked' on CUDA tensors
+        got = _step(lambda *a: fn(*[x.cuda() for x in a]), I.cuda(), T.cuda(), t, b)
+        want = _step(oc.SigLipLoss(), I, T, t, b, dtype=torch.float64)
+        assert int(fn.last_step["first_nonfinite_code"]) == 0
+        assert got[1].dtype == dtype and got[1].device.type == "cuda"
+        eps = torch.finfo(dtype).eps
+        # The device stores G_c in the element type for its tensor-core products: one more rounding than the host.
+        for name, a, w, tol in zip(NAMES, got, want, _bounds(dtype, I, T, t, b)):
+            err = _rel(a.cpu(), w)
+            assert err <= 2 * tol, f"{name}: {err / eps:.1f} eps from open_clip, bound {2 * tol / eps:.1f} (n {n})"
+
+
+@needs_cuda
+def test_cuda_algorithm_choice_and_errors():
+    img, txt = _draw(16, 8, 5)
+    I, T = img.cuda(), txt.cuda()
+    t, b = torch.tensor(10.0, device="cuda"), torch.tensor(-10.0, device="cuda")
+    assert math.isfinite(float(ct.SigLipLoss(algorithm="chunked")(I, T, t, b)))
+    for algorithm in ("fused", "materialized"):
+        with pytest.raises(ValueError, match="algorithm"):
+            ct.SigLipLoss(algorithm=algorithm)(I, T, t, b)
+    bad = I.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ct.SigLipLoss()(bad, T, t, b)
+    with pytest.raises(ValueError, match="devices"):
+        ct.SigLipLoss()(I, txt, t, b)
+    with pytest.raises(ValueError, match="diagonal"):
+        ct.SigLipLoss()(T.repeat(2, 1), T, t, b)
+
+
+@needs_cuda
+def test_cuda_opcheck_and_compiled_step():
+    if not ct.HAS_CUSTOM_OPS:
+        pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
+    img, txt = _draw(64, 32, 9)
+    I, T = img.cuda(), txt.cuda()
+    t, b = torch.tensor(10.0, device="cuda"), torch.tensor(-10.0, device="cuda")
+    torch.library.opcheck(torch.ops.contrastive_torch.cuda_sigmoid_step.default,
+                          (I.clone().requires_grad_(), T.clone().requires_grad_(), t.clone().requires_grad_(),
+                           b.clone().requires_grad_()))
+    fn = ct.SigLipLoss()
+    eager = _step(fn, I, T, 10.0, -10.0)
+    compiled = _step(torch.compile(fn, fullgraph=True), I, T, 10.0, -10.0)
+    for name, a, w in zip(NAMES, compiled, eager):
+        assert _rel(a.cpu(), w.cpu()) <= 64 * torch.finfo(torch.float32).eps, name

@@ -2,8 +2,9 @@
 //
 // PyTorch binding of the device path: one call runs the library's device step (forward and backward at loss scale 1)
 // on CUDA tensors, on PyTorch's current stream, with PyTorch's cuBLAS handle and caching allocator (the workspace
-// and the policy state are uint8 CUDA tensors). Nothing synchronizes: the loss, d loss / d log s, the max logit and
-// the first non-finite site come back as 0-dim CUDA tensors viewing the step record in device memory.
+// and the policy state are uint8 CUDA tensors). Nothing synchronizes: the loss, d loss / d log s (and, for SigLIP's
+// sigmoid objective, d loss / d b), the max logit and the first non-finite site come back as 0-dim CUDA tensors
+// viewing the step record in device memory.
 #include <torch/extension.h>
 
 #include "errors.hpp"
@@ -39,12 +40,15 @@ torch::Tensor field(const torch::Tensor& state, std::ptrdiff_t offset, std::int6
   return state.narrow(0, offset, bytes).view(dtype).reshape({});
 }
 
+/// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code), d loss / d b} of one device step of
+/// objective `obj` at logit scale `scale` (and, sigmoid, logit bias `bias`), loss scale 1.
 template <class T, class Algorithm>
 std::vector<torch::Tensor> run(const torch::Tensor& q,
                                const torch::Tensor& k,
                                double scale,
+                               double bias,
                                const torch::Tensor& labels,
-                               bool symmetric,
+                               cl::objective obj,
                                std::int64_t chunk_rows,
                                bool fused_tiles)
 {
@@ -54,8 +58,10 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
   state_type st;
-  const cl::status made =
-      L::make_state(cl::temperature::fixed(static_cast<float>(1.0 / scale)), cl::scaler::static_scale(1.0f), st);
+  const cl::status made = L::make_state(cl::temperature::fixed(static_cast<float>(1.0 / scale)),
+                                        cl::scaler::static_scale(1.0f),
+                                        cl::logit_bias::fixed(static_cast<float>(bias)),
+                                        st);
   if (!made.ok())
   {
     contrastive_torch::raise(made);
@@ -67,7 +73,7 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
   // and capturable in a graph; `st` may go out of scope once the call returns.
   check(cl::detail::cuda_status(L::upload_state(st, d_state, stream), "upload_state"));
 
-  const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, symmetric);
+  const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, obj);
   torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
   T* dq_p = reinterpret_cast<T*>(dq.data_ptr());
   T* dk_p = reinterpret_cast<T*>(dk.data_ptr());
@@ -102,7 +108,8 @@ std::vector<torch::Tensor> run(const torch::Tensor& q,
           dk,
           field(state, at(&r.grad_logit_scale), 4, torch::kFloat32),
           field(state, at(&r.max_logit), 4, torch::kFloat32),
-          field(state, at(&r.first_nonfinite), 4, torch::kInt32)};
+          field(state, at(&r.first_nonfinite), 4, torch::kInt32),
+          field(state, at(&r.grad_logit_bias), 4, torch::kFloat32)};
 }
 
 template <class T>
@@ -110,25 +117,50 @@ std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         const torch::Tensor& q,
                                         const torch::Tensor& k,
                                         double scale,
+                                        double bias,
                                         const torch::Tensor& labels,
-                                        bool symmetric,
+                                        cl::objective obj,
                                         std::int64_t chunk_rows,
                                         bool fused_tiles)
 {
   if (algorithm == "chunked")
   {
-    return run<T, cl::algorithm::chunked>(q, k, scale, labels, symmetric, chunk_rows, fused_tiles);
+    return run<T, cl::algorithm::chunked>(q, k, scale, bias, labels, obj, chunk_rows, fused_tiles);
   }
   if (algorithm == "fused")
   {
-    return run<T, cl::algorithm::fused>(q, k, scale, labels, symmetric, chunk_rows, fused_tiles);
+    return run<T, cl::algorithm::fused>(q, k, scale, bias, labels, obj, chunk_rows, fused_tiles);
   }
   if (algorithm == "materialized")
   {
-    return run<T, cl::algorithm::materialized>(q, k, scale, labels, symmetric, chunk_rows, fused_tiles);
+    return run<T, cl::algorithm::materialized>(q, k, scale, bias, labels, obj, chunk_rows, fused_tiles);
   }
   throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
                               "' is not one of 'fused', 'materialized', 'chunked'");
+}
+
+std::vector<torch::Tensor> by_dtype(const std::string& algorithm,
+                                    const torch::Tensor& q,
+                                    const torch::Tensor& k,
+                                    double scale,
+                                    double bias,
+                                    const c10::optional<torch::Tensor>& labels,
+                                    cl::objective obj,
+                                    std::int64_t chunk_rows,
+                                    bool fused_tiles)
+{
+  const torch::Tensor lab = labels.has_value() ? *labels : torch::Tensor();
+  switch (q.scalar_type())
+  {
+  case torch::kFloat32:
+    return by_algorithm<float>(algorithm, q, k, scale, bias, lab, obj, chunk_rows, fused_tiles);
+  case torch::kBFloat16:
+    return by_algorithm<__nv_bfloat16>(algorithm, q, k, scale, bias, lab, obj, chunk_rows, fused_tiles);
+  case torch::kFloat16:
+    return by_algorithm<__half>(algorithm, q, k, scale, bias, lab, obj, chunk_rows, fused_tiles);
+  default:
+    throw std::invalid_argument("contrastive: features: dtype is not float32, bfloat16 or float16");
+  }
 }
 
 /// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code)} at loss scale 1.
@@ -141,18 +173,29 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
                                 std::int64_t chunk_rows,
                                 bool fused_tiles)
 {
-  const torch::Tensor lab = labels.has_value() ? *labels : torch::Tensor();
-  switch (q.scalar_type())
-  {
-  case torch::kFloat32:
-    return by_algorithm<float>(algorithm, q, k, scale, lab, symmetric, chunk_rows, fused_tiles);
-  case torch::kBFloat16:
-    return by_algorithm<__nv_bfloat16>(algorithm, q, k, scale, lab, symmetric, chunk_rows, fused_tiles);
-  case torch::kFloat16:
-    return by_algorithm<__half>(algorithm, q, k, scale, lab, symmetric, chunk_rows, fused_tiles);
-  default:
-    throw std::invalid_argument("contrastive: features: dtype is not float32, bfloat16 or float16");
-  }
+  std::vector<torch::Tensor> out = by_dtype(algorithm,
+                                            q,
+                                            k,
+                                            scale,
+                                            0.0,
+                                            labels,
+                                            symmetric ? cl::objective::symmetric : cl::objective::info_nce,
+                                            chunk_rows,
+                                            fused_tiles);
+  out.pop_back(); // d loss / d b: the softmax objectives have none
+  return out;
+}
+
+/// SigLIP's sigmoid objective (z = scale <q, k> + bias; algorithm::chunked, the one device algorithm that runs it):
+/// {loss, dq, dk, d loss / d log s, max logit (of z), first non-finite site (code), d loss / d b} at loss scale 1.
+std::vector<torch::Tensor> sigmoid_step(const torch::Tensor& q,
+                                        const torch::Tensor& k,
+                                        double scale,
+                                        double bias,
+                                        const c10::optional<torch::Tensor>& labels,
+                                        std::int64_t chunk_rows)
+{
+  return by_dtype("chunked", q, k, scale, bias, labels, cl::objective::sigmoid, chunk_rows, false);
 }
 } // namespace
 
@@ -160,4 +203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
   contrastive_torch::register_errors();
   m.def("step", &step, "One device step (forward and backward at loss scale 1) on CUDA tensors");
+  m.def("sigmoid_step",
+        &sigmoid_step,
+        "One device step of SigLIP's sigmoid loss (algorithm::chunked; forward and backward at loss scale 1) on CUDA "
+        "tensors");
 }
