@@ -6,6 +6,7 @@
 
 #include <contrastive/contrastive.hpp>
 #include <contrastive/device/chunked.cuh>
+#include <contrastive/device/core.cuh>
 
 #include <gtest/gtest.h>
 
@@ -967,4 +968,213 @@ TEST(DeviceChunkedSigmoid, ChecksLayoutAndStateWithoutADevice)
                   .ok());
   EXPECT_EQ(st.bias.value, -10.0f);
   EXPECT_TRUE(st.bias.is_learnable());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// device::core (device/core.cuh): the policy-free device call at the caller's s, b and loss scale.
+
+namespace
+{
+template <class T, class Algorithm>
+using dcore = cl::device::core<T, Algorithm>;
+
+/// The core's pass against the stateful device loss at a fixed temperature and a static scale with the same s, b and
+/// loss scale (the same kernels with the same numbers: the same bits), and against float64.
+template <class T, class Algorithm>
+void core_matches_loss(cl::objective obj, std::uint32_t seed)
+{
+  const std::size_t n_q = 150, n_k = obj == cl::objective::symmetric ? 150 : 230, dim = 48;
+  SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " " + Algorithm::name + " " + cl::to_string(obj));
+  using C = dcore<T, Algorithm>;
+  using L = cl::device::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
+  constexpr bool chunked = std::is_same_v<Algorithm, cl::algorithm::chunked>;
+  device_inputs<T> in(n_q, n_k, dim, seed);
+  ASSERT_TRUE(in.ready());
+  auto& [q, k, labels, d_q, d_k, d_dq, d_dk, d_labels] = in;
+  const bool with_labels = obj != cl::objective::symmetric;
+  const cl::problem<T> p{d_q.ptr, d_k.ptr, n_q, n_k, dim, with_labels ? d_labels.ptr : nullptr, obj};
+  const float tau = obj == cl::objective::sigmoid ? 0.1f : 0.05f;
+  const float s = cl::temperature::fixed(tau).scale(); // the loss's s: both runs see the same bits
+  const float b = obj == cl::objective::sigmoid ? -10.0f : 0.0f;
+  const float loss_scale = std::is_same_v<T, float> ? 1.0f : 512.0f;
+  handle h;
+  ASSERT_NE(h.h, nullptr);
+
+  ct::device_buffer<typename C::values_type> d_values(1);
+  ASSERT_EQ(d_values.poison(0xff), cudaSuccess);
+  std::size_t bytes = 0;
+  const auto pass = [&](void* temp) -> cl::status
+  {
+    if constexpr (chunked)
+    {
+      return C::step(temp, bytes, p, s, b, loss_scale, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h);
+    }
+    else
+    {
+      return C::step(temp, bytes, p, s, b, loss_scale, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr);
+    }
+  };
+  ASSERT_TRUE(pass(nullptr).ok());
+  ct::device_buffer<char> temp(bytes);
+  // A workspace one byte short is refused, naming it, and writes nothing: d_values, dq and dk stay poisoned.
+  --bytes;
+  const cl::status short_ws = pass(temp.ptr);
+  EXPECT_EQ(short_ws.code(), cl::errc::workspace_too_small);
+  EXPECT_EQ(short_ws.argument(), "temp_bytes");
+  ++bytes;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto poisoned_dq = d_dq.download();
+  EXPECT_TRUE(std::none_of(poisoned_dq.begin(),
+                           poisoned_dq.end(),
+                           [](T x)
+                           {
+                             return cl::element_traits<T>::is_finite(x);
+                           }));
+  typename C::values_type untouched;
+  ASSERT_EQ(cudaMemcpy(&untouched, d_values.ptr, sizeof untouched, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(std::isnan(untouched.record.loss));
+
+  const cl::status run = pass(temp.ptr);
+  ASSERT_TRUE(run.ok()) << run.message();
+  typename C::values_type v;
+  ASSERT_EQ(cudaMemcpy(&v, d_values.ptr, sizeof v, cudaMemcpyDeviceToHost), cudaSuccess);
+  const cl::step_record& r = v.record;
+  EXPECT_EQ(r.first_nonfinite, cl::nonfinite_site::none);
+  EXPECT_EQ(r.loss_scale, loss_scale);
+  EXPECT_EQ(v.temperature.scale(), s);
+  const auto dq = d_dq.download(), dk = d_dk.download();
+
+  // The stateful device loss with the same numbers.
+  typename L::state_type st;
+  ASSERT_TRUE(
+      L::make_state(cl::temperature::fixed(tau), cl::scaler::static_scale(loss_scale), cl::logit_bias::fixed(b), st)
+          .ok());
+  ct::device_buffer<typename L::state_type> d_state(1);
+  ASSERT_EQ(L::upload_state(st, d_state.ptr), cudaSuccess);
+  ASSERT_EQ(d_dq.poison(0xff), cudaSuccess);
+  ASSERT_EQ(d_dk.poison(0xff), cudaSuccess);
+  std::size_t lbytes = 0;
+  if constexpr (chunked)
+  {
+    ASSERT_TRUE(L::forward_backward_status(nullptr, lbytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h).ok());
+    ct::device_buffer<char> ltemp(lbytes);
+    ASSERT_TRUE(L::forward_backward_status(ltemp.ptr, lbytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr, h.h).ok());
+  }
+  else
+  {
+    ASSERT_TRUE(L::forward_backward_status(nullptr, lbytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr).ok());
+    ct::device_buffer<char> ltemp(lbytes);
+    ASSERT_TRUE(L::forward_backward_status(ltemp.ptr, lbytes, p, d_dq.ptr, d_dk.ptr, d_state.ptr).ok());
+  }
+  EXPECT_EQ(lbytes, bytes);
+  typename L::state_type after;
+  ASSERT_EQ(cudaMemcpy(&after, d_state.ptr, sizeof after, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(r.loss, after.record.loss);
+  EXPECT_EQ(r.max_logit, after.record.max_logit);
+  EXPECT_EQ(r.grad_logit_scale, after.record.grad_logit_scale);
+  EXPECT_EQ(r.grad_logit_bias, after.record.grad_logit_bias);
+  EXPECT_EQ(ct::rel_diff(d_dq.download(), dq), 0.0);
+  EXPECT_EQ(ct::rel_diff(d_dk.download(), dk), 0.0);
+
+  // And float64: the gradients carry the loss scale, the record's derivatives do not.
+  const ct::reference ref = obj == cl::objective::sigmoid
+                                ? ct::compute_sigmoid_reference(ct::to_double(q),
+                                                                ct::to_double(k),
+                                                                n_q,
+                                                                n_k,
+                                                                dim,
+                                                                with_labels ? labels.data() : nullptr,
+                                                                double(s),
+                                                                double(b))
+                                : ct::compute_reference(ct::to_double(q),
+                                                        ct::to_double(k),
+                                                        n_q,
+                                                        n_k,
+                                                        dim,
+                                                        with_labels ? labels.data() : nullptr,
+                                                        obj,
+                                                        double(s));
+  using tol = ct::tolerance<T, Algorithm>;
+  const double grad_tol = tol::grad(ref.max_abs_logit) + 2.0 * tol::u_t;
+  EXPECT_NEAR(r.loss, ref.loss, 64 * tol::u_f * (1.0 + ref.loss + ref.loss_sensitivity) + tol::loss(ref.max_abs_logit));
+  EXPECT_LE(ct::max_rel_error(dq, ref.dq, 1.0 / loss_scale), grad_tol);
+  EXPECT_LE(ct::max_rel_error(dk, ref.dk, 1.0 / loss_scale), grad_tol);
+  EXPECT_NEAR(
+      r.grad_logit_scale, ref.grad_logit_scale, 64 * grad_tol * (1.0 + ref.max_abs_logit + ref.loss_sensitivity));
+  if (obj == cl::objective::sigmoid)
+  {
+    EXPECT_NEAR(r.grad_logit_bias,
+                ref.grad_logit_bias,
+                64 * tol::u_f * (1.0 + ref.loss_sensitivity) + 1e-5 * (1.0 + std::fabs(ref.grad_logit_bias)));
+  }
+}
+} // namespace
+
+TEST(DeviceCore, MatchesTheDeviceLossBitForBitAndFloat64)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  core_matches_loss<float, cl::algorithm::fused>(cl::objective::symmetric, 3100);
+  core_matches_loss<float, cl::algorithm::fused>(cl::objective::info_nce, 3110);
+  core_matches_loss<__nv_bfloat16, cl::algorithm::chunked>(cl::objective::symmetric, 3120);
+  core_matches_loss<__half, cl::algorithm::chunked>(cl::objective::sigmoid, 3130);
+  core_matches_loss<__nv_bfloat16, cl::algorithm::chunked>(cl::objective::sigmoid, 3140);
+}
+
+// Without a GPU: every number and argument the core refuses is named before any CUDA call (no device here, so a
+// CUDA call would fail with a CUDA status instead), and the values it uploads hold s, b and the loss scale exactly.
+TEST(DeviceCore, RefusesBadNumbersAndArgumentsBeforeAnyCudaCall)
+{
+  using F = dcore<float, cl::algorithm::fused>;
+  using C = dcore<__half, cl::algorithm::chunked>;
+  float dummy[16] = {};
+  const cl::problem<float> p{dummy, dummy + 1, 2, 2, 1, nullptr, cl::objective::symmetric};
+  alignas(256) static unsigned char fake[sizeof(F::values_type) + sizeof(C::values_type)];
+  auto* fv = reinterpret_cast<F::values_type*>(fake); // never dereferenced
+  auto* cv = reinterpret_cast<C::values_type*>(fake);
+  std::size_t bytes = 0;
+  const auto fused = [&](float s, float b, float ls, const cl::problem<float>& prob, F::values_type* v)
+  {
+    return F::step(nullptr, bytes, prob, s, b, ls, dummy + 4, dummy + 6, v);
+  };
+  for (const float s : {0.0f, -1.0f, INFINITY, NAN, 1e-36f, 1e36f})
+  {
+    const cl::status st = fused(s, 0.0f, 1.0f, p, fv);
+    EXPECT_EQ(st.code(), cl::errc::invalid_temperature) << s;
+    EXPECT_EQ(st.argument(), "logit_scale") << s;
+  }
+  for (const float ls : {0.0f, -2.0f, INFINITY, NAN})
+  {
+    const cl::status st = fused(10.0f, 0.0f, ls, p, fv);
+    EXPECT_EQ(st.code(), cl::errc::invalid_scaler) << ls;
+    EXPECT_EQ(st.argument(), "loss_scale");
+  }
+  EXPECT_EQ(fused(10.0f, NAN, 1.0f, p, fv).argument(), "logit_bias");
+  EXPECT_EQ(fused(10.0f, -10.0f, 1.0f, p, fv).argument(), "logit_bias"); // a softmax: b = 0 only
+  EXPECT_EQ(fused(10.0f, 0.0f, 1.0f, p, nullptr).argument(), "d_values");
+  cl::problem<float> sig = p;
+  sig.obj = cl::objective::sigmoid;
+  EXPECT_EQ(fused(10.0f, -10.0f, 1.0f, sig, fv).argument(), "obj"); // the sigmoid objective runs chunked
+  cl::problem<float> no_dim = p;
+  no_dim.dim = 0;
+  EXPECT_EQ(fused(10.0f, 0.0f, 1.0f, no_dim, fv).argument(), "dim");
+
+  const auto* hq = reinterpret_cast<const __half*>(dummy);
+  auto* hd = reinterpret_cast<__half*>(dummy + 8);
+  const cl::problem<__half> hp{hq, hq + 2, 2, 2, 2, nullptr, cl::objective::sigmoid};
+  const auto h = reinterpret_cast<cublasHandle_t>(dummy);
+  EXPECT_EQ(C::step(nullptr, bytes, hp, 10.0f, -10.0f, 1.0f, hd, hd + 4, cv, cublasHandle_t{}).argument(), "handle");
+  EXPECT_EQ(C::step(nullptr, bytes, hp, NAN, -10.0f, 1.0f, hd, hd + 4, cv, h).argument(), "logit_scale");
+  EXPECT_EQ(C::step(nullptr, bytes, hp, 10.0f, -10.0f, 1.0f, hd, hd, cv, h).code(), cl::errc::invalid_argument);
+
+  // The uploaded values: s itself (also where no float tau has 1/tau == s), b, the loss scale, an empty record.
+  for (const float s : {10.0f, 14.2857141f, 100.0f, 3.0f, 7.0f, 1e-30f, 1e30f})
+  {
+    C::values_type v;
+    ASSERT_TRUE(C::make_values(cl::objective::sigmoid, s, -10.0f, 4096.0f, v).ok()) << s;
+    EXPECT_EQ(v.temperature.scale(), s);
+    EXPECT_EQ(v.bias.value, -10.0f);
+    EXPECT_FALSE(v.bias.is_learnable());
+    EXPECT_EQ(v.scaler.loss_scale(), 4096.0f);
+    EXPECT_EQ(v.step, 0);
+  }
 }

@@ -67,6 +67,8 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
 {
   using common = loss<Element, Temperature, Scaler, algorithm::fused>;
   using state_type = typename common::state_type;
+  /// The workspace's sub-buffers for one problem (make_layout, layout_to_fit).
+  using layout_type = chunked_phases::layout;
   static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
 
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)

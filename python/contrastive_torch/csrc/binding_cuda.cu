@@ -1,10 +1,10 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 //
-// PyTorch binding of the device path: one call runs the library's device step (forward and backward at loss scale 1)
-// on CUDA tensors, on PyTorch's current stream, with PyTorch's cuBLAS handle and caching allocator (the workspace
-// and the policy state are uint8 CUDA tensors). Nothing synchronizes: the loss, d loss / d log s (and, for SigLIP's
-// sigmoid objective, d loss / d b), the max logit and the first non-finite site come back as 0-dim CUDA tensors
-// viewing the step record in device memory.
+// PyTorch binding of the device path: one call runs the library's policy-free device call (device::core: forward and
+// backward at the given logit scale and bias, loss scale 1) on CUDA tensors, on PyTorch's current stream, with
+// PyTorch's cuBLAS handle and caching allocator (the workspace and the results are uint8 CUDA tensors). Nothing
+// synchronizes: the loss, d loss / d log s (and, for SigLIP's sigmoid objective, d loss / d b), the max logit and the
+// first non-finite site come back as 0-dim CUDA tensors viewing the step record in device memory.
 #include <torch/extension.h>
 
 #include "errors.hpp"
@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <contrastive/device/chunked.cuh>
-#include <contrastive/device/loss.cuh>
+#include <contrastive/device/core.cuh>
 
 #include <cstdint>
 #include <stdexcept>
@@ -40,100 +40,90 @@ torch::Tensor field(const torch::Tensor& state, std::ptrdiff_t offset, std::int6
   return state.narrow(0, offset, bytes).view(dtype).reshape({});
 }
 
-/// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code), d loss / d b} of one device step of
-/// objective `obj` at logit scale `scale` (and, sigmoid, logit bias `bias`), loss scale 1.
-template <class T, class Algorithm>
-std::vector<torch::Tensor> run(const torch::Tensor& q,
-                               const torch::Tensor& k,
-                               double scale,
-                               double bias,
-                               const torch::Tensor& labels,
-                               cl::objective obj,
-                               std::int64_t chunk_rows,
-                               bool fused_tiles)
+/// What one call runs: objective, logit scale s, logit bias b (sigmoid), loss scale, and the chunked options.
+struct call
 {
-  using L = cl::device::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algorithm>;
-  using state_type = typename L::state_type;
+  cl::objective obj;
+  double scale;
+  double bias;
+  double loss_scale;
+  std::int64_t chunk_rows;
+  bool fused_tiles;
+};
+
+/// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code), d loss / d b} of one device pass: the
+/// library's policy-free device call (device::core), whose results stay in a uint8 CUDA tensor the returned scalars
+/// view. dq and dk carry the loss scale; the record's derivatives do not.
+template <class T, class Algorithm>
+std::vector<torch::Tensor>
+run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels, const call& c)
+{
+  using C = cl::device::core<T, Algorithm>;
+  using values_type = typename C::values_type;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  state_type st;
-  const cl::status made = L::make_state(cl::temperature::fixed(static_cast<float>(1.0 / scale)),
-                                        cl::scaler::static_scale(1.0f),
-                                        cl::logit_bias::fixed(static_cast<float>(bias)),
-                                        st);
-  if (!made.ok())
-  {
-    contrastive_torch::raise(made);
-  }
   const auto bytes_u8 = torch::TensorOptions().dtype(torch::kUInt8).device(q.device());
-  torch::Tensor state = torch::empty({static_cast<std::int64_t>(sizeof(state_type))}, bytes_u8);
-  auto* d_state = static_cast<state_type*>(state.data_ptr());
-  // The state travels as a kernel argument: no pageable copy (which the driver may stage by waiting on the stream),
-  // and capturable in a graph; `st` may go out of scope once the call returns.
-  check(cl::detail::cuda_status(L::upload_state(st, d_state, stream), "upload_state"));
-
-  const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, obj);
+  torch::Tensor values = torch::empty({static_cast<std::int64_t>(sizeof(values_type))}, bytes_u8);
+  auto* d_values = static_cast<values_type*>(values.data_ptr());
+  const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, c.obj);
   torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
   T* dq_p = reinterpret_cast<T*>(dq.data_ptr());
   T* dk_p = reinterpret_cast<T*>(dk.data_ptr());
+  const float s = static_cast<float>(c.scale), b = static_cast<float>(c.bias), ls = static_cast<float>(c.loss_scale);
 
   std::size_t bytes = 0;
-  torch::Tensor work;
-  if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
+  const auto pass = [&](void* temp) -> cl::status
   {
-    const cl::chunk_options o{static_cast<std::size_t>(chunk_rows), 0, fused_tiles};
-    const cublasHandle_t h = at::cuda::getCurrentCUDABlasHandle();
-    check(L::forward_backward_status(nullptr, bytes, p, dq_p, dk_p, d_state, h, stream, o));
-    work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
-    check(L::forward_backward_status(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, h, stream, o));
-  }
-  else
-  {
-    check(L::forward_backward_status(nullptr, bytes, p, dq_p, dk_p, d_state, stream));
-    work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
-    check(L::forward_backward_status(work.data_ptr(), bytes, p, dq_p, dk_p, d_state, stream));
-  }
+    if constexpr (C::needs_handle)
+    {
+      const cl::chunk_options o{static_cast<std::size_t>(c.chunk_rows), 0, c.fused_tiles};
+      return C::step(temp, bytes, p, s, b, ls, dq_p, dk_p, d_values, at::cuda::getCurrentCUDABlasHandle(), stream, o);
+    }
+    else
+    {
+      return C::step(temp, bytes, p, s, b, ls, dq_p, dk_p, d_values, stream);
+    }
+  };
+  check(pass(nullptr));
+  torch::Tensor work = torch::empty({static_cast<std::int64_t>(bytes)}, bytes_u8);
+  check(pass(work.data_ptr()));
 
-  // The record's fields, as views (the caching allocator keeps `state` alive while a view lives).
-  const char* base = reinterpret_cast<const char*>(&st);
-  const std::ptrdiff_t rec = reinterpret_cast<const char*>(&st.record) - base;
-  const cl::step_record& r = st.record;
+  // The record's fields, as views (the caching allocator keeps `values` alive while a view lives).
+  const values_type layout{};
+  const char* base = reinterpret_cast<const char*>(&layout);
+  const cl::step_record& r = layout.record;
   auto at = [&](const void* member)
   {
-    return rec + (reinterpret_cast<const char*>(member) - reinterpret_cast<const char*>(&r));
+    return static_cast<std::ptrdiff_t>(reinterpret_cast<const char*>(member) - base);
   };
-  return {field(state, at(&r.loss), 4, torch::kFloat32),
+  return {field(values, at(&r.loss), 4, torch::kFloat32),
           dq,
           dk,
-          field(state, at(&r.grad_logit_scale), 4, torch::kFloat32),
-          field(state, at(&r.max_logit), 4, torch::kFloat32),
-          field(state, at(&r.first_nonfinite), 4, torch::kInt32),
-          field(state, at(&r.grad_logit_bias), 4, torch::kFloat32)};
+          field(values, at(&r.grad_logit_scale), 4, torch::kFloat32),
+          field(values, at(&r.max_logit), 4, torch::kFloat32),
+          field(values, at(&r.first_nonfinite), 4, torch::kInt32),
+          field(values, at(&r.grad_logit_bias), 4, torch::kFloat32)};
 }
 
 template <class T>
 std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         const torch::Tensor& q,
                                         const torch::Tensor& k,
-                                        double scale,
-                                        double bias,
                                         const torch::Tensor& labels,
-                                        cl::objective obj,
-                                        std::int64_t chunk_rows,
-                                        bool fused_tiles)
+                                        const call& c)
 {
   if (algorithm == "chunked")
   {
-    return run<T, cl::algorithm::chunked>(q, k, scale, bias, labels, obj, chunk_rows, fused_tiles);
+    return run<T, cl::algorithm::chunked>(q, k, labels, c);
   }
   if (algorithm == "fused")
   {
-    return run<T, cl::algorithm::fused>(q, k, scale, bias, labels, obj, chunk_rows, fused_tiles);
+    return run<T, cl::algorithm::fused>(q, k, labels, c);
   }
   if (algorithm == "materialized")
   {
-    return run<T, cl::algorithm::materialized>(q, k, scale, bias, labels, obj, chunk_rows, fused_tiles);
+    return run<T, cl::algorithm::materialized>(q, k, labels, c);
   }
   throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
                               "' is not one of 'fused', 'materialized', 'chunked'");
@@ -142,28 +132,24 @@ std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
 std::vector<torch::Tensor> by_dtype(const std::string& algorithm,
                                     const torch::Tensor& q,
                                     const torch::Tensor& k,
-                                    double scale,
-                                    double bias,
                                     const c10::optional<torch::Tensor>& labels,
-                                    cl::objective obj,
-                                    std::int64_t chunk_rows,
-                                    bool fused_tiles)
+                                    const call& c)
 {
   const torch::Tensor lab = labels.has_value() ? *labels : torch::Tensor();
   switch (q.scalar_type())
   {
   case torch::kFloat32:
-    return by_algorithm<float>(algorithm, q, k, scale, bias, lab, obj, chunk_rows, fused_tiles);
+    return by_algorithm<float>(algorithm, q, k, lab, c);
   case torch::kBFloat16:
-    return by_algorithm<__nv_bfloat16>(algorithm, q, k, scale, bias, lab, obj, chunk_rows, fused_tiles);
+    return by_algorithm<__nv_bfloat16>(algorithm, q, k, lab, c);
   case torch::kFloat16:
-    return by_algorithm<__half>(algorithm, q, k, scale, bias, lab, obj, chunk_rows, fused_tiles);
+    return by_algorithm<__half>(algorithm, q, k, lab, c);
   default:
     throw std::invalid_argument("contrastive: features: dtype is not float32, bfloat16 or float16");
   }
 }
 
-/// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code)} at loss scale 1.
+/// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code)}; dq and dk at `loss_scale`.
 std::vector<torch::Tensor> step(const torch::Tensor& q,
                                 const torch::Tensor& k,
                                 double scale,
@@ -171,40 +157,56 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
                                 bool symmetric,
                                 const std::string& algorithm,
                                 std::int64_t chunk_rows,
-                                bool fused_tiles)
+                                bool fused_tiles,
+                                double loss_scale)
 {
-  std::vector<torch::Tensor> out = by_dtype(algorithm,
-                                            q,
-                                            k,
-                                            scale,
-                                            0.0,
-                                            labels,
-                                            symmetric ? cl::objective::symmetric : cl::objective::info_nce,
-                                            chunk_rows,
-                                            fused_tiles);
+  const cl::objective obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
+  std::vector<torch::Tensor> out =
+      by_dtype(algorithm, q, k, labels, call{obj, scale, 0.0, loss_scale, chunk_rows, fused_tiles});
   out.pop_back(); // d loss / d b: the softmax objectives have none
   return out;
 }
 
 /// SigLIP's sigmoid objective (z = scale <q, k> + bias; algorithm::chunked, the one device algorithm that runs it):
-/// {loss, dq, dk, d loss / d log s, max logit (of z), first non-finite site (code), d loss / d b} at loss scale 1.
+/// {loss, dq, dk, d loss / d log s, max logit (of z), first non-finite site (code), d loss / d b}; dq and dk at
+/// `loss_scale`.
 std::vector<torch::Tensor> sigmoid_step(const torch::Tensor& q,
                                         const torch::Tensor& k,
                                         double scale,
                                         double bias,
                                         const c10::optional<torch::Tensor>& labels,
-                                        std::int64_t chunk_rows)
+                                        std::int64_t chunk_rows,
+                                        double loss_scale)
 {
-  return by_dtype("chunked", q, k, scale, bias, labels, cl::objective::sigmoid, chunk_rows, false);
+  return by_dtype("chunked", q, k, labels, call{cl::objective::sigmoid, scale, bias, loss_scale, chunk_rows, false});
 }
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
   contrastive_torch::register_errors();
-  m.def("step", &step, "One device step (forward and backward at loss scale 1) on CUDA tensors");
+  namespace py = pybind11;
+  m.def("step",
+        &step,
+        "One device pass (forward and backward; dq, dk at loss_scale) on CUDA tensors",
+        py::arg("q"),
+        py::arg("k"),
+        py::arg("scale"),
+        py::arg("labels"),
+        py::arg("symmetric"),
+        py::arg("algorithm"),
+        py::arg("chunk_rows"),
+        py::arg("fused_tiles"),
+        py::arg("loss_scale") = 1.0);
   m.def("sigmoid_step",
         &sigmoid_step,
-        "One device step of SigLIP's sigmoid loss (algorithm::chunked; forward and backward at loss scale 1) on CUDA "
-        "tensors");
+        "One device pass of SigLIP's sigmoid loss (algorithm::chunked; forward and backward, dq, dk at loss_scale) on "
+        "CUDA tensors",
+        py::arg("q"),
+        py::arg("k"),
+        py::arg("scale"),
+        py::arg("bias"),
+        py::arg("labels"),
+        py::arg("chunk_rows"),
+        py::arg("loss_scale") = 1.0);
 }

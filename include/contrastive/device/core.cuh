@@ -1,0 +1,203 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `contrastive::device::core<Element, Algorithm>`: the policy-free device call, for frameworks that own the
+/// temperature and the loss scaling themselves (PyTorch: the `logit_scale` parameter and its GradScaler); the device
+/// counterpart of `contrastive::core` (core.hpp):
+///   (problem, s, b, loss scale) -> loss, dQ, dK (Element, times the loss scale), d loss / d log s, d loss / d b,
+///   the largest logit and the first non-finite site.
+///
+///   using C = contrastive::device::core<__nv_bfloat16, algorithm::chunked>;   // or fused, materialized
+///   C::values_type* d_values;                          // device memory, sizeof(C::values_type) bytes
+///   C::step(nullptr, bytes, p, s, b, loss_scale, dq, dk, d_values, handle, stream);  // size query
+///   C::step(d_temp, bytes, p, s, b, loss_scale, dq, dk, d_values, handle, stream);   // the pass
+///   // d_values->record: loss, grad_logit_scale (d loss / d log s), grad_logit_bias (d loss / d b), both already
+///   // divided by the loss scale, max_logit, first_nonfinite; written in stream order (nothing synchronizes).
+///
+/// fused and materialized take `stream` after `d_values`; algorithm::chunked (device/chunked.cuh, cuBLAS) takes the
+/// cuBLAS handle, then the stream and its chunk_options. No temperature, scaler or step count is kept: the call is
+/// the device loss (device/loss.cuh) at the call's logit scale s and a static loss scale, whose state the call writes
+/// into `d_values` in stream order before the pass (a kernel argument: nothing is copied from pageable memory, so the
+/// call can be captured in a CUDA graph). `d_values` is the only thing besides dq, dk and the workspace that it
+/// writes; a refused call writes none of them. The sigmoid objective's bias b is used as given; the softmax
+/// objectives take b = 0 only (they are invariant to it).
+
+#include <contrastive/checks.hpp>
+#include <contrastive/detail/cuda_status.cuh>
+#include <contrastive/device/loss.cuh>
+#include <contrastive/device/util.cuh>
+#include <contrastive/numeric/math.hpp>
+#include <contrastive/policy/bias.hpp>
+#include <contrastive/policy/scaler.hpp>
+#include <contrastive/policy/temperature.hpp>
+#include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+namespace contrastive
+{
+namespace detail
+{
+/// The temperature of a core call: the caller's logit scale s itself (a fixed temperature stores tau, and about one s
+/// in seven is no float's reciprocal, so it would run at s off by an ulp). Nothing trains it; wants_gradient is true,
+/// so a non-finite d loss / d log s is diagnosed, as contrastive::core diagnoses it.
+struct given_logit_scale
+{
+  static constexpr bool is_learnable = false;
+  static constexpr const char* name = "given";
+
+  float s = 1.0f;
+
+  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
+  {
+    return s;
+  }
+  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
+  {
+    return static_cast<float>(1.0 / static_cast<double>(s));
+  }
+  CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
+  {
+    return true;
+  }
+  CONTRASTIVE_HOST_DEVICE void advance(float) noexcept {}
+  CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    return s > 0.0f && detail::finite(s) && temperature::valid_tau(tau())
+               ? ""
+               : "it must be finite and > 0 (it is 1/tau), with |log(logit_scale)| <= 80";
+  }
+};
+} // namespace detail
+
+namespace device
+{
+template <class Element, class Algorithm = algorithm::fused>
+struct core
+{
+  /// The device loss this call runs: the call's logit scale and a static loss scale.
+  using loss_type = loss<Element, detail::given_logit_scale, scaler::static_scale, Algorithm>;
+  /// What a call writes its results into (device memory): `record` holds them (see the file comment); the policies
+  /// beside it are the call's s and loss scale.
+  using values_type = typename loss_type::state_type;
+
+private:
+  /// Whether the loss runs on a stream alone (fused, materialized: `check` without a cuBLAS handle), or takes a
+  /// handle first (algorithm::chunked): decides which `step` applies.
+  template <class A, class = void>
+  struct stream_only : std::false_type
+  {
+  };
+  template <class A>
+  struct stream_only<A,
+                     std::void_t<decltype(loss<Element, detail::given_logit_scale, scaler::static_scale, A>::check(
+                         std::declval<const problem<Element>&>(),
+                         std::declval<const Element*>(),
+                         std::declval<const Element*>(),
+                         std::declval<const values_type*>()))>> : std::true_type
+  {
+  };
+
+public:
+  /// Whether `step` takes a cuBLAS handle after d_values (algorithm::chunked) or the stream (fused, materialized).
+  static constexpr bool needs_handle = !stream_only<Algorithm>::value;
+
+  /// The state a call with these numbers uploads, validated (host code, no CUDA call): logit_scale s = 1/tau finite,
+  /// > 0 and within the temperature policies' domain |log s| <= 80 (invalid_temperature "logit_scale"), loss_scale
+  /// finite and > 0 (invalid_scaler "loss_scale"), logit_bias finite and 0 unless the objective is sigmoid
+  /// (invalid_argument "logit_bias").
+  static status make_values(objective obj, float logit_scale, float logit_bias, float loss_scale, values_type& out)
+  {
+    const detail::given_logit_scale t{logit_scale};
+    if (const char* why = t.validate(); why[0] != '\0')
+    {
+      return {errc::invalid_temperature, "logit_scale", "logit_scale = " + std::to_string(logit_scale) + "; " + why};
+    }
+    if (!(loss_scale > 0.0f) || !detail::finite(loss_scale))
+    {
+      return {errc::invalid_scaler,
+              "loss_scale",
+              "loss_scale = " + std::to_string(loss_scale) + "; it must be finite and > 0"};
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(check_logit_bias(obj, logit_bias));
+    return loss_type::make_state(t, scaler::static_scale(loss_scale), logit_bias::fixed(logit_bias), out);
+  }
+
+  /// A null `d_values` is refused (null_pointer "d_values"); its size is the caller's (sizeof(values_type)).
+  static status check_values(const values_type* d_values)
+  {
+    if (d_values == nullptr)
+    {
+      return {errc::null_pointer, "d_values", "null results buffer (device memory of sizeof(values_type) bytes)"};
+    }
+    return {};
+  }
+
+  /// fused and materialized: one forward + backward pass of `loss_scale * loss` at logit scale s (and, sigmoid, logit
+  /// bias b). A null d_temp writes the bytes needed to temp_bytes (and checks the arguments). Statuses as
+  /// device::loss::forward_backward_status's: the argument refused, named; a CUDA failure with CUDA's code.
+  template <class A = Algorithm, std::enable_if_t<stream_only<A>::value, int> = 0>
+  static status step(void* d_temp,
+                     std::size_t& temp_bytes,
+                     const problem<Element>& p,
+                     float logit_scale,
+                     float logit_bias,
+                     float loss_scale,
+                     Element* dq,
+                     Element* dk,
+                     values_type* d_values,
+                     cudaStream_t stream = 0)
+  {
+    values_type v;
+    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, logit_bias, loss_scale, v));
+    CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
+    CONTRASTIVE_RETURN_IF_ERROR(loss_type::check(p, dq, dk, d_values));
+    if (d_temp != nullptr)
+    {
+      std::size_t needed = 0;
+      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(loss_type::workspace_bytes(p, needed), "workspace_bytes"));
+      CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, needed));
+      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(loss_type::upload_state(v, d_values, stream), "upload_state"));
+    }
+    return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, stream);
+  }
+
+  /// algorithm::chunked (include device/chunked.cuh): the same with the caller's cuBLAS handle, then the stream and
+  /// the chunk options (see device/chunked.cuh).
+  template <class Handle, class A = Algorithm, std::enable_if_t<!stream_only<A>::value, int> = 0>
+  static status step(void* d_temp,
+                     std::size_t& temp_bytes,
+                     const problem<Element>& p,
+                     float logit_scale,
+                     float logit_bias,
+                     float loss_scale,
+                     Element* dq,
+                     Element* dk,
+                     values_type* d_values,
+                     Handle handle,
+                     cudaStream_t stream = 0,
+                     const chunk_options& opts = {})
+  {
+    values_type v;
+    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, logit_bias, loss_scale, v));
+    CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
+    CONTRASTIVE_RETURN_IF_ERROR(loss_type::check(p, dq, dk, d_values, handle));
+    if (d_temp != nullptr)
+    {
+      typename loss_type::layout_type w{};
+      CONTRASTIVE_RETURN_IF_ERROR(
+          detail::cuda_status(loss_type::layout_to_fit(p, opts, temp_bytes, w), "the workspace layout"));
+      CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, w.total));
+      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(loss_type::upload_state(v, d_values, stream), "upload_state"));
+    }
+    return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
+  }
+};
+} // namespace device
+} // namespace contrastive
