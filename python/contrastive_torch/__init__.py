@@ -327,9 +327,21 @@ def _check_cuda_values(q, k, labels32, symmetric):
     return labels32
 
 
+def _rerun_scale(dtype, grad):
+    """The loss scale a CUDA backward reruns its step at, or None. The step ran at loss scale 1 in the forward; its
+    float16 gradients there may be subnormal (at SigLIP's start and a batch of 32k, |dQ| ~ 1e-5, below float16's
+    smallest normal 6.1e-5) where the same gradients at a GradScaler's scale g are not: for float16 and g other than 1
+    the step runs again at loss scale g (one read of g, as the host path's backward reads it), as the host path runs
+    its backward at g. bfloat16 and float keep float's exponent range: their gradients times g lose nothing."""
+    if dtype != torch.float16:
+        return None
+    g = float(grad)
+    return g if 0.0 < g < 3.0e38 and g != 1.0 else None
+
+
 class _CudaFunction(torch.autograd.Function):
     """CUDA tensors: the device step computes the loss and the gradients at loss scale 1 in the forward; the backward
-    multiplies them by the incoming gradient."""
+    multiplies them by the incoming gradient (float16: reruns the step at it, see _rerun_scale)."""
 
     @staticmethod
     def forward(ctx, q, k, logit_scale, labels, symmetric, algorithm, fused_tiles, report):
@@ -338,18 +350,23 @@ class _CudaFunction(torch.autograd.Function):
         loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
                                                                      fused_tiles)
         report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
-        ctx.save_for_backward(dq, dk, dlogs)
-        ctx.scale = scale
+        ctx.save_for_backward(q, k, labels, dq, dk, dlogs)
+        ctx.scale, ctx.call = scale, (symmetric, algorithm, fused_tiles)
         ctx.scale_shape = logit_scale.shape if isinstance(logit_scale, torch.Tensor) else None
         ctx.scale_dtype = logit_scale.dtype if isinstance(logit_scale, torch.Tensor) else torch.float32
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        dq, dk, dlogs = ctx.saved_tensors
+        q, k, labels, dq, dk, dlogs = ctx.saved_tensors
         d_scale = None
         if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
             d_scale = (dlogs * grad / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
+        g = _rerun_scale(dq.dtype, grad)
+        if g is not None:
+            symmetric, algorithm, fused_tiles = ctx.call
+            _loss, dq, dk = cuda_extension().step(q, k, ctx.scale, labels, symmetric, algorithm, 0, fused_tiles, g)[:3]
+            return dq, dk, d_scale, None, None, None, None, None
         # In float: a GradScaler scale of 65536 does not fit float16.
         return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None, None
 
@@ -365,26 +382,31 @@ def _check_cuda_sigmoid(q, k):
 
 class _CudaSigmoidFunction(torch.autograd.Function):
     """SigLIP's sigmoid loss on CUDA tensors: the device's chunked step computes the loss and every gradient at loss
-    scale 1 in the forward (as _CudaFunction); the backward multiplies them by the incoming gradient."""
+    scale 1 in the forward (as _CudaFunction); the backward multiplies them by the incoming gradient (float16: reruns
+    the step at it, see _rerun_scale)."""
 
     @staticmethod
     def forward(ctx, q, k, logit_scale, logit_bias, report):
         scale, bias = _scale_value(logit_scale), _bias_value(logit_bias)
         loss, dq, dk, dlogs, max_logit, site, dbias = cuda_extension().sigmoid_step(q, k, scale, bias, None, 0)
         report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
-        ctx.save_for_backward(dq, dk, dlogs, dbias)
-        ctx.scale = scale
+        ctx.save_for_backward(q, k, dq, dk, dlogs, dbias)
+        ctx.scale, ctx.bias = scale, bias
         ctx.params = (logit_scale if isinstance(logit_scale, torch.Tensor) else None,
                       logit_bias if isinstance(logit_bias, torch.Tensor) else None)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        dq, dk, dlogs, dbias = ctx.saved_tensors
+        q, k, dq, dk, dlogs, dbias = ctx.saved_tensors
         scale_param, bias_param = ctx.params
         # d loss / d s = (d loss / d log s) / s; in float: a GradScaler scale of 65536 does not fit float16.
         d_scale = _like(dlogs * grad / ctx.scale, scale_param) if ctx.needs_input_grad[2] else None
         d_bias = _like(dbias * grad, bias_param) if ctx.needs_input_grad[3] else None
+        g = _rerun_scale(dq.dtype, grad)
+        if g is not None:
+            _loss, dq, dk = cuda_extension().sigmoid_step(q, k, ctx.scale, ctx.bias, None, 0, g)[:3]
+            return dq, dk, d_scale, d_bias, None
         return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, d_bias, None
 
 

@@ -327,3 +327,52 @@ def test_cuda_opcheck_and_compiled_step():
     compiled = _step(torch.compile(fn, fullgraph=True), I, T, 10.0, -10.0)
     for name, a, w in zip(NAMES, compiled, eager):
         assert _rel(a.cpu(), w.cpu()) <= 64 * torch.finfo(torch.float32).eps, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad", [65536.0, 1.0])
+def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtype, grad):
+    # The device step runs at loss scale 1 in the forward. Its float16 gradients there can be subnormal (here 3e-7:
+    # 5 units of float16's 6e-8 spacing) where a GradScaler's scale puts them in the normal range, so a float16
+    # backward with an incoming gradient g != 1 reruns the step at loss scale g. Checked on the CPU with a stand-in
+    # for the extension that rounds an exact gradient at the loss scale it is given, as the device does.
+    exact = 3.0e-7
+    calls = []
+
+    class Extension:
+        @staticmethod
+        def _out(q, k, loss_scale):
+            calls.append(loss_scale)
+            dq = torch.full(q.shape, exact * loss_scale).to(q.dtype)
+            dk = torch.full(k.shape, -exact * loss_scale).to(k.dtype)
+            scalar = lambda v: torch.tensor(v, dtype=torch.float32)
+            return [scalar(0.5), dq, dk, scalar(0.25), scalar(1.0), torch.tensor(0, dtype=torch.int32), scalar(-0.125)]
+
+        def sigmoid_step(self, q, k, scale, bias, labels, chunk_rows, loss_scale=1.0):
+            return self._out(q, k, loss_scale)
+
+        def step(self, q, k, scale, labels, symmetric, algorithm, chunk_rows, fused_tiles, loss_scale=1.0):
+            return self._out(q, k, loss_scale)[:6]
+
+    monkeypatch.setattr(ct, "cuda_extension", lambda: Extension())
+    q = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
+    k = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
+    t = torch.tensor(10.0, requires_grad=True)
+    b = torch.tensor(-10.0, requires_grad=True)
+    reruns = dtype == torch.float16 and grad != 1.0
+    for run in (lambda: ct._CudaSigmoidFunction.apply(q, k, t, b, {}),
+                lambda: ct._CudaFunction.apply(q, k, t, None, True, "fused", False, {})):
+        calls.clear()
+        q.grad = k.grad = t.grad = None
+        run().backward(torch.tensor(grad))
+        assert calls == ([1.0, grad] if reruns else [1.0])
+        want = torch.tensor(exact * grad).to(dtype)
+        assert q.grad.dtype == dtype and torch.equal(q.grad, torch.full(q.shape, float(want), dtype=dtype))
+        assert torch.equal(k.grad, -q.grad)
+        # d loss / d t = (d loss / d log t) / t, times the incoming gradient, as before.
+        assert float(t.grad) == pytest.approx(0.25 * grad / 10.0, rel=1e-6)
+    if dtype == torch.float16 and grad != 1.0:
+        # Without the rerun the gradient would be the subnormal times g: 0.6% off here.
+        subnormal_times_g = float(torch.tensor(exact).to(dtype).float() * grad)
+        assert abs(subnormal_times_g - exact * grad) > 1e-3 * exact * grad
+    assert float(b.grad) == -0.125 * grad
