@@ -36,6 +36,7 @@ import threading
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "clamp_logit_scale", "freeze_then_learn", "extension",
            "cuda_extension", "NONFINITE_SITES"]
@@ -327,16 +328,23 @@ def _check_cuda_values(q, k, labels32, symmetric):
     return labels32
 
 
-def _rerun_scale(dtype, grad):
+def _rerun_scale(ctx, dtype, grad):
     """The loss scale a CUDA backward reruns its step at, or None. The step ran at loss scale 1 in the forward; its
     float16 gradients there may be subnormal (at SigLIP's start and a batch of 32k, |dQ| ~ 1e-5, below float16's
     smallest normal 6.1e-5) where the same gradients at a GradScaler's scale g are not: for float16 and g other than 1
     the step runs again at loss scale g (one read of g, as the host path's backward reads it), as the host path runs
-    its backward at g. bfloat16 and float keep float's exponent range: their gradients times g lose nothing."""
-    if dtype != torch.float16:
+    its backward at g. bfloat16 and float keep float's exponent range: their gradients times g lose nothing. The
+    features are saved for the rerun only when they are float16 (_rerun_inputs)."""
+    if dtype != torch.float16 or not any(ctx.needs_input_grad[:2]):
         return None
     g = float(grad)
     return g if 0.0 < g < 3.0e38 and g != 1.0 else None
+
+
+def _rerun_inputs(q, k):
+    """What a CUDA forward saves for _rerun_scale's second pass: the features when float16, else nothing (so that
+    bfloat16 and float features are neither kept alive nor checked for in-place changes by the backward)."""
+    return (q, k) if q.dtype == torch.float16 else (None, None)
 
 
 class _CudaFunction(torch.autograd.Function):
@@ -350,19 +358,20 @@ class _CudaFunction(torch.autograd.Function):
         loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
                                                                      fused_tiles)
         report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
-        ctx.save_for_backward(q, k, labels, dq, dk, dlogs)
+        ctx.save_for_backward(*_rerun_inputs(q, k), labels, dq, dk, dlogs)
         ctx.scale, ctx.call = scale, (symmetric, algorithm, fused_tiles)
         ctx.scale_shape = logit_scale.shape if isinstance(logit_scale, torch.Tensor) else None
         ctx.scale_dtype = logit_scale.dtype if isinstance(logit_scale, torch.Tensor) else torch.float32
         return loss.clone()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         q, k, labels, dq, dk, dlogs = ctx.saved_tensors
         d_scale = None
         if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
             d_scale = (dlogs * grad / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
-        g = _rerun_scale(dq.dtype, grad)
+        g = _rerun_scale(ctx, dq.dtype, grad)
         if g is not None:
             symmetric, algorithm, fused_tiles = ctx.call
             _loss, dq, dk = cuda_extension().step(q, k, ctx.scale, labels, symmetric, algorithm, 0, fused_tiles, g)[:3]
@@ -390,20 +399,21 @@ class _CudaSigmoidFunction(torch.autograd.Function):
         scale, bias = _scale_value(logit_scale), _bias_value(logit_bias)
         loss, dq, dk, dlogs, max_logit, site, dbias = cuda_extension().sigmoid_step(q, k, scale, bias, None, 0)
         report.update({"loss": loss, "max_logit": max_logit, "first_nonfinite_code": site})
-        ctx.save_for_backward(q, k, dq, dk, dlogs, dbias)
+        ctx.save_for_backward(*_rerun_inputs(q, k), dq, dk, dlogs, dbias)
         ctx.scale, ctx.bias = scale, bias
         ctx.params = (logit_scale if isinstance(logit_scale, torch.Tensor) else None,
                       logit_bias if isinstance(logit_bias, torch.Tensor) else None)
         return loss.clone()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         q, k, dq, dk, dlogs, dbias = ctx.saved_tensors
         scale_param, bias_param = ctx.params
         # d loss / d s = (d loss / d log s) / s; in float: a GradScaler scale of 65536 does not fit float16.
         d_scale = _like(dlogs * grad / ctx.scale, scale_param) if ctx.needs_input_grad[2] else None
         d_bias = _like(dbias * grad, bias_param) if ctx.needs_input_grad[3] else None
-        g = _rerun_scale(dq.dtype, grad)
+        g = _rerun_scale(ctx, dq.dtype, grad)
         if g is not None:
             _loss, dq, dk = cuda_extension().sigmoid_step(q, k, ctx.scale, ctx.bias, None, 0, g)[:3]
             return dq, dk, d_scale, d_bias, None

@@ -376,3 +376,13 @@ def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtyp
         subnormal_times_g = float(torch.tensor(exact).to(dtype).float() * grad)
         assert abs(subnormal_times_g - exact * grad) > 1e-3 * exact * grad
     assert float(b.grad) == -0.125 * grad
+    # No rerun when the features need no gradient (only t and b do); bfloat16 features are not saved at all, so an
+    # in-place change after the forward does not trip the backward.
+    calls.clear()
+    ct._CudaSigmoidFunction.apply(q.detach(), k.detach(), t, b, {}).backward(torch.tensor(grad))
+    assert calls == [1.0]
+    if dtype == torch.bfloat16:
+        loss = ct._CudaSigmoidFunction.apply(q, k, t, b, {})
+        with torch.no_grad():
+            q.mul_(1.0)
+        loss.backward(torch.tensor(grad))

@@ -110,9 +110,10 @@ public:
 
   /// The state a call with these numbers uploads, validated (host code, no CUDA call): logit_scale s = 1/tau finite,
   /// > 0 and within the temperature policies' domain |log s| <= 80 (invalid_temperature "logit_scale"), loss_scale
-  /// finite and > 0 (invalid_scaler "loss_scale"), logit_bias finite and 0 unless the objective is sigmoid
-  /// (invalid_argument "logit_bias").
-  static status make_values(objective obj, float logit_scale, float logit_bias, float loss_scale, values_type& out)
+  /// finite and > 0 (invalid_scaler "loss_scale"), the logit bias finite and 0 unless the objective is sigmoid
+  /// (invalid_argument "logit_bias"). The host's contrastive::core takes any finite s > 0; the device's policies keep
+  /// |log s| <= 80 (s in [1.8e-35, 5.5e34]).
+  static status make_values(objective obj, float logit_scale, float bias, float loss_scale, values_type& out)
   {
     const detail::given_logit_scale t{logit_scale};
     if (const char* why = t.validate(); why[0] != '\0')
@@ -125,8 +126,11 @@ public:
               "loss_scale",
               "loss_scale = " + std::to_string(loss_scale) + "; it must be finite and > 0"};
     }
-    CONTRASTIVE_RETURN_IF_ERROR(check_logit_bias(obj, logit_bias));
-    return loss_type::make_state(t, scaler::static_scale(loss_scale), logit_bias::fixed(logit_bias), out);
+    CONTRASTIVE_RETURN_IF_ERROR(check_logit_bias(obj, bias));
+    // The sigmoid objective's bias is marked learnable so that the record flags a non-finite d loss / d b
+    // (grad_logit_bias), as contrastive::core does; nothing moves it (a core call never finishes a step).
+    const logit_bias b = obj == objective::sigmoid ? logit_bias::learnable(bias) : logit_bias::fixed(bias);
+    return loss_type::make_state(t, scaler::static_scale(loss_scale), b, out);
   }
 
   /// A null `d_values` is refused (null_pointer "d_values"); its size is the caller's (sizeof(values_type)).
@@ -147,7 +151,7 @@ public:
                      std::size_t& temp_bytes,
                      const problem<Element>& p,
                      float logit_scale,
-                     float logit_bias,
+                     float bias,
                      float loss_scale,
                      Element* dq,
                      Element* dk,
@@ -155,7 +159,7 @@ public:
                      cudaStream_t stream = 0)
   {
     values_type v;
-    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, logit_bias, loss_scale, v));
+    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, bias, loss_scale, v));
     CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
     CONTRASTIVE_RETURN_IF_ERROR(loss_type::check(p, dq, dk, d_values));
     if (d_temp != nullptr)
@@ -170,12 +174,23 @@ public:
 
   /// algorithm::chunked (include device/chunked.cuh): the same with the caller's cuBLAS handle, then the stream and
   /// the chunk options (see device/chunked.cuh).
-  template <class Handle, class A = Algorithm, std::enable_if_t<!stream_only<A>::value, int> = 0>
+  template <class Handle,
+            class A = Algorithm,
+            std::enable_if_t<
+                !stream_only<A>::value &&
+                    std::is_same_v<decltype(loss<Element, detail::given_logit_scale, scaler::static_scale, A>::check(
+                                       std::declval<const problem<Element>&>(),
+                                       std::declval<const Element*>(),
+                                       std::declval<const Element*>(),
+                                       std::declval<const values_type*>(),
+                                       std::declval<Handle>())),
+                                   status>,
+                int> = 0>
   static status step(void* d_temp,
                      std::size_t& temp_bytes,
                      const problem<Element>& p,
                      float logit_scale,
-                     float logit_bias,
+                     float bias,
                      float loss_scale,
                      Element* dq,
                      Element* dk,
@@ -185,7 +200,7 @@ public:
                      const chunk_options& opts = {})
   {
     values_type v;
-    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, logit_bias, loss_scale, v));
+    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, bias, loss_scale, v));
     CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
     CONTRASTIVE_RETURN_IF_ERROR(loss_type::check(p, dq, dk, d_values, handle));
     if (d_temp != nullptr)
