@@ -5,10 +5,12 @@ size) against one process on the concatenated batch and against open_clip's dist
 
 open_clip runs in float64 on the same (dtype-rounded) values: the exact answer. Differences are normwise relative
 (max |a - b| / max |b|), bounded by multiples of the type's eps: 256 for float32, 8 for the 16-bit types (the issue's
-targets). d logit_bias = sum_ij dL/dz_ij is a sum whose terms cancel (the positives' pull against the negatives'), so
-its bound is relative to sum_ij |dL/dz_ij| (`_bias_condition`): the materialized algorithm sums the element-type
-dS = round_T(dL/dz) as a framework's autocast does, and a sum of rounded terms is accurate to the terms' size, not to
-the sum's."""
+targets). d logit_bias = sum_ij dL/dz_ij and d logit_scale = sum_ij dL/dz_ij S_ij are sums whose terms cancel (the
+positives' pull against the negatives'), so their bounds are relative to the sums of the terms' magnitudes
+(`_conditions`): the materialized algorithm sums the element-type dS = round_T(dL/dz) as a framework's autocast does,
+and a sum of rounded terms is accurate to the terms' size, not to the sum's. (In a 12-row batch d logit_scale can
+cancel 65-fold: bfloat16 materialized was then 14.6 eps from float64, 0.22 eps of the terms' size; over 200 seeds
+at most 0.36.)"""
 
 import datetime
 import gc
@@ -31,19 +33,22 @@ BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8, torch.float16: 8}
 NAMES = ("loss", "d image_features", "d text_features", "d logit_scale", "d logit_bias")
 
 
-def _bias_condition(img, txt, t, b):
-    """sum |dL/dz| / |sum dL/dz| of the sigmoid loss (float64; >= 1): how much the bias gradient's sum cancels."""
-    z = t * img.double() @ txt.double().T + b
+def _conditions(img, txt, t, b):
+    """How much the sums of d logit_scale = sum_ij dL/dz_ij S_ij and d logit_bias = sum_ij dL/dz_ij cancel:
+    sum |term| / |sum| of each (float64; >= 1)."""
+    S = img.double() @ txt.double().T
+    z = t * S + b
     labels = -torch.ones_like(z)
     labels[torch.arange(z.shape[0]), torch.arange(z.shape[0])] = 1.0
     g = -labels * torch.sigmoid(-labels * z) / z.shape[0]
-    return float(g.abs().sum() / g.sum().abs().clamp_min(1e-300))
+    return tuple(float(x.abs().sum() / x.sum().abs().clamp_min(1e-300)) for x in (g * S, g))
 
 
 def _bounds(dtype, img, txt, t, b):
     """The bound of each of NAMES for `dtype` (see the file comment)."""
     tol = BOUND_EPS[dtype] * torch.finfo(dtype).eps
-    return (tol, tol, tol, tol, tol * max(1.0, _bias_condition(img, txt, t, b)))
+    scale_condition, bias_condition = _conditions(img, txt, t, b)
+    return (tol, tol, tol, tol * max(1.0, scale_condition), tol * max(1.0, bias_condition))
 
 
 def _step(fn, img, txt, scale, bias, grad_factor=1.0, dtype=None):
