@@ -106,6 +106,8 @@ run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels,
           field(values, at(&r.grad_logit_bias), 4, torch::kFloat32)};
 }
 
+/// run<T, Algorithm> for the algorithm named `algorithm` (the names come from cl::algorithm::all, as the host
+/// binding's).
 template <class T>
 std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         const torch::Tensor& q,
@@ -113,20 +115,17 @@ std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         const torch::Tensor& labels,
                                         const call& c)
 {
-  if (algorithm == "chunked")
+  std::vector<torch::Tensor> out;
+  const bool known = cl::algorithm::dispatch(algorithm.c_str(),
+                                             [&](auto tag)
+                                             {
+                                               out = run<T, decltype(tag)>(q, k, labels, c);
+                                             });
+  if (!known)
   {
-    return run<T, cl::algorithm::chunked>(q, k, labels, c);
+    throw std::invalid_argument("contrastive: algorithm: '" + algorithm + "' is not one of " + cl::algorithm::names());
   }
-  if (algorithm == "fused")
-  {
-    return run<T, cl::algorithm::fused>(q, k, labels, c);
-  }
-  if (algorithm == "materialized")
-  {
-    return run<T, cl::algorithm::materialized>(q, k, labels, c);
-  }
-  throw std::invalid_argument("contrastive: algorithm: '" + algorithm +
-                              "' is not one of 'fused', 'materialized', 'chunked'");
+  return out;
 }
 
 std::vector<torch::Tensor> by_dtype(const std::string& algorithm,
