@@ -69,6 +69,17 @@ inline status check_label_range(const std::int32_t* labels, std::size_t n_q, std
   return {};
 }
 
+/// The loss scale of a policy-free call (contrastive::core, device::core): finite and > 0, else invalid_scaler
+/// "loss_scale".
+inline status check_loss_scale(float s)
+{
+  if (!(s > 0.0f) || !detail::finite(s))
+  {
+    return {errc::invalid_scaler, "loss_scale", "loss_scale = " + std::to_string(s) + "; it must be finite and > 0"};
+  }
+  return {};
+}
+
 /// The logit bias b of z = S + b: finite, and 0 unless the objective is sigmoid (a softmax is invariant to it, so a
 /// nonzero one would do nothing: refused instead).
 inline status check_logit_bias(objective obj, float bias)

@@ -183,14 +183,6 @@ private:
     }
     return {};
   }
-  static status check_loss_scale(float s)
-  {
-    if (!(s > 0.0f) || !detail::finite(s))
-    {
-      return {errc::invalid_scaler, "loss_scale", "loss_scale = " + std::to_string(s) + "; it must be finite and > 0"};
-    }
-    return {};
-  }
 
   std::int64_t passes_ = 0;
   bool sigmoid_ = false; ///< the last forward's objective was sigmoid (its d loss / d b counts in diagnose)

@@ -88,25 +88,54 @@ struct core
   using values_type = typename loss_type::state_type;
 
 private:
-  /// Whether the loss runs on a stream alone (fused, materialized: `check` without a cuBLAS handle), or takes a
-  /// handle first (algorithm::chunked): decides which `step` applies.
-  template <class A, class = void>
-  struct stream_only : std::false_type
-  {
-  };
   template <class A>
-  struct stream_only<A,
-                     std::void_t<decltype(loss<Element, detail::given_logit_scale, scaler::static_scale, A>::check(
-                         std::declval<const problem<Element>&>(),
-                         std::declval<const Element*>(),
-                         std::declval<const Element*>(),
-                         std::declval<const values_type*>()))>> : std::true_type
+  using loss_of = loss<Element, detail::given_logit_scale, scaler::static_scale, A>;
+  template <class A, class... Handle>
+  static auto check_accepts(int) -> decltype(loss_of<A>::check(std::declval<const problem<Element>&>(),
+                                                               std::declval<const Element*>(),
+                                                               std::declval<const Element*>(),
+                                                               std::declval<const values_type*>(),
+                                                               std::declval<Handle>()...),
+                                             std::true_type{});
+  template <class A, class... Handle>
+  static std::false_type check_accepts(...);
+  /// Whether algorithm A's loss checks its arguments with these handles after the state: none for fused and
+  /// materialized, a cuBLAS handle for algorithm::chunked. Decides which `step` applies.
+  template <class A, class... Handle>
+  static constexpr bool checks_with = decltype(check_accepts<A, Handle...>(0))::value;
+
+  /// What both `step`s do before the pass, in this order, so that a refused call writes nothing: the numbers
+  /// (make_values), d_values, the loss's argument check (`check`), and with a workspace its verdict (`needed` writes
+  /// the bytes the pass needs) and then the upload of the call's state.
+  template <class Check, class Needed>
+  static status checked_upload(void* d_temp,
+                               std::size_t temp_bytes,
+                               objective obj,
+                               float logit_scale,
+                               float bias,
+                               float loss_scale,
+                               values_type* d_values,
+                               cudaStream_t stream,
+                               Check check,
+                               Needed needed)
   {
-  };
+    values_type v;
+    CONTRASTIVE_RETURN_IF_ERROR(make_values(obj, logit_scale, bias, loss_scale, v));
+    CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
+    CONTRASTIVE_RETURN_IF_ERROR(check());
+    if (d_temp == nullptr)
+    {
+      return {};
+    }
+    std::size_t bytes = 0;
+    CONTRASTIVE_RETURN_IF_ERROR(needed(bytes));
+    CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, bytes));
+    return detail::cuda_status(loss_type::upload_state(v, d_values, stream), "upload_state");
+  }
 
 public:
   /// Whether `step` takes a cuBLAS handle after d_values (algorithm::chunked) or the stream (fused, materialized).
-  static constexpr bool needs_handle = !stream_only<Algorithm>::value;
+  static constexpr bool needs_handle = !checks_with<Algorithm>;
 
   /// The state a call with these numbers uploads, validated (host code, no CUDA call): logit_scale s = 1/tau finite,
   /// > 0 and within the temperature policies' domain |log s| <= 80 (invalid_temperature "logit_scale"), loss_scale
@@ -120,12 +149,7 @@ public:
     {
       return {errc::invalid_temperature, "logit_scale", "logit_scale = " + std::to_string(logit_scale) + "; " + why};
     }
-    if (!(loss_scale > 0.0f) || !detail::finite(loss_scale))
-    {
-      return {errc::invalid_scaler,
-              "loss_scale",
-              "loss_scale = " + std::to_string(loss_scale) + "; it must be finite and > 0"};
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(check_loss_scale(loss_scale));
     CONTRASTIVE_RETURN_IF_ERROR(check_logit_bias(obj, bias));
     // The sigmoid objective's bias is marked learnable so that the record flags a non-finite d loss / d b
     // (grad_logit_bias), as contrastive::core does; nothing moves it (a core call never finishes a step).
@@ -146,7 +170,7 @@ public:
   /// fused and materialized: one forward + backward pass of `loss_scale * loss` at logit scale s (and, sigmoid, logit
   /// bias b). A null d_temp writes the bytes needed to temp_bytes (and checks the arguments). Statuses as
   /// device::loss::forward_backward_status's: the argument refused, named; a CUDA failure with CUDA's code.
-  template <class A = Algorithm, std::enable_if_t<stream_only<A>::value, int> = 0>
+  template <class A = Algorithm, std::enable_if_t<checks_with<A>, int> = 0>
   static status step(void* d_temp,
                      std::size_t& temp_bytes,
                      const problem<Element>& p,
@@ -158,34 +182,29 @@ public:
                      values_type* d_values,
                      cudaStream_t stream = 0)
   {
-    values_type v;
-    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, bias, loss_scale, v));
-    CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
-    CONTRASTIVE_RETURN_IF_ERROR(loss_type::check(p, dq, dk, d_values));
-    if (d_temp != nullptr)
-    {
-      std::size_t needed = 0;
-      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(loss_type::workspace_bytes(p, needed), "workspace_bytes"));
-      CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, needed));
-      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(loss_type::upload_state(v, d_values, stream), "upload_state"));
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
+        d_temp,
+        temp_bytes,
+        p.obj,
+        logit_scale,
+        bias,
+        loss_scale,
+        d_values,
+        stream,
+        [&]
+        {
+          return loss_type::check(p, dq, dk, d_values);
+        },
+        [&](std::size_t& needed)
+        {
+          return detail::cuda_status(loss_type::workspace_bytes(p, needed), "workspace_bytes");
+        }));
     return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, stream);
   }
 
   /// algorithm::chunked (include device/chunked.cuh): the same with the caller's cuBLAS handle, then the stream and
   /// the chunk options (see device/chunked.cuh).
-  template <class Handle,
-            class A = Algorithm,
-            std::enable_if_t<
-                !stream_only<A>::value &&
-                    std::is_same_v<decltype(loss<Element, detail::given_logit_scale, scaler::static_scale, A>::check(
-                                       std::declval<const problem<Element>&>(),
-                                       std::declval<const Element*>(),
-                                       std::declval<const Element*>(),
-                                       std::declval<const values_type*>(),
-                                       std::declval<Handle>())),
-                                   status>,
-                int> = 0>
+  template <class Handle, class A = Algorithm, std::enable_if_t<checks_with<A, Handle>, int> = 0>
   static status step(void* d_temp,
                      std::size_t& temp_bytes,
                      const problem<Element>& p,
@@ -199,18 +218,27 @@ public:
                      cudaStream_t stream = 0,
                      const chunk_options& opts = {})
   {
-    values_type v;
-    CONTRASTIVE_RETURN_IF_ERROR(make_values(p.obj, logit_scale, bias, loss_scale, v));
-    CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
-    CONTRASTIVE_RETURN_IF_ERROR(loss_type::check(p, dq, dk, d_values, handle));
-    if (d_temp != nullptr)
-    {
-      typename loss_type::layout_type w{};
-      CONTRASTIVE_RETURN_IF_ERROR(
-          detail::cuda_status(loss_type::layout_to_fit(p, opts, temp_bytes, w), "the workspace layout"));
-      CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, w.total));
-      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(loss_type::upload_state(v, d_values, stream), "upload_state"));
-    }
+    CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
+        d_temp,
+        temp_bytes,
+        p.obj,
+        logit_scale,
+        bias,
+        loss_scale,
+        d_values,
+        stream,
+        [&]
+        {
+          return loss_type::check(p, dq, dk, d_values, handle);
+        },
+        [&](std::size_t& needed)
+        {
+          typename loss_type::layout_type w{};
+          const status st =
+              detail::cuda_status(loss_type::layout_to_fit(p, opts, temp_bytes, w), "the workspace layout");
+          needed = w.total;
+          return st;
+        }));
     return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
   }
 };
