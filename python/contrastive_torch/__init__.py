@@ -328,17 +328,28 @@ def _check_cuda_values(q, k, labels32, symmetric):
     return labels32
 
 
-def _rerun_scale(ctx, dtype, grad):
+def _rerun_scale(dtype, grad, needed=True):
     """The loss scale a CUDA backward reruns its step at, or None. The step ran at loss scale 1 in the forward; its
     float16 gradients there may be subnormal (at SigLIP's start and a batch of 32k, |dQ| ~ 1e-5, below float16's
     smallest normal 6.1e-5) where the same gradients at a GradScaler's scale g are not: for float16 and g other than 1
     the step runs again at loss scale g (one read of g, as the host path's backward reads it), as the host path runs
-    its backward at g. bfloat16 and float keep float's exponent range: their gradients times g lose nothing. The
-    features are saved for the rerun only when they are float16 (_rerun_inputs)."""
-    if dtype != torch.float16 or not any(ctx.needs_input_grad[:2]):
+    its backward at g. bfloat16 and float keep float's exponent range: their gradients times g lose nothing (and g is
+    not read). `needed`: whether a feature needs a gradient at all. The features are saved for the rerun only when
+    they are float16 (_rerun_inputs)."""
+    if dtype != torch.float16 or not needed:
         return None
     g = float(grad)
     return g if 0.0 < g < 3.0e38 and g != 1.0 else None
+
+
+def _feature_grads(grad, dq, dk, rerun, needed=True):
+    """The features' gradients for the incoming gradient `grad`, from the step's dq and dk at loss scale 1: float16
+    with grad != 1 reruns the step at loss scale grad (`rerun(g)` returns its dq and dk; see _rerun_scale), anything
+    else is multiplied in float (a GradScaler scale of 65536 does not fit float16)."""
+    g = _rerun_scale(dq.dtype, grad, needed)
+    if g is not None:
+        return rerun(g)
+    return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype)
 
 
 def _rerun_inputs(q, k):
@@ -371,13 +382,11 @@ class _CudaFunction(torch.autograd.Function):
         d_scale = None
         if ctx.needs_input_grad[2] and ctx.scale_shape is not None:
             d_scale = (dlogs * grad / ctx.scale).to(ctx.scale_dtype).reshape(ctx.scale_shape)
-        g = _rerun_scale(ctx, dq.dtype, grad)
-        if g is not None:
-            symmetric, algorithm, fused_tiles = ctx.call
-            _loss, dq, dk = cuda_extension().step(q, k, ctx.scale, labels, symmetric, algorithm, 0, fused_tiles, g)[:3]
-            return dq, dk, d_scale, None, None, None, None, None
-        # In float: a GradScaler scale of 65536 does not fit float16.
-        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None, None
+        symmetric, algorithm, fused_tiles = ctx.call
+        dq, dk = _feature_grads(
+            grad, dq, dk, lambda g: cuda_extension().step(q, k, ctx.scale, labels, symmetric, algorithm, 0, fused_tiles,
+                                                          g)[1:3], any(ctx.needs_input_grad[:2]))
+        return dq, dk, d_scale, None, None, None, None, None
 
 
 def _check_cuda_sigmoid(q, k):
@@ -413,11 +422,10 @@ class _CudaSigmoidFunction(torch.autograd.Function):
         # d loss / d s = (d loss / d log s) / s; in float: a GradScaler scale of 65536 does not fit float16.
         d_scale = _like(dlogs * grad / ctx.scale, scale_param) if ctx.needs_input_grad[2] else None
         d_bias = _like(dbias * grad, bias_param) if ctx.needs_input_grad[3] else None
-        g = _rerun_scale(ctx, dq.dtype, grad)
-        if g is not None:
-            _loss, dq, dk = cuda_extension().sigmoid_step(q, k, ctx.scale, ctx.bias, None, 0, g)[:3]
-            return dq, dk, d_scale, d_bias, None
-        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, d_bias, None
+        dq, dk = _feature_grads(grad, dq, dk,
+                                lambda g: cuda_extension().sigmoid_step(q, k, ctx.scale, ctx.bias, None, 0, g)[1:3],
+                                any(ctx.needs_input_grad[:2]))
+        return dq, dk, d_scale, d_bias, None
 
 
 # --- torch.distributed ------------------------------------------------------------------------------------------
@@ -720,9 +728,10 @@ if HAS_CUSTOM_OPS:
     _sigmoid_loss_op.register_autograd(_sigmoid_autograd, setup_context=_sigmoid_setup_context)
 
     # CUDA tensors: the device step computes the loss and the gradients at loss scale 1 in one call (as
-    # _CudaFunction), so the operator returns all of them and its autograd formula multiplies the saved gradients by
-    # the incoming one: no recomputation. Written and traced on the CPU only (its fake implementation); not yet run on
-    # a GPU.
+    # _CudaFunction), so the operator returns all of them and its autograd formula scales the saved gradients by the
+    # incoming one (contrastive_torch::cuda_feature_grads: float16 under a GradScaler reruns the step at its scale, as
+    # _CudaFunction's backward does). Written and traced on the CPU only (its fake implementation); not yet run on a
+    # GPU.
     @torch.library.custom_op("contrastive_torch::cuda_step", mutates_args=(), device_types="cuda")
     def _cuda_step_op(q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor, labels: Optional[torch.Tensor],
                       symmetric: bool, algorithm: str,
@@ -740,15 +749,48 @@ if HAS_CUSTOM_OPS:
         scalar = q.new_empty((), dtype=torch.float32)
         return scalar, torch.empty_like(q), torch.empty_like(k), torch.empty_like(scalar)
 
+    # The features' gradients of the CUDA operators' backward (_feature_grads as an operator: it reads the incoming
+    # gradient's value, which a traced autograd formula cannot). q and k are given only when float16 (the rerun's
+    # inputs); a logit_bias means the sigmoid objective (cuda_sigmoid_step's), none the softmax one (cuda_step's, with
+    # its labels, symmetric, algorithm and fused_tiles). Registered for every device: on the CPU it multiplies, which
+    # the tests check, with a stand-in extension for the rerun.
+    @torch.library.custom_op("contrastive_torch::cuda_feature_grads", mutates_args=())
+    def _cuda_feature_grads_op(grad: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, q: Optional[torch.Tensor],
+                               k: Optional[torch.Tensor], logit_scale: torch.Tensor, logit_bias: Optional[torch.Tensor],
+                               labels: Optional[torch.Tensor], symmetric: bool, algorithm: str,
+                               fused_tiles: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        def rerun(g):
+            if q is None or k is None:
+                raise RuntimeError("cuda_feature_grads: float16 gradients under a loss scale need q and k to rerun "
+                                   "the step")
+            scale = _scale_value(logit_scale)
+            if logit_bias is not None:
+                return tuple(cuda_extension().sigmoid_step(q, k, scale, _bias_value(logit_bias), None, 0, g)[1:3])
+            labels32 = _labels_tensor(labels, q.shape[0])
+            labels32 = None if labels32 is None else labels32.to(q.device)
+            return tuple(cuda_extension().step(q, k, scale, labels32, symmetric, algorithm, 0, fused_tiles, g)[1:3])
+
+        return _feature_grads(grad, dq, dk, rerun)
+
+    @_cuda_feature_grads_op.register_fake
+    def _(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, fused_tiles):
+        return torch.empty_like(dq), torch.empty_like(dk)
+
     def _cuda_setup_context(ctx, inputs, output):
+        q, k, logit_scale, labels, symmetric, algorithm, fused_tiles = inputs
         _loss, dq, dk, dlogs = output
-        ctx.save_for_backward(dq, dk, dlogs, inputs[2])
+        ctx.save_for_backward(*_rerun_inputs(q, k), labels, dq, dk, dlogs, logit_scale)
+        ctx.call = (symmetric, algorithm, fused_tiles)
 
     def _cuda_autograd(ctx, grad, _grad_dq, _grad_dk, _grad_dlogs):
-        dq, dk, dlogs, logit_scale = ctx.saved_tensors
+        q, k, labels, dq, dk, dlogs, logit_scale = ctx.saved_tensors
         # d loss / d s = (d loss / d log s) / s; in float: a GradScaler scale of 65536 does not fit float16.
         d_scale = (dlogs * grad / logit_scale.float()).to(logit_scale.dtype).reshape(logit_scale.shape)
-        return ((dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, None, None, None, None)
+        gq = gk = None
+        if any(ctx.needs_input_grad[:2]):
+            gq, gk = torch.ops.contrastive_torch.cuda_feature_grads(grad, dq, dk, q, k, logit_scale, None, labels,
+                                                                    *ctx.call)
+        return gq, gk, d_scale, None, None, None, None
 
     _cuda_step_op.register_autograd(_cuda_autograd, setup_context=_cuda_setup_context)
 
@@ -771,14 +813,19 @@ if HAS_CUSTOM_OPS:
         return scalar, torch.empty_like(q), torch.empty_like(k), torch.empty_like(scalar), torch.empty_like(scalar)
 
     def _cuda_sigmoid_setup_context(ctx, inputs, output):
+        q, k, logit_scale, logit_bias = inputs
         _loss, dq, dk, dlogs, dbias = output
-        ctx.save_for_backward(dq, dk, dlogs, dbias, inputs[2], inputs[3])
+        ctx.save_for_backward(*_rerun_inputs(q, k), dq, dk, dlogs, dbias, logit_scale, logit_bias)
 
     def _cuda_sigmoid_autograd(ctx, grad, _grad_dq, _grad_dk, _grad_dlogs, _grad_dbias):
-        dq, dk, dlogs, dbias, logit_scale, logit_bias = ctx.saved_tensors
+        q, k, dq, dk, dlogs, dbias, logit_scale, logit_bias = ctx.saved_tensors
         d_scale = _like(dlogs * grad / logit_scale.float().to(dlogs.device), logit_scale)
         d_bias = _like(dbias * grad, logit_bias)
-        return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype), d_scale, d_bias
+        gq = gk = None
+        if any(ctx.needs_input_grad[:2]):
+            gq, gk = torch.ops.contrastive_torch.cuda_feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, None,
+                                                                    True, "chunked", False)
+        return gq, gk, d_scale, d_bias
 
     _cuda_sigmoid_step_op.register_autograd(_cuda_sigmoid_autograd, setup_context=_cuda_sigmoid_setup_context)
 

@@ -145,19 +145,40 @@ def test_cuda_operator_traces_without_a_gpu():
 
 
 def test_cuda_operator_autograd_formula():
-    # The step's gradients at loss scale 1, times the incoming gradient; d loss / d s = (d loss / d log s) / s.
-    class Ctx:
-        pass
+    # The step's gradients at loss scale 1, times the incoming gradient (bfloat16 here: float16's rerun at it is
+    # test_siglip.py's test_cuda_backward_reruns_float16_...); d loss / d s = (d loss / d log s) / s.
+    from test_siglip import _Ctx
 
-    ctx = Ctx()
-    dq, dk = torch.randn(6, 3).to(torch.float16), torch.randn(6, 3).to(torch.float16)
+    dq, dk = torch.randn(6, 3).to(torch.bfloat16), torch.randn(6, 3).to(torch.bfloat16)
     dlogs, s = torch.tensor(0.75), torch.tensor(12.0)
-    ctx.saved_tensors = (dq, dk, dlogs, s)
+    ctx = _Ctx((True, True, True, False, False, False, False))
+    ct._cuda_setup_context(ctx, (dq, dk, s, None, True, "chunked", False), (torch.tensor(0.5), dq, dk, dlogs))
     gq, gk, gs, *rest = ct._cuda_autograd(ctx, torch.tensor(65536.0), None, None, None)
     assert rest == [None] * 4
-    assert gq.dtype == torch.float16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.float16))
-    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.float16))
+    assert gq.dtype == torch.bfloat16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.bfloat16))
+    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.bfloat16))
     assert float(gs) == pytest.approx(0.75 * 65536.0 / 12.0, rel=1e-6) and gs.shape == s.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_feature_grads_opcheck(monkeypatch, dtype):
+    # contrastive_torch::cuda_feature_grads (the CUDA operators' backward for the features) runs on every device; on
+    # the CPU its rerun goes to a stand-in extension. opcheck: schema, fake implementation, AOT dispatch.
+    from cuda_standin import StandIn
+
+    monkeypatch.setattr(ct, "cuda_extension", lambda: StandIn(3.0e-7))
+    q, k = unit(8, 4, 1, dtype), unit(8, 4, 2, dtype)
+    dq, dk = unit(8, 4, 3, dtype), unit(8, 4, 4, dtype)
+    s, b = torch.tensor(12.0), torch.tensor(-10.0)
+    op = torch.ops.contrastive_torch.cuda_feature_grads.default
+    saved = (q, k) if dtype == torch.float16 else (None, None)
+    for grad in (torch.tensor(1.0), torch.tensor(65536.0)):
+        for bias, labels in ((None, None), (None, torch.arange(8)), (b, None)):
+            torch.library.opcheck(op, (grad, dq, dk, *saved, s, bias, labels, True, "chunked", False))
+    # float16 under a loss scale without the features cannot rerun: a clear error, not a silently worse gradient.
+    if dtype == torch.float16:
+        with pytest.raises(RuntimeError, match="need q and k"):
+            op(torch.tensor(65536.0), dq, dk, None, None, s, None, None, True, "chunked", False)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")

@@ -259,17 +259,15 @@ def test_cuda_sigmoid_autograd_formula():
     if not ct.HAS_CUSTOM_OPS:
         pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
 
-    class Ctx:
-        pass
-
-    ctx = Ctx()
-    dq, dk = torch.randn(6, 3).to(torch.float16), torch.randn(9, 3).to(torch.float16)
+    # bfloat16: multiplied (float16's rerun at the incoming gradient: test_cuda_backward_reruns_float16_...).
+    dq, dk = torch.randn(6, 3).to(torch.bfloat16), torch.randn(9, 3).to(torch.bfloat16)
     dlogs, dbias = torch.tensor(0.75), torch.tensor(-0.5)
     t, b = torch.tensor([10.0], dtype=torch.float64), torch.tensor(-10.0)
-    ctx.saved_tensors = (dq, dk, dlogs, dbias, t, b)
+    ctx = _Ctx((True, True, True, True))
+    ct._cuda_sigmoid_setup_context(ctx, (dq, dk, t, b), (torch.tensor(0.5), dq, dk, dlogs, dbias))
     gq, gk, gt, gb = ct._cuda_sigmoid_autograd(ctx, torch.tensor(65536.0), None, None, None, None)
-    assert gq.dtype == torch.float16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.float16))
-    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.float16))
+    assert gq.dtype == torch.bfloat16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.bfloat16))
+    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.bfloat16))
     assert gt.dtype == torch.float64 and gt.shape == t.shape
     assert float(gt) == pytest.approx(0.75 * 65536.0 / 10.0, rel=1e-6)
     assert gb.shape == b.shape and float(gb) == -0.5 * 65536.0
@@ -334,58 +332,91 @@ def test_cuda_opcheck_and_compiled_step():
         assert _rel(a.cpu(), w.cpu()) <= 64 * torch.finfo(torch.float32).eps, name
 
 
+class _Ctx:
+    """autograd's ctx as the operators' setup_context and autograd formula use it."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _operator_backward(ext, sigmoid, q, k, t, b, grad):
+    """The compiled path's backward on the CPU: the operator's forward outputs from the stand-in extension `ext`, then
+    its setup_context and autograd formula (contrastive_torch::cuda_feature_grads for the features). Returns the
+    gradients of q, k, t (and b)."""
+    with torch.no_grad():  # as autograd runs a backward
+        return _operator_backward_no_grad(ext, sigmoid, q, k, t, b, grad)
+
+
+def _operator_backward_no_grad(ext, sigmoid, q, k, t, b, grad):
+    ctx = _Ctx((q.requires_grad, k.requires_grad, True, True))
+    if sigmoid:
+        loss, dq, dk, dlogs, _m, _s, dbias = ext.sigmoid_step(q, k, float(t.detach()), float(b.detach()), None, 0)
+        ct._cuda_sigmoid_setup_context(ctx, (q, k, t, b), (loss, dq, dk, dlogs, dbias))
+        return ct._cuda_sigmoid_autograd(ctx, torch.tensor(grad), None, None, None, None)
+    loss, dq, dk, dlogs, _m, _s = ext.step(q, k, float(t.detach()), None, True, "chunked", 0, False)
+    ct._cuda_setup_context(ctx, (q, k, t, None, True, "chunked", False), (loss, dq, dk, dlogs))
+    return ct._cuda_autograd(ctx, torch.tensor(grad), None, None, None)[:3]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("grad", [65536.0, 1.0])
 def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtype, grad):
     # The device step runs at loss scale 1 in the forward. Its float16 gradients there can be subnormal (here 3e-7:
     # 5 units of float16's 6e-8 spacing) where a GradScaler's scale puts them in the normal range, so a float16
-    # backward with an incoming gradient g != 1 reruns the step at loss scale g. Checked on the CPU with a stand-in
-    # for the extension that rounds an exact gradient at the loss scale it is given, as the device does.
+    # backward with an incoming gradient g != 1 reruns the step at loss scale g, eagerly (_CudaFunction,
+    # _CudaSigmoidFunction) and compiled (the operators' autograd formulas, through cuda_feature_grads). Checked on the
+    # CPU with a stand-in for the extension that rounds an exact gradient at the loss scale it is given, as the device
+    # does.
+    from cuda_standin import StandIn
+
     exact = 3.0e-7
-    calls = []
-
-    class Extension:
-        @staticmethod
-        def _out(q, k, loss_scale):
-            calls.append(loss_scale)
-            dq = torch.full(q.shape, exact * loss_scale).to(q.dtype)
-            dk = torch.full(k.shape, -exact * loss_scale).to(k.dtype)
-            scalar = lambda v: torch.tensor(v, dtype=torch.float32)
-            return [scalar(0.5), dq, dk, scalar(0.25), scalar(1.0), torch.tensor(0, dtype=torch.int32), scalar(-0.125)]
-
-        def sigmoid_step(self, q, k, scale, bias, labels, chunk_rows, loss_scale=1.0):
-            return self._out(q, k, loss_scale)
-
-        def step(self, q, k, scale, labels, symmetric, algorithm, chunk_rows, fused_tiles, loss_scale=1.0):
-            return self._out(q, k, loss_scale)[:6]
-
-    monkeypatch.setattr(ct, "cuda_extension", lambda: Extension())
+    ext = StandIn(exact)
+    monkeypatch.setattr(ct, "cuda_extension", lambda: ext)
     q = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
     k = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
     t = torch.tensor(10.0, requires_grad=True)
     b = torch.tensor(-10.0, requires_grad=True)
     reruns = dtype == torch.float16 and grad != 1.0
-    for run in (lambda: ct._CudaSigmoidFunction.apply(q, k, t, b, {}),
-                lambda: ct._CudaFunction.apply(q, k, t, None, True, "fused", False, {})):
-        calls.clear()
-        q.grad = k.grad = t.grad = None
-        run().backward(torch.tensor(grad))
-        assert calls == ([1.0, grad] if reruns else [1.0])
-        want = torch.tensor(exact * grad).to(dtype)
-        assert q.grad.dtype == dtype and torch.equal(q.grad, torch.full(q.shape, float(want), dtype=dtype))
-        assert torch.equal(k.grad, -q.grad)
+    want = torch.tensor(exact * grad).to(dtype)
+
+    def eager(function, *args):
+        q.grad = k.grad = t.grad = b.grad = None
+        function.apply(*args).backward(torch.tensor(grad))
+        return q.grad, k.grad, t.grad, b.grad
+
+    runs = {
+        "eager sigmoid": lambda: eager(ct._CudaSigmoidFunction, q, k, t, b, {}),
+        "eager softmax": lambda: eager(ct._CudaFunction, q, k, t, None, True, "chunked", False, {}),
+    }
+    if ct.HAS_CUSTOM_OPS:
+        runs["operator sigmoid"] = lambda: _operator_backward(ext, True, q, k, t, b, grad)
+        runs["operator softmax"] = lambda: _operator_backward(ext, False, q, k, t, b, grad)
+    for name, run in runs.items():
+        ext.calls.clear()
+        gq, gk, gt, *gb = run()
+        assert ext.calls == ([1.0, grad] if reruns else [1.0]), name
+        assert gq.dtype == dtype and torch.equal(gq, torch.full(q.shape, float(want), dtype=dtype)), name
+        assert torch.equal(gk, -gq), name
         # d loss / d t = (d loss / d log t) / t, times the incoming gradient, as before.
-        assert float(t.grad) == pytest.approx(0.25 * grad / 10.0, rel=1e-6)
-    if dtype == torch.float16 and grad != 1.0:
+        assert float(gt) == pytest.approx(0.25 * grad / 10.0, rel=1e-6), name
+        if "sigmoid" in name:
+            assert float(gb[0]) == -0.125 * grad, name
+    if reruns:
         # Without the rerun the gradient would be the subnormal times g: 0.6% off here.
         subnormal_times_g = float(torch.tensor(exact).to(dtype).float() * grad)
         assert abs(subnormal_times_g - exact * grad) > 1e-3 * exact * grad
-    assert float(b.grad) == -0.125 * grad
     # No rerun when the features need no gradient (only t and b do); bfloat16 features are not saved at all, so an
     # in-place change after the forward does not trip the backward.
-    calls.clear()
+    ext.calls.clear()
     ct._CudaSigmoidFunction.apply(q.detach(), k.detach(), t, b, {}).backward(torch.tensor(grad))
-    assert calls == [1.0]
+    assert ext.calls == [1.0]
+    if ct.HAS_CUSTOM_OPS:
+        ext.calls.clear()
+        gq, gk, _gt, _gb = _operator_backward(ext, True, q.detach(), k.detach(), t, b, grad)
+        assert ext.calls == [1.0] and gq is None and gk is None
     if dtype == torch.bfloat16:
         loss = ct._CudaSigmoidFunction.apply(q, k, t, b, {})
         with torch.no_grad():
