@@ -133,10 +133,7 @@ public:
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
     if (local.ok() && small_ == nullptr)
     {
-      (void)(local = status{errc::resource_exhausted,
-                            "memory",
-                            "the loss's " + std::to_string(sizeof(small_buffer)) +
-                                "-byte device buffer could not be allocated at construction"});
+      (void)(local = no_small_buffer());
     }
     if (local.ok() && (d_state == nullptr || handle_ == nullptr))
     {
@@ -301,10 +298,7 @@ public:
     std::int32_t site = none;
     if (small_ == nullptr)
     {
-      (void)(local = status{errc::resource_exhausted,
-                            "memory",
-                            "the loss's " + std::to_string(sizeof(small_buffer)) +
-                                "-byte device buffer could not be allocated at construction"});
+      (void)(local = no_small_buffer());
     }
     else if (d_state == nullptr)
     {
@@ -365,6 +359,15 @@ private:
     float flag[2];        ///< 0 and 1: the failure flag forward_backward sends
     std::int32_t site[2]; ///< finish_step: this rank's first non-finite site and pending flag, then the agreed site
   };
+
+  /// Why every call is refused when the small buffer could not be allocated at construction.
+  static status no_small_buffer()
+  {
+    return {errc::resource_exhausted,
+            "memory",
+            "the loss's " + std::to_string(sizeof(small_buffer)) +
+                "-byte device buffer could not be allocated at construction"};
+  }
 
   const float* small_flags() const noexcept
   {

@@ -144,27 +144,38 @@ struct gemm_backend<gemm::builtin, T>
     k_logit.resize(s.nk_pad * s.d);
     k_rows.resize(s.nk_pad * s.dp);
     q_rows.resize(s.nq_pad * s.dp);
+    for_each_panel(pool,
+                   workers,
+                   s.nk_pad,
+                   s.n_k,
+                   [&](std::size_t r0, std::size_t rows)
+                   {
+                     pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
+                     pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
+                   });
+    for_each_panel(pool,
+                   workers,
+                   s.nq_pad,
+                   s.n_q,
+                   [&](std::size_t r0, std::size_t rows)
+                   {
+                     pack_rows_over_rows(q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, q_rows.data() + r0 * kernel_nr);
+                   });
+  }
+
+  /// f(r0, rows) for each kernel_nr-row panel of n_pad rows, over the pool: the panel's first row and how many of
+  /// its rows are among the n real ones (0 for a panel of padding only).
+  template <class F>
+  static void for_each_panel(thread_pool& pool, unsigned workers, std::size_t n_pad, std::size_t n, const F& f)
+  {
     parallel_for(pool,
-                 s.nk_pad / kernel_nr,
+                 n_pad / kernel_nr,
                  workers,
                  [&](std::size_t c, unsigned)
                  {
                    const std::size_t r0 = c * kernel_nr;
-                   const std::size_t rows = r0 < s.n_k ? std::min<std::size_t>(kernel_nr, s.n_k - r0) : 0;
-                   pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
-                   pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
+                   f(r0, r0 < n ? std::min<std::size_t>(kernel_nr, n - r0) : 0);
                  });
-    {
-      parallel_for(pool,
-                   s.nq_pad / kernel_nr,
-                   workers,
-                   [&](std::size_t c, unsigned)
-                   {
-                     const std::size_t r0 = c * kernel_nr;
-                     const std::size_t rows = r0 < s.n_q ? std::min<std::size_t>(kernel_nr, s.n_q - r0) : 0;
-                     pack_rows_over_rows(q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, q_rows.data() + r0 * kernel_nr);
-                   });
-    }
   }
 
   void release() noexcept

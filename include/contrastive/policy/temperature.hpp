@@ -35,6 +35,32 @@ CONTRASTIVE_HOST_DEVICE inline float logit_scale_of(float tau) noexcept
   return static_cast<float>(-::log(static_cast<double>(tau)));
 }
 
+/// tau = exp(-theta), computed in double and rounded to float once (logit_scale_of's inverse).
+CONTRASTIVE_HOST_DEVICE inline float tau_of(float theta) noexcept
+{
+  return static_cast<float>(::exp(-static_cast<double>(theta)));
+}
+
+/// The getters of a policy whose state is theta (learnable, clamped, schedule): logit_scale() = theta, scale() = s =
+/// exp(theta) and tau() = exp(-theta), each computed in double and rounded to float once. An empty base: the policy's
+/// bytes (its checkpoint) are its own members'.
+template <class Policy>
+struct theta_getters
+{
+  CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
+  {
+    return static_cast<const Policy*>(this)->theta;
+  }
+  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
+  {
+    return static_cast<float>(::exp(static_cast<double>(logit_scale())));
+  }
+  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
+  {
+    return tau_of(logit_scale());
+  }
+};
+
 /// The domain of every temperature: |theta| = |log(1/tau)| <= theta_limit, i.e. tau in [1.8e-35, 5.5e34], where s =
 /// 1/tau and tau are both normal floats. Every policy refuses a tau outside it, and a learnt theta is kept inside it.
 inline constexpr float theta_limit = 80.0f;
@@ -105,7 +131,7 @@ struct fixed
 
 /// Trains theta = log(1/tau) with `optimizer` (CLIP's logit_scale; default init log(1/0.07), Adam lr 1e-3).
 /// State: theta, the optimiser's moments and step count, and `steps` (finite steps applied).
-struct learnable
+struct learnable : theta_getters<learnable>
 {
   static constexpr bool is_learnable = true;
   static constexpr const char* name = "learnable";
@@ -123,18 +149,6 @@ struct learnable
   {
   }
 
-  CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
-  {
-    return theta;
-  }
-  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
-  {
-    return static_cast<float>(::exp(static_cast<double>(theta)));
-  }
-  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
-  {
-    return static_cast<float>(::exp(-static_cast<double>(theta)));
-  }
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
     return true;
@@ -195,11 +209,11 @@ struct clamped : learnable
   }
   CONTRASTIVE_HOST_DEVICE float tau_min() const noexcept
   {
-    return static_cast<float>(::exp(-static_cast<double>(max_theta)));
+    return tau_of(max_theta);
   }
   CONTRASTIVE_HOST_DEVICE float tau_max() const noexcept
   {
-    return static_cast<float>(::exp(-static_cast<double>(min_theta)));
+    return tau_of(min_theta);
   }
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
   {
@@ -303,7 +317,7 @@ enum class schedule_kind : std::int32_t
 
 /// tau follows a schedule of the finite step count; no gradient is used and there is no optimiser state.
 /// State: theta (of the current tau) and `steps` (finite steps applied; skipped steps do not advance the schedule).
-struct schedule
+struct schedule : theta_getters<schedule>
 {
   static constexpr bool is_learnable = false;
   static constexpr const char* name = "schedule";
@@ -324,18 +338,6 @@ struct schedule
   {
   }
 
-  CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
-  {
-    return theta;
-  }
-  CONTRASTIVE_HOST_DEVICE float scale() const noexcept
-  {
-    return static_cast<float>(::exp(static_cast<double>(theta)));
-  }
-  CONTRASTIVE_HOST_DEVICE float tau() const noexcept
-  {
-    return static_cast<float>(::exp(-static_cast<double>(theta)));
-  }
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
     return false;
