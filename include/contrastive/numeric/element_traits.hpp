@@ -54,8 +54,9 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float half_bits_to_float(std::ui
   const std::uint32_t em = h & 0x7fffu;
   // Normal halves: shift the exponent and mantissa into place and rebias the exponent (15 -> 127) in the bits.
   const std::uint32_t normal = (em << 13) + 0x38000000u; // + (127 - 15) << 23
-  // Zero and subnormal halves, m * 2^-24: the float 2^-14 (1 + m/1024), a normal, less 2^-14 (exact).
-  const std::uint32_t subnormal = float_bits(bits_float((em << 13) + 0x38800000u) - 6.103515625e-05f);
+  // Zero and subnormal halves, m * 2^-24: the float 2^-14 (1 + m/1024), a normal, less 2^-14 (exact). The sign bit is
+  // cleared: rounding toward -inf would make the zero half's difference -0.
+  const std::uint32_t subnormal = float_bits(bits_float((em << 13) + 0x38800000u) - 6.103515625e-05f) & 0x7fffffffu;
   // Inf/NaN: exponent all ones; keep the payload.
   const std::uint32_t infnan = 0x7f800000u | (em & 0x3ffu) << 13;
   const std::uint32_t mag = em >= 0x7c00u ? infnan : (em < 0x400u ? subnormal : normal);
