@@ -14,9 +14,10 @@ gradients of the features and of logit_scale, with the incoming gradient (GradSc
 
 CUDA tensors run the library's device step instead (a second extension, compiled with nvcc on first use where PyTorch
 has CUDA): forward and backward in one call on PyTorch's current stream, with its cuBLAS handle and caching allocator;
-use algorithm="chunked" (cuBLAS products) on GPUs. There the gradients are formed at loss scale 1 and multiplied by the
-incoming gradient afterwards, so in float16 gradient values below fp16's range flush before GradScaler's scale
-applies (bfloat16 and float32 are unaffected), and `last_step` holds device tensors (no synchronisation):
+use algorithm="chunked" (cuBLAS products) on GPUs. There the forward forms every gradient at loss scale 1 and the
+backward multiplies them by the incoming gradient (bfloat16, float32), or for float16 with an incoming gradient other
+than 1 (a GradScaler's scale) runs the step again at that loss scale, so that gradients below float16's normal range
+at scale 1 are not lost (python/README.md); `last_step` holds device tensors (no synchronisation):
 `first_nonfinite_code` indexes NONFINITE_SITES. Input checks on CUDA (finiteness, label range) synchronise once.
 
 ClipLoss takes open_clip's constructor arguments (local_loss, gather_with_grad, cache_labels, rank, world_size,
@@ -428,6 +429,26 @@ class _CudaSigmoidFunction(torch.autograd.Function):
         return dq, dk, d_scale, d_bias, None
 
 
+def _cuda_step_forward(q, k, logit_scale, labels, symmetric, algorithm, fused_tiles):
+    """contrastive_torch::cuda_step's work (at module level: the tests run it on the CPU with a stand-in extension)."""
+    labels = _check_cuda_values(q, k, _labels_tensor(labels, q.shape[0]), symmetric)
+    scale = _scale_value(logit_scale)
+    # The extension raises by the library's error code (csrc/errors.hpp): ValueError for a refused argument.
+    loss, dq, dk, dlogs, _max_logit, _site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
+                                                                  fused_tiles)
+    # loss and dlogs view the step's state buffer: an operator's outputs must not alias, so they are copied.
+    return loss.clone(), dq, dk, dlogs.clone()
+
+
+def _cuda_sigmoid_step_forward(q, k, logit_scale, logit_bias):
+    """contrastive_torch::cuda_sigmoid_step's work (at module level, as _cuda_step_forward)."""
+    _check_cuda_sigmoid(q, k)
+    loss, dq, dk, dlogs, _max_logit, _site, dbias = cuda_extension().sigmoid_step(
+        q, k, _scale_value(logit_scale), _bias_value(logit_bias), None, 0)
+    # loss, dlogs and dbias view the step's state buffer: an operator's outputs must not alias, so they are copied.
+    return loss.clone(), dq, dk, dlogs.clone(), dbias.clone()
+
+
 # --- torch.distributed ------------------------------------------------------------------------------------------
 
 _ALGORITHMS = ("fused", "materialized", "chunked")
@@ -736,13 +757,7 @@ if HAS_CUSTOM_OPS:
     def _cuda_step_op(q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor, labels: Optional[torch.Tensor],
                       symmetric: bool, algorithm: str,
                       fused_tiles: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        labels = _check_cuda_values(q, k, _labels_tensor(labels, q.shape[0]), symmetric)
-        scale = _scale_value(logit_scale)
-        # The extension raises by the library's error code (csrc/errors.hpp): ValueError for a refused argument.
-        loss, dq, dk, dlogs, _max_logit, _site = cuda_extension().step(q, k, scale, labels, symmetric, algorithm, 0,
-                                                                      fused_tiles)
-        # loss and dlogs view the step's state buffer: an operator's outputs must not alias, so they are copied.
-        return loss.clone(), dq, dk, dlogs.clone()
+        return _cuda_step_forward(q, k, logit_scale, labels, symmetric, algorithm, fused_tiles)
 
     @_cuda_step_op.register_fake
     def _(q, k, logit_scale, labels, symmetric, algorithm, fused_tiles):
@@ -801,11 +816,7 @@ if HAS_CUSTOM_OPS:
     def _cuda_sigmoid_step_op(
             q: torch.Tensor, k: torch.Tensor, logit_scale: torch.Tensor,
             logit_bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        _check_cuda_sigmoid(q, k)
-        loss, dq, dk, dlogs, _max_logit, _site, dbias = cuda_extension().sigmoid_step(
-            q, k, _scale_value(logit_scale), _bias_value(logit_bias), None, 0)
-        # loss, dlogs and dbias view the step's state buffer: an operator's outputs must not alias, so they are copied.
-        return loss.clone(), dq, dk, dlogs.clone(), dbias.clone()
+        return _cuda_sigmoid_step_forward(q, k, logit_scale, logit_bias)
 
     @_cuda_sigmoid_step_op.register_fake
     def _(q, k, logit_scale, logit_bias):

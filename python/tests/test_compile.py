@@ -147,11 +147,11 @@ def test_cuda_operator_traces_without_a_gpu():
 def test_cuda_operator_autograd_formula():
     # The step's gradients at loss scale 1, times the incoming gradient (bfloat16 here: float16's rerun at it is
     # test_siglip.py's test_cuda_backward_reruns_float16_...); d loss / d s = (d loss / d log s) / s.
-    from test_siglip import _Ctx
+    from cuda_standin import Ctx
 
     dq, dk = torch.randn(6, 3).to(torch.bfloat16), torch.randn(6, 3).to(torch.bfloat16)
     dlogs, s = torch.tensor(0.75), torch.tensor(12.0)
-    ctx = _Ctx((True, True, True, False, False, False, False))
+    ctx = Ctx((True, True, True, False, False, False, False))
     ct._cuda_setup_context(ctx, (dq, dk, s, None, True, "chunked", False), (torch.tensor(0.5), dq, dk, dlogs))
     gq, gk, gs, *rest = ct._cuda_autograd(ctx, torch.tensor(65536.0), None, None, None)
     assert rest == [None] * 4

@@ -263,7 +263,9 @@ def test_cuda_sigmoid_autograd_formula():
     dq, dk = torch.randn(6, 3).to(torch.bfloat16), torch.randn(9, 3).to(torch.bfloat16)
     dlogs, dbias = torch.tensor(0.75), torch.tensor(-0.5)
     t, b = torch.tensor([10.0], dtype=torch.float64), torch.tensor(-10.0)
-    ctx = _Ctx((True, True, True, True))
+    from cuda_standin import Ctx
+
+    ctx = Ctx((True, True, True, True))
     ct._cuda_sigmoid_setup_context(ctx, (dq, dk, t, b), (torch.tensor(0.5), dq, dk, dlogs, dbias))
     gq, gk, gt, gb = ct._cuda_sigmoid_autograd(ctx, torch.tensor(65536.0), None, None, None, None)
     assert gq.dtype == torch.bfloat16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.bfloat16))
@@ -332,33 +334,23 @@ def test_cuda_opcheck_and_compiled_step():
         assert _rel(a.cpu(), w.cpu()) <= 64 * torch.finfo(torch.float32).eps, name
 
 
-class _Ctx:
-    """autograd's ctx as the operators' setup_context and autograd formula use it."""
+def _operator_backward(inputs, grad):
+    """The compiled path on the CPU: an operator's forward (`inputs`: cuda_sigmoid_step's 4 or cuda_step's 7), its
+    setup_context and its autograd formula (contrastive_torch::cuda_feature_grads for the features), with the
+    extension monkeypatched to a stand-in. Returns the gradients of q, k, the logit scale (and the bias)."""
+    q, k = inputs[:2]
+    from cuda_standin import Ctx
 
-    def __init__(self, needs_input_grad):
-        self.needs_input_grad = needs_input_grad
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
-
-
-def _operator_backward(ext, sigmoid, q, k, t, b, grad):
-    """The compiled path's backward on the CPU: the operator's forward outputs from the stand-in extension `ext`, then
-    its setup_context and autograd formula (contrastive_torch::cuda_feature_grads for the features). Returns the
-    gradients of q, k, t (and b)."""
-    with torch.no_grad():  # as autograd runs a backward
-        return _operator_backward_no_grad(ext, sigmoid, q, k, t, b, grad)
-
-
-def _operator_backward_no_grad(ext, sigmoid, q, k, t, b, grad):
-    ctx = _Ctx((q.requires_grad, k.requires_grad, True, True))
-    if sigmoid:
-        loss, dq, dk, dlogs, _m, _s, dbias = ext.sigmoid_step(q, k, float(t.detach()), float(b.detach()), None, 0)
-        ct._cuda_sigmoid_setup_context(ctx, (q, k, t, b), (loss, dq, dk, dlogs, dbias))
-        return ct._cuda_sigmoid_autograd(ctx, torch.tensor(grad), None, None, None, None)
-    loss, dq, dk, dlogs, _m, _s = ext.step(q, k, float(t.detach()), None, True, "chunked", 0, False)
-    ct._cuda_setup_context(ctx, (q, k, t, None, True, "chunked", False), (loss, dq, dk, dlogs))
-    return ct._cuda_autograd(ctx, torch.tensor(grad), None, None, None)[:3]
+    ctx = Ctx((q.requires_grad, k.requires_grad) + (True,) * (len(inputs) - 2))
+    with torch.no_grad():  # as the operator and autograd's backward run
+        plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
+        if len(inputs) == 4:
+            output = ct._cuda_sigmoid_step_forward(*plain)
+            ct._cuda_sigmoid_setup_context(ctx, tuple(inputs), output)
+            return ct._cuda_sigmoid_autograd(ctx, torch.tensor(grad), None, None, None, None)
+        output = ct._cuda_step_forward(*plain)
+        ct._cuda_setup_context(ctx, tuple(inputs), output)
+        return ct._cuda_autograd(ctx, torch.tensor(grad), None, None, None)[:3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -367,9 +359,9 @@ def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtyp
     # The device step runs at loss scale 1 in the forward. Its float16 gradients there can be subnormal (here 3e-7:
     # 5 units of float16's 6e-8 spacing) where a GradScaler's scale puts them in the normal range, so a float16
     # backward with an incoming gradient g != 1 reruns the step at loss scale g, eagerly (_CudaFunction,
-    # _CudaSigmoidFunction) and compiled (the operators' autograd formulas, through cuda_feature_grads). Checked on the
-    # CPU with a stand-in for the extension that rounds an exact gradient at the loss scale it is given, as the device
-    # does.
+    # _CudaSigmoidFunction) and compiled (the operators' forward, setup_context and autograd formula, through
+    # cuda_feature_grads), with every other argument of the forward's call. Checked on the CPU with a stand-in for the
+    # extension that rounds an exact gradient at the loss scale it is given, as the device does, and records its calls.
     from cuda_standin import StandIn
 
     exact = 3.0e-7
@@ -379,6 +371,7 @@ def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtyp
     k = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
     t = torch.tensor(10.0, requires_grad=True)
     b = torch.tensor(-10.0, requires_grad=True)
+    labels64 = torch.tensor([3, 0, 2, 1])
     reruns = dtype == torch.float16 and grad != 1.0
     want = torch.tensor(exact * grad).to(dtype)
 
@@ -390,14 +383,18 @@ def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtyp
     runs = {
         "eager sigmoid": lambda: eager(ct._CudaSigmoidFunction, q, k, t, b, {}),
         "eager softmax": lambda: eager(ct._CudaFunction, q, k, t, None, True, "chunked", False, {}),
+        "eager infonce": lambda: eager(ct._CudaFunction, q, k, t, labels64.to(torch.int32), False, "fused", True, {}),
     }
     if ct.HAS_CUSTOM_OPS:
-        runs["operator sigmoid"] = lambda: _operator_backward(ext, True, q, k, t, b, grad)
-        runs["operator softmax"] = lambda: _operator_backward(ext, False, q, k, t, b, grad)
+        runs["operator sigmoid"] = lambda: _operator_backward((q, k, t, b), grad)
+        runs["operator softmax"] = lambda: _operator_backward((q, k, t, None, True, "chunked", False), grad)
+        runs["operator infonce"] = lambda: _operator_backward((q, k, t, labels64, False, "materialized", True), grad)
     for name, run in runs.items():
-        ext.calls.clear()
+        ext.clear()
         gq, gk, gt, *gb = run()
         assert ext.calls == ([1.0, grad] if reruns else [1.0]), name
+        if reruns:  # the same call but for the loss scale: scale, bias, labels (int32, the features' device), options
+            assert ext.args[1] == ext.args[0], name
         assert gq.dtype == dtype and torch.equal(gq, torch.full(q.shape, float(want), dtype=dtype)), name
         assert torch.equal(gk, -gq), name
         # d loss / d t = (d loss / d log t) / t, times the incoming gradient, as before.
@@ -410,12 +407,12 @@ def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtyp
         assert abs(subnormal_times_g - exact * grad) > 1e-3 * exact * grad
     # No rerun when the features need no gradient (only t and b do); bfloat16 features are not saved at all, so an
     # in-place change after the forward does not trip the backward.
-    ext.calls.clear()
+    ext.clear()
     ct._CudaSigmoidFunction.apply(q.detach(), k.detach(), t, b, {}).backward(torch.tensor(grad))
     assert ext.calls == [1.0]
     if ct.HAS_CUSTOM_OPS:
-        ext.calls.clear()
-        gq, gk, _gt, _gb = _operator_backward(ext, True, q.detach(), k.detach(), t, b, grad)
+        ext.clear()
+        gq, gk, _gt, _gb = _operator_backward((q.detach(), k.detach(), t, b), grad)
         assert ext.calls == [1.0] and gq is None and gk is None
     if dtype == torch.bfloat16:
         loss = ct._CudaSigmoidFunction.apply(q, k, t, b, {})
