@@ -781,8 +781,8 @@ if HAS_CUSTOM_OPS:
             scale = _scale_value(logit_scale)
             if logit_bias is not None:
                 return tuple(cuda_extension().sigmoid_step(q, k, scale, _bias_value(logit_bias), None, 0, g)[1:3])
-            labels32 = _labels_tensor(labels, q.shape[0])
-            labels32 = None if labels32 is None else labels32.to(q.device)
+            # The forward validated the labels (_cuda_step_forward): converted only, no second read of their values.
+            labels32 = None if labels is None else labels.to(device=q.device, dtype=torch.int32).contiguous()
             return tuple(cuda_extension().step(q, k, scale, labels32, symmetric, algorithm, 0, fused_tiles, g)[1:3])
 
         return _feature_grads(grad, dq, dk, rerun)
