@@ -121,6 +121,12 @@ class TwoTower(torch.nn.Module):
         return F.normalize(self.visual(x), dim=-1), F.normalize(self.text(y), dim=-1), self.logit_scale.exp()
 
 
+def paired_batch(n, generator):
+    """n inputs and their paired "captions" (noisy views of the same items), drawn in float32."""
+    x = torch.randn(n, 32, generator=generator)
+    return x, x + torch.randn(n, 32, generator=generator)
+
+
 def train(loss_fn, steps, seed, dtype=torch.float32, each_step=None):
     """open_clip's training step (open_clip_train/train.py, one process, no accumulation): AdamW with open_clip's
     betas and eps, no weight decay on logit_scale, loss(image_features, text_features, logit_scale), backward, step,
@@ -137,9 +143,7 @@ def train(loss_fn, steps, seed, dtype=torch.float32, each_step=None):
     data = torch.Generator().manual_seed(seed + 1)
     losses = []
     for _ in range(steps):
-        x = torch.randn(64, 32, generator=data)
-        y = x + torch.randn(64, 32, generator=data)  # paired "captions": noisy views of the same items
-        x, y = x.to(dtype), y.to(dtype)
+        x, y = (t.to(dtype) for t in paired_batch(64, data))
         image_features, text_features, logit_scale = model(x, y)
         loss = loss_fn(image_features, text_features, logit_scale)
         opt.zero_grad()
@@ -155,9 +159,7 @@ def train(loss_fn, steps, seed, dtype=torch.float32, each_step=None):
 
 def embeddings(model, seed):
     """The trained towers' unit embeddings of a held-out batch, image rows then text rows, in float64."""
-    probe = torch.Generator().manual_seed(seed + 2)
-    x = torch.randn(256, 32, generator=probe)
-    y = x + torch.randn(256, 32, generator=probe)
+    x, y = paired_batch(256, torch.Generator().manual_seed(seed + 2))
     dtype = model.logit_scale.dtype
     with torch.no_grad():
         image, text, _ = model(x.to(dtype), y.to(dtype))
