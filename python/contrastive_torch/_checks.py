@@ -1,0 +1,185 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""Every argument check, once. Two kinds:
+
+- checks that read no tensor value (types, shapes, dtypes, devices, options): run in Python before any work, also
+  while torch.compile traces (they read only what tracing knows);
+- checks that read values (finiteness, label range, logit_scale > 0): run where the values are read anyway, inside
+  the operators' kernels (`scale_value`, `bias_value`, `labels_int32`, `device_values`), so a compiled graph checks
+  them when it runs. The host engine checks finiteness and label range itself (its messages name the element).
+
+Every message starts with the argument's name."""
+
+import operator
+
+import torch
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+ALGORITHMS = ("fused", "materialized", "chunked")
+
+
+# --- options (constructor and keyword arguments) ---------------------------------------------------------------------
+
+
+def algorithm(value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if value not in ALGORITHMS:
+        raise ValueError(f"algorithm: '{value}' is not one of 'fused', 'materialized', 'chunked'")
+    return value
+
+
+def threads(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"threads: must be an int >= 0 (0 = all cores), got {value!r}")
+    return value
+
+
+def boolean(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def flag(name, value):
+    """open_clip passes argparse's store_true values: bools and ints (0/1) are accepted, anything else refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def index(name, value):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def rank_and_world(rank, world_size):
+    rank, world_size = index("rank", rank), index("world_size", world_size)
+    if world_size < 1:
+        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, world_size) = [0, {world_size}), got {rank}")
+    return rank, world_size
+
+
+def group(value):
+    if value is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(value).__name__}")
+    return value
+
+
+# --- tensors, without reading values ---------------------------------------------------------------------------------
+
+
+def features(name, x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor (batch x dim), got shape {tuple(x.shape)}")
+    if x.device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: on {x.device}, but this PyTorch has no CUDA")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: on {x.device}; CPU and CUDA tensors only")
+    if x.dtype not in DTYPE_NAMES:
+        raise TypeError(f"{name}: dtype {x.dtype} is not float32, bfloat16 or float16")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: not contiguous (call .contiguous())")
+
+
+def feature_pair(q, k, names):
+    """Both feature tensors and what they must share (dtype, embedding size, device)."""
+    features(names[0], q)
+    features(names[1], k)
+    if q.dtype != k.dtype:
+        raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype})")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
+    if q.device != k.device:
+        raise ValueError(f"features: on different devices ({q.device} and {k.device})")
+
+
+def scalar(name, value, device, kinds="a number or a one-element tensor"):
+    """logit_scale / logit_bias as the one-element float tensor the operators take (a number becomes a float32 tensor
+    on `device`). Its value is not read."""
+    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, float, int)):
+        raise TypeError(f"{name}: expected {kinds}, got {type(value).__name__}")
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
+    if value.numel() != 1:
+        extra = " (a per-logit bias is not supported)" if name == "logit_bias" else ""
+        raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name}: dtype {value.dtype} is not a floating-point type")
+    if value.device != device and value.device.type != "cpu":
+        raise ValueError(f"{name}: on {value.device} while the features are on {device}")
+    return value
+
+
+def labels(value, n_q, device):
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"labels: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != 1 or value.shape[0] != n_q:
+        raise ValueError(f"labels: expected shape ({n_q},), got {tuple(value.shape)}")
+    if value.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: dtype {value.dtype} is not an integer type (int64 or int32)")
+    if device.type == "cpu" and value.device.type != "cpu":
+        raise ValueError(f"labels: on {value.device} while the features are on the CPU")
+    return value
+
+
+# --- values (read inside the operators' kernels) ---------------------------------------------------------------------
+
+
+def scale_value(logit_scale):
+    value = float(logit_scale.detach().reshape(())) if isinstance(logit_scale, torch.Tensor) else float(logit_scale)
+    if not (value > 0.0 and value < float("inf")):
+        raise ValueError(f"logit_scale: must be finite and > 0 (it is 1/tau), got {value}")
+    return value
+
+
+def bias_value(logit_bias):
+    if logit_bias is None:
+        return 0.0
+    value = float(logit_bias.detach().reshape(())) if isinstance(logit_bias, torch.Tensor) else float(logit_bias)
+    if not abs(value) < float("inf"):
+        raise ValueError(f"logit_bias: must be finite, got {value}")
+    return value
+
+
+def labels_int32(value, device=None):
+    """The labels as the engines take them: int32, contiguous (on `device` when given); values outside int32 are
+    refused (the engines check the range against the number of keys)."""
+    if value is None:
+        return None
+    if value.numel() and (int(value.min()) < -(2**31) or int(value.max()) >= 2**31):
+        raise ValueError("labels: values outside the int32 range")
+    return value.to(device=device if device is not None else value.device, dtype=torch.int32).contiguous()
+
+
+def device_values(q, k, labels32, objective):
+    """What the device engine does not check (reading values would synchronise inside its step), checked once:
+    finiteness, the label range, the shapes each objective needs. One synchronisation."""
+    names = ("query", "keys") if objective == "info_nce" else ("image_features", "text_features")
+    for name, x in zip(names, (q, k)):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name}: holds a non-finite value")
+    if labels32 is not None:
+        if labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
+            raise ValueError(f"labels: values outside [0, {k.shape[0]}) (the number of keys)")
+    elif objective == "info_nce" and q.shape[0] > k.shape[0]:
+        raise ValueError(f"labels: None means the diagonal, which needs n_q <= n_k ({q.shape[0]} > {k.shape[0]})")
+    if objective == "symmetric" and q.shape[0] != k.shape[0]:
+        raise ValueError(f"features: the symmetric loss needs as many texts as images ({q.shape[0]} and "
+                         f"{k.shape[0]})")
+    if objective == "sigmoid" and q.shape[0] > k.shape[0]:
+        raise ValueError(f"features: the positives are the diagonal, which needs as many texts as images or more "
+                         f"({q.shape[0]} images, {k.shape[0]} texts)")

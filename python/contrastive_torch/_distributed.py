@@ -1,0 +1,364 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The loss of a global batch over a torch.distributed process group: every rank calls with its own rows and gets
+the global loss (the mean over all N rows of the batch; for SigLIP (1/N) times the sum over all N x N pairs).
+
+Two exchanges, one convention:
+- 'engine' (CPU tensors, gloo): the library's distributed engine (csrc/torch_comm.hpp) gathers the text features,
+  runs this rank's rows against them and reduce-scatters their gradients; nothing N x N is formed.
+- 'gather' (CUDA and CPU tensors, any backend): torch.distributed's autograd all-gather (the exchange open_clip's
+  gather_with_grad uses) of the texts (and, for CLIP, the images), then the one-process operator on this rank's rows
+  against the gathered ones (both directions for CLIP, as open_clip's local_loss scheme); the gather's backward sums
+  every rank's gradient of its rows. The only device code is the one-process step.
+
+Gradients: each rank's features get grad_ranks x d(global loss)/d(its rows) (grad_ranks defaults to the group's size,
+which DDP's averaging turns into the exact gradient; open_clip's gather_with_grad=True or local_loss=True gives the
+same); logit_scale and logit_bias get d(global loss)/d(them) on every rank. Before any exchange, every rank's
+checks are agreed on (one all-gather), so an error found on one rank is raised on every rank, naming it, instead of
+leaving the others in a collective."""
+
+import struct
+
+import torch
+
+from . import _checks, _host
+from ._checks import DTYPE_NAMES, scale_value, bias_value
+from ._extension import extension
+
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_EXCHANGES = ("engine", "gather")
+# The Python exception kinds the agreement carries from the failing rank to every rank.
+_KINDS = {1: TypeError, 2: ValueError, 3: NotImplementedError, 4: RuntimeError, 5: MemoryError, 6: OverflowError}
+
+
+def _kind_of(error):
+    for code in (3, 1, 2, 5, 6):  # NotImplementedError before RuntimeError (it is one)
+        if isinstance(error, _KINDS[code]):
+            return code
+    return 4
+
+
+def _with_rank(rank, text):
+    """'argument: what' -> 'argument: rank r: what', as the library's agreed errors read."""
+    head, sep, rest = text.partition(": ")
+    if sep and " " not in head.strip():
+        return f"{head}: rank {rank}: {rest}"
+    return f"rank {rank}: {text}"
+
+
+def _on_cpu(group):
+    import torch.distributed as dist
+
+    return "gloo" in str(dist.get_backend(group))
+
+
+def _exchange_verdicts(group, kind, message, values):
+    """(first failing rank or -1, its kind, its message, every rank's values): the library's agreement (CPU, gloo)
+    where the group carries CPU tensors, else the same exchange in device tensors through torch.distributed (NCCL)."""
+    if _on_cpu(group):
+        return extension().agree(group, kind, message, [float(v) for v in values])
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.zeros(10, dtype=torch.float64, device=device)
+    mine[0], mine[1] = kind, len(values)
+    if values:
+        mine[2:2 + len(values)] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(rows, mine, group=group)
+    rows = [r.tolist() for r in rows]
+    got = [r[2:2 + int(r[1])] for r in rows]
+    for r, row in enumerate(rows):
+        if row[0] != 0:
+            text = torch.zeros(1024, dtype=torch.uint8, device=device)
+            if r == group.rank():
+                raw = message.encode()[:1023]
+                text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            dist.broadcast(text, src=dist.get_global_rank(group, r), group=group)
+            raw = bytes(text.cpu().tolist())
+            return r, int(row[0]), raw.split(b"\0", 1)[0].decode(errors="replace"), got
+    return -1, 0, "", got
+
+
+def agree(group, error, values):
+    """Every rank's verdict on its own checks (`error`: None or the exception it would raise) and its `values` (at
+    most 8 numbers), all-gathered over `group`: if any rank failed, every rank raises the first failing rank's error,
+    naming it. Returns every rank's values."""
+    kind = 0 if error is None else _kind_of(error)
+    bad, bad_kind, text, got = _exchange_verdicts(group, kind, "" if error is None else str(error), values)
+    if bad >= 0:
+        raised = _KINDS.get(bad_kind, RuntimeError)(_with_rank(bad, text))
+        if error is not None and bad == group.rank():
+            raise raised from error
+        raise raised
+    return got
+
+
+def _first_other(got, i):
+    """The first rank whose value i differs from rank 0's (bitwise: NaN differs from everything), or None."""
+    bits = [struct.pack("<d", v[i]) for v in got]
+    return next((r for r in range(1, len(got)) if bits[r] != bits[0]), None)
+
+
+def _check_same(got, first_name):
+    """The ranks' dtype, algorithm, exchange, logit_scale, logit_bias and which inputs want gradients must agree."""
+    names = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
+    r = _first_other(got, 0)
+    if r is not None:
+        raise TypeError(f"{first_name}: rank {r}: dtype {names.get(int(got[r][0]))} where rank 0 has "
+                        f"{names.get(int(got[0][0]))}; every rank must pass the same dtype")
+    r = _first_other(got, 1)
+    if r is not None:
+        raise ValueError(f"algorithm: rank {r}: '{_checks.ALGORITHMS[int(got[r][1])]}' where rank 0 has "
+                         f"'{_checks.ALGORITHMS[int(got[0][1])]}'; every rank must use the same algorithm")
+    r = _first_other(got, 2)
+    if r is not None:
+        raise ValueError(f"exchange: rank {r}: '{_EXCHANGES[int(got[r][2])]}' where rank 0 has "
+                         f"'{_EXCHANGES[int(got[0][2])]}'; every rank must use the same exchange")
+    for i, name in ((3, "logit_scale"), (4, "logit_bias")):
+        r = _first_other(got, i)
+        if r is not None:
+            raise ValueError(f"{name}: rank {r}: {got[r][i]!r} where rank 0 has {got[0][i]!r}; every rank must pass "
+                             f"the same {name} (a parameter that DDP keeps equal on every rank)")
+    r = _first_other(got, 6)
+    if r is not None:
+        raise ValueError(f"{first_name}: rank {r} wants gradients for (features, logit_scale, logit_bias) = "
+                         f"{_wants(got[r][6])} where rank 0 wants {_wants(got[0][6])}; the backward is a collective of "
+                         "every rank")
+
+
+def _wants(code):
+    code = int(code)
+    return tuple(bool(code >> i & 1) for i in range(3))
+
+
+def _eager_only(f):
+    """torch.compile runs `f` eagerly (a graph break; fullgraph=True refuses it with this reason)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is None:
+        return f
+    reason = ("contrastive_torch: over a process group the loss is a torch.distributed collective, run eagerly (a "
+              "graph break); fullgraph=True needs one process")
+    try:
+        return disable(f, reason=reason)
+    except TypeError:  # PyTorch before reason=
+        return disable(f)
+
+
+@_eager_only
+def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fused_tiles, group, grad_ranks,
+                exchange, report, expected=None):
+    """The loss of the global batch (objective 'symmetric' or 'sigmoid'); every rank of `group` calls it.
+    `expected`: (rank, world_size) the caller was constructed with (open_clip's arguments), checked against the
+    group."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise NotImplementedError("group: this PyTorch has no torch.distributed")
+    if not dist.is_initialized():
+        raise RuntimeError("world_size > 1: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first, on every rank)")
+    group = group if group is not None else dist.group.WORLD
+    rank, size = group.rank(), group.size()
+    names = ("image_features", "text_features")
+    error, values = None, []
+    try:
+        _checks.feature_pair(q, k, names)
+        if exchange is None:
+            exchange = "gather" if q.device.type == "cuda" else "engine"
+        if exchange not in _EXCHANGES:
+            raise ValueError(f"exchange: '{exchange}' is not one of 'engine', 'gather'")
+        if exchange == "engine" and q.device.type == "cuda":
+            raise NotImplementedError("image_features: CUDA tensors: the library's distributed engine runs on the CPU "
+                                      "(gloo); use exchange='gather' (the default for CUDA tensors)")
+        if exchange == "engine" and not getattr(extension(), "HAS_DISTRIBUTED", False):
+            raise NotImplementedError("exchange: 'engine': the extension was built without torch.distributed")
+        if objective == "sigmoid":
+            algorithm = _sigmoid_algorithm(algorithm, q.device)
+        if expected is not None and expected[1] > 1 and expected[1] != size:
+            raise ValueError(f"world_size: {expected[1]}, but the process group has {size} ranks")
+        if expected is not None and expected[1] > 1 and expected[0] != rank:
+            raise ValueError(f"rank: {expected[0]}, but this process is rank {rank} of the process group")
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"features: each rank passes as many texts as images ({q.shape[0]} and {k.shape[0]})")
+        s = _checks.scalar("logit_scale", logit_scale, q.device)
+        b = None
+        if objective == "sigmoid":
+            b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
+                               "None, a number or a one-element tensor")
+        wants = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        wants_s = torch.is_grad_enabled() and s.requires_grad
+        wants_b = torch.is_grad_enabled() and b is not None and b.requires_grad
+        c = size if grad_ranks is None else _checks.index("grad_ranks", grad_ranks)
+        if c < 1:
+            raise ValueError(f"grad_ranks: must be >= 1, got {c}")
+        values = [_DTYPE_CODES[q.dtype], _checks.ALGORITHMS.index(algorithm), _EXCHANGES.index(exchange),
+                  scale_value(s), bias_value(b), q.shape[0], wants | wants_s << 1 | wants_b << 2]
+    except Exception as e:  # raised below on every rank, after the agreement
+        error = e
+    got = agree(group, error, values)
+    _check_same(got, names[0])
+    counts = [int(v[5]) for v in got]
+    if exchange == "engine":
+        key = (DTYPE_NAMES[q.dtype], algorithm, threads, rank, size)
+        return _EngineFunction.apply(q, k, s, b, objective, key, group, c, report)
+    return _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report)
+
+
+def _sigmoid_algorithm(algorithm, device):
+    from .functional import _sigmoid_algorithm as pick
+
+    return pick(algorithm, device)
+
+
+class _EngineFunction(torch.autograd.Function):
+    """The library's distributed engine: forward and backward are collectives of every rank. The backward runs the
+    engine at loss scale grad_ranks x the incoming gradient (which every rank must share)."""
+
+    @staticmethod
+    def forward(ctx, q, k, logit_scale, logit_bias, objective, key, group, c, report):
+        handle = _host.pool.take(key, group)
+        scale = scale_value(logit_scale)
+        ctx.sigmoid = objective == "sigmoid"
+        try:
+            if ctx.sigmoid:
+                value, _tau = handle.forward_sigmoid(q, k, scale, bias_value(logit_bias), None, group)
+            else:
+                value, _tau = handle.forward(q, k, scale, None, True, group)
+        except Exception:
+            _host.pool.give(key, handle)
+            raise
+        ctx.key, ctx.handle, ctx.group, ctx.scale, ctx.c, ctx.report = key, handle, group, scale, c, report
+        ctx.params = (logit_scale, logit_bias)
+        loss = torch.tensor(value, dtype=torch.float32)
+        _report(report, loss, handle)
+        if not any(ctx.needs_input_grad[:4]):
+            _host.pool.give(key, handle)
+            ctx.handle = ctx.group = None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        handle, g, c = ctx.handle, float(grad), ctx.c
+        ctx.handle = None
+        try:
+            error = None if handle is not None else RuntimeError(
+                "contrastive_torch: backward called twice, or after a forward without grad")
+            got = agree(ctx.group, error, [g])
+            r = _first_other(got, 0)
+            if r is not None:
+                raise ValueError(f"loss: rank {r}: the incoming gradient is {got[r][0]!r} where rank 0's is "
+                                 f"{got[0][0]!r}; the global loss's backward takes one loss scale, the same on every "
+                                 "rank (GradScaler's scale, or 1)")
+            # The incoming gradient (times c) is the engine's loss scale when it can be: 16-bit gradients are rounded
+            # after scaling. Otherwise (0, negative, non-finite) it is applied afterwards.
+            direct = g > 0.0 and g * c < 3.0e38
+            ls = g * c if direct else float(c)
+            dbias = None
+            if ctx.sigmoid:
+                dq, dk, dlogs, dbias = handle.backward_sigmoid(ls, ctx.group)
+            else:
+                dq, dk, dlogs = handle.backward(ls, ctx.group)
+            _report(ctx.report, None, handle)
+        finally:
+            ctx.group = None  # not kept with the graph
+            if handle is not None:
+                _host.pool.give(ctx.key, handle)
+        if not direct:
+            dq, dk, dlogs = dq * g, dk * g, dlogs * g
+            dbias = dbias * g if dbias is not None else None
+        scale_param, bias_param = ctx.params
+        d_scale = d_bias = None
+        # The engine's d(loss)/d(log s) and d(loss)/d b are of the global loss on every rank (scaled by c here).
+        if ctx.needs_input_grad[2] and scale_param is not None:
+            d_scale = (dlogs / (c * ctx.scale)).to(scale_param.dtype).reshape(scale_param.shape)
+        if dbias is not None and ctx.needs_input_grad[3] and bias_param is not None:
+            d_bias = (dbias / c).to(device=bias_param.device, dtype=bias_param.dtype).reshape(bias_param.shape)
+        return dq, dk, d_scale, d_bias, None, None, None, None, None
+
+
+def _report(report, loss, handle):
+    if report is None:
+        return
+    site, max_logit = handle.diagnosis()
+    if loss is not None:
+        report["loss"] = loss.detach()
+    report.update({"max_logit": torch.tensor(max_logit, dtype=torch.float32), "first_nonfinite": site,
+                   "first_nonfinite_code": torch.tensor(_host.NONFINITE_SITES.index(site), dtype=torch.int32)})
+
+
+# --- the 'gather' exchange ---------------------------------------------------------------------------------------
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; backward: the incoming gradient summed over the group's ranks, times `factor`. Turns every
+    rank's gradient of its share of the loss into the gradient of the global loss."""
+
+    @staticmethod
+    def forward(ctx, x, group, factor):
+        ctx.group, ctx.factor = group, factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total * ctx.factor, None, None
+
+
+def _all_gather_with_grad(x, group):
+    """The ranks' (equal-sized) tensors concatenated along rows; its backward sums every rank's gradient of each
+    rank's rows. torch's functional collective where it has one (open_clip's development branch uses it), else
+    torch.distributed.nn.all_gather (open_clip 3.3's gather_with_grad)."""
+    from torch.distributed import _functional_collectives as fcol
+
+    if hasattr(fcol, "all_gather_tensor_autograd"):
+        out = fcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=0, group=group)
+        return fcol.wait_tensor(out) if hasattr(fcol, "wait_tensor") else out
+    import torch.distributed.nn as dist_nn
+
+    return torch.cat(dist_nn.all_gather(x, group=group), dim=0)
+
+
+def _gather_rows(x, group, counts, rank):
+    """Every rank's rows, this rank's first (then the ranks after it, then those before): the positives of this
+    rank's rows are the diagonal. Unequal row counts are padded for the exchange and cut after it."""
+    most = max(counts)
+    padded = x if x.shape[0] == most else torch.nn.functional.pad(x, (0, 0, 0, most - x.shape[0]))
+    full = _all_gather_with_grad(padded, group)
+    order = list(range(rank, len(counts))) + list(range(rank))
+    return torch.cat([full[r * most:r * most + counts[r]] for r in order], dim=0)
+
+
+def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report):
+    import torch.distributed as dist
+
+    from .functional import _sigmoid, _softmax
+
+    rank = group.rank()
+    share = counts[rank] / sum(counts)
+    # Every rank's loss is its rows' share P_r of the global loss G = sum_r P_r; its backward, at c times the incoming
+    # gradient, reaches every rank's features through the gather's backward: c x dG/d(rows). The scalars' gradient is
+    # summed over ranks (divided by c): dG/ds on every rank.
+    s_used = _SumGradOverRanks.apply(s, group, 1.0 / c) if s.requires_grad and torch.is_grad_enabled() else s
+    reports = [{}, {}]
+    keys = _gather_rows(k, group, counts, rank)
+    if objective == "symmetric":
+        images = _gather_rows(q, group, counts, rank)
+        part = (_softmax(q, keys, s_used, None, False, algorithm, threads, fused_tiles, reports[0]) +
+                _softmax(k, images, s_used, None, False, algorithm, threads, fused_tiles, reports[1])) * (share / 2)
+    else:
+        b_used = _SumGradOverRanks.apply(b, group, 1.0 / c) if b.requires_grad and torch.is_grad_enabled() else b
+        part = _sigmoid(q, keys, s_used, b_used, algorithm, threads, reports[0]) * share
+    total = part.detach().clone()
+    dist.all_reduce(total, group=group)
+    loss = total + c * (part - part.detach())
+    if report is not None and reports[0]:
+        sites = [r["first_nonfinite_code"] for r in reports if r]
+        report.update({"loss": total, "max_logit": torch.stack([r["max_logit"] for r in reports if r]).max(),
+                       "first_nonfinite_code": sites[0] if len(sites) == 1 else torch.where(sites[0] != 0, sites[0],
+                                                                                            sites[1])})
+        if q.device.type == "cpu":
+            report["first_nonfinite"] = _host.NONFINITE_SITES[int(report["first_nonfinite_code"])]
+    return loss

@@ -1,0 +1,134 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The compiled parts: the host extension (contrastive_torch._C, or built on first use from csrc/binding.cpp) and the
+CUDA extension (contrastive_torch._C_cuda, or built with nvcc on first use from csrc/binding_cuda.cu).
+
+`pip install --no-build-isolation ./python` builds both at install time. From a source checkout on sys.path they are
+compiled on first use with torch.utils.cpp_extension and cached in torch's extension directory (TORCH_EXTENSIONS_DIR);
+on 2 cores the host extension's first build takes about two minutes. Processes that build at once (the ranks of a
+torchrun job with a cold cache) wait for one build under torch's lock file; the distributed losses build in their
+constructor, before their first collective, so no rank sits in a collective while another compiles.
+"""
+
+import os
+import re
+import sys
+import threading
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# An installed package carries the headers (setup.py copies them); a source checkout has them two levels up.
+_PACKAGED_INCLUDE = os.path.join(_HERE, "include")
+_REPO_INCLUDE = os.path.normpath(os.path.join(_HERE, "..", "..", "include"))
+_loaded = {}
+_lock = threading.Lock()
+
+
+def torch_version():
+    """(major, minor) of the running PyTorch."""
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+# torch.library.custom_op / register_fake / register_autograd / register_kernel appeared in PyTorch 2.4. The loss runs
+# through those operators only: older PyTorch (Debian's 1.13) can import the package but not run a loss.
+HAS_CUSTOM_OPS = torch_version() >= (2, 4) and all(
+    hasattr(torch.library, f) for f in ("custom_op", "register_fake", "register_autograd"))
+
+
+def require_custom_ops():
+    if not HAS_CUSTOM_OPS:
+        raise RuntimeError(f"contrastive_torch needs PyTorch >= 2.4 (torch.library.custom_op); this is "
+                           f"{torch.__version__}")
+
+
+def _std_flags():
+    """The C++ standard is PyTorch's builder's choice (C++17 from PyTorch 2.1, C++20 from 2.13, whose headers need
+    it); only older PyTorch, whose builder passes -std=c++14, is given the library's C++17."""
+    return ["-std=c++17"] if torch_version() < (2, 1) else []
+
+
+def _include_dir():
+    if "CONTRASTIVE_INCLUDE" in os.environ:
+        return os.environ["CONTRASTIVE_INCLUDE"]
+    if os.path.isfile(os.path.join(_PACKAGED_INCLUDE, "contrastive", "contrastive.hpp")):
+        return _PACKAGED_INCLUDE
+    return _REPO_INCLUDE
+
+
+def _prebuilt(name):
+    """The extension `pip install` built (contrastive_torch._C / _C_cuda), or None in a source checkout.
+    CONTRASTIVE_TORCH_JIT=1 ignores it and compiles on first use instead."""
+    if os.environ.get("CONTRASTIVE_TORCH_JIT") == "1":
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(f"contrastive_torch.{name}")
+    except ImportError:
+        return None
+
+
+def _announce(what, name):
+    """One line on stderr before a build that may take minutes (silent when torch's cache already holds it: the
+    load then takes about a second)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        if any(f.startswith(name) and f.endswith(".so") for f in os.listdir(_get_build_directory(name, False))):
+            return
+    except Exception:  # noqa: BLE001 - a private helper of torch's: without it, say it anyway
+        pass
+    if os.environ.get("CONTRASTIVE_TORCH_QUIET") != "1":
+        print(f"contrastive_torch: loading the {what} (compiled on first use, then cached; `pip install "
+              "--no-build-isolation ./python` builds it ahead of time)", file=sys.stderr, flush=True)
+
+
+def _build(name, **kwargs):
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name=name, verbose=os.environ.get("CONTRASTIVE_VERBOSE_BUILD") == "1", **kwargs)
+
+
+def extension():
+    """The compiled host extension: the one `pip install` built, else compiled on first call."""
+    with _lock:
+        if "host" not in _loaded:
+            ext = _prebuilt("_C")
+            if ext is None:
+                from torch.utils import cpp_extension
+
+                _announce("host extension", "contrastive_torch_ext")
+                cuda = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
+                flags = ["-O3", "-DNDEBUG"] + _std_flags()
+                if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
+                    flags.append("-march=native")
+                ext = _build("contrastive_torch_ext", sources=[os.path.join(_HERE, "csrc", "binding.cpp")],
+                             extra_include_paths=[_include_dir(), os.path.join(cuda, "include")], extra_cflags=flags)
+            _loaded["host"] = ext
+    return _loaded["host"]
+
+
+def cuda_extension():
+    """The compiled device extension: the one `pip install` built, else built with nvcc on first call (needs PyTorch
+    with CUDA)."""
+    with _lock:
+        if "cuda" not in _loaded:
+            ext = _prebuilt("_C_cuda")
+            if ext is None:
+                _announce("CUDA extension", "contrastive_torch_cuda_ext")
+                ext = _build("contrastive_torch_cuda_ext", sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],
+                             extra_include_paths=[_include_dir()], extra_cflags=["-O3", "-DNDEBUG"] + _std_flags(),
+                             extra_cuda_cflags=["-O3", "-DNDEBUG", "--expt-relaxed-constexpr"] + _std_flags(),
+                             extra_ldflags=["-lcublas"])
+            _loaded["cuda"] = ext
+    return _loaded["cuda"]
+
+
+def set_cuda_extension(ext):
+    """Replaces the CUDA extension (tests: a CPU stand-in with the same `step` and `sigmoid_step`); None unloads."""
+    with _lock:
+        if ext is None:
+            _loaded.pop("cuda", None)
+        else:
+            _loaded["cuda"] = ext

@@ -1,0 +1,224 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The operators: every loss call, eager or compiled, CPU or CUDA, runs through these (torch.library, PyTorch >= 2.4).
+
+    contrastive_torch::softmax_step(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads)
+        -> (loss, dq, dk, dlogs, max_logit, site)                 CLIP's symmetric loss and InfoNCE
+    contrastive_torch::sigmoid_step(q, k, logit_scale, logit_bias, algorithm, threads, grads)
+        -> (loss, dq, dk, dlogs, dbias, max_logit, site)           SigLIP's sigmoid loss
+    contrastive_torch::feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm,
+                                     threads, fused_tiles) -> (dq, dk)        the steps' backward for the features
+
+A step computes the loss and, when `grads`, every gradient at loss scale 1 in one engine call (the host engine's
+forward and backward, or the device's one pass): loss (float32), dq and dk (the features' dtype; 0 x dim when not
+`grads`), dlogs = d loss / d log s and dbias = d loss / d b (float64), the largest logit (float32) and the first
+non-finite site (int32, an index into NONFINITE_SITES). Each step has a CPU kernel (the host engine) and a CUDA kernel
+(the device step) on the one operator, a fake implementation, and one autograd formula: the incoming gradient g
+multiplies the saved gradients (in float: a GradScaler scale of 65536 does not fit float16), except for float16
+features under g != 1, where feature_grads runs the step again at loss scale g, so that gradients below float16's
+normal range at scale 1 keep their digits (at SigLIP's start and a batch of 32k, |dQ| ~ 1e-5). bfloat16 and float32
+keep float's exponent range, so multiplying loses nothing there (for a power-of-two g, as GradScaler's, the result is
+bit for bit the engine's at loss scale g)."""
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _device, _host
+from ._checks import bias_value, labels_int32, scale_value
+from ._extension import HAS_CUSTOM_OPS
+
+_OBJECTIVES = {True: "symmetric", False: "info_nce"}
+
+
+def rerun_scale(dtype, grad):
+    """The loss scale a backward reruns the step at (float16 features and an incoming gradient g other than 1, finite
+    and > 0; one read of g), else None (the saved gradients are multiplied by g)."""
+    if dtype != torch.float16:
+        return None
+    g = float(grad)
+    return g if 0.0 < g < 3.0e38 and g != 1.0 else None
+
+
+def _outputs(q, k, value, dq, dk, dlogs, dbias, max_logit, site, sigmoid):
+    """The host step's results as the operators' output tensors."""
+    if dq is None:
+        dq, dk = q.new_empty((0, q.shape[1])), k.new_empty((0, k.shape[1]))
+        dlogs = dbias = torch.zeros((), dtype=torch.float64)
+    out = [torch.tensor(value, dtype=torch.float32), dq, dk, dlogs.to(torch.float64).reshape(())]
+    if sigmoid:
+        out.append(dbias.to(torch.float64).reshape(()))
+    return tuple(out + [torch.tensor(max_logit, dtype=torch.float32), torch.tensor(site, dtype=torch.int32)])
+
+
+def _device_outputs(q, k, out, grads, sigmoid):
+    loss, dq, dk, dlogs, dbias, max_logit, site = out
+    if not grads:
+        dq, dk = q.new_empty((0, q.shape[1])), k.new_empty((0, k.shape[1]))
+    res = [loss, dq, dk, dlogs.to(torch.float64)]
+    if sigmoid:
+        res.append(dbias.to(torch.float64))
+    return tuple(res + [max_logit, site.to(torch.int32)])
+
+
+# --- kernels (module level: the tests run the CUDA ones on the CPU with a stand-in extension) ----------------------
+
+
+def softmax_step_cpu(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads):
+    value, dq, dk, dlogs, _, max_logit, site = _host.step(q, k, scale_value(logit_scale), 0.0, labels_int32(labels),
+                                                          _OBJECTIVES[symmetric], algorithm, threads, grads)
+    return _outputs(q, k, value, dq, dk, dlogs, None, max_logit, site, False)
+
+
+def softmax_step_cuda(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads):
+    out = _device.step(q, k, logit_scale, None, labels, _OBJECTIVES[symmetric], algorithm, fused_tiles)
+    return _device_outputs(q, k, out, grads, False)
+
+
+def sigmoid_step_cpu(q, k, logit_scale, logit_bias, algorithm, threads, grads):
+    value, dq, dk, dlogs, dbias, max_logit, site = _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias),
+                                                              None, "sigmoid", algorithm, threads, grads)
+    return _outputs(q, k, value, dq, dk, dlogs, dbias, max_logit, site, True)
+
+
+def sigmoid_step_cuda(q, k, logit_scale, logit_bias, algorithm, threads, grads):
+    out = _device.step(q, k, logit_scale, logit_bias, None, "sigmoid", "chunked", False)
+    return _device_outputs(q, k, out, grads, True)
+
+
+def _scaled(grad, dq, dk):
+    return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype)
+
+
+def _objective(logit_bias, symmetric):
+    return "sigmoid" if logit_bias is not None else _OBJECTIVES[symmetric]
+
+
+def _need_features(q, k):
+    if q is None or k is None:
+        raise RuntimeError("feature_grads: float16 gradients under a loss scale need q and k to rerun the step")
+
+
+def feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
+                      fused_tiles):
+    g = rerun_scale(dq.dtype, grad)
+    if g is None:
+        return _scaled(grad, dq, dk)
+    _need_features(q, k)
+    out = _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias), labels_int32(labels),
+                     _objective(logit_bias, symmetric), algorithm, threads, True, g)
+    return out[1], out[2]
+
+
+def feature_grads_cuda(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
+                       fused_tiles):
+    g = rerun_scale(dq.dtype, grad)
+    if g is None:
+        return _scaled(grad, dq, dk)
+    _need_features(q, k)
+    # The forward checked the values: the rerun converts the labels only (no second read, no synchronisation).
+    out = _device.step(q, k, logit_scale, logit_bias, labels, _objective(logit_bias, symmetric),
+                       "chunked" if logit_bias is not None else algorithm, fused_tiles, g, checked=True)
+    return out[1], out[2]
+
+
+# --- autograd ----------------------------------------------------------------------------------------------------
+
+
+def _param_grad(value, param):
+    """A float64 0-dim gradient in the device, dtype and shape of `param`."""
+    return value.to(device=param.device, dtype=param.dtype).reshape(param.shape)
+
+
+def _rerun_inputs(q, k):
+    """What a step saves for feature_grads' rerun: the features when float16, else nothing (so that bfloat16 and
+    float32 features are neither kept alive nor checked for in-place changes by the backward)."""
+    return (q, k) if q.dtype == torch.float16 else (None, None)
+
+
+def _no_grads(ctx):
+    if not ctx.grads:
+        raise RuntimeError("contrastive_torch: the step ran with grads=False (no input required a gradient when it "
+                           "ran), so it has no gradients to give")
+
+
+def _softmax_setup_context(ctx, inputs, output):
+    q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads = inputs
+    _loss, dq, dk, dlogs, _max_logit, _site = output
+    ctx.grads = grads
+    ctx.save_for_backward(*_rerun_inputs(q, k), labels, dq, dk, dlogs, logit_scale)
+    ctx.call = (symmetric, algorithm, threads, fused_tiles)
+
+
+def _softmax_backward(ctx, grad, *_unused):
+    _no_grads(ctx)
+    q, k, labels, dq, dk, dlogs, logit_scale = ctx.saved_tensors
+    d_scale = gq = gk = None
+    if ctx.needs_input_grad[2]:  # d loss / d s = (d loss / d log s) / s
+        d_scale = _param_grad(dlogs * grad.double() / logit_scale.double().to(dlogs.device), logit_scale)
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        gq, gk = torch.ops.contrastive_torch.feature_grads(grad, dq, dk, q, k, logit_scale, None, labels, *ctx.call)
+    return gq, gk, d_scale, None, None, None, None, None, None
+
+
+def _sigmoid_setup_context(ctx, inputs, output):
+    q, k, logit_scale, logit_bias, algorithm, threads, grads = inputs
+    _loss, dq, dk, dlogs, dbias, _max_logit, _site = output
+    ctx.grads = grads
+    ctx.save_for_backward(*_rerun_inputs(q, k), dq, dk, dlogs, dbias, logit_scale, logit_bias)
+    ctx.call = (True, algorithm, threads, False)
+
+
+def _sigmoid_backward(ctx, grad, *_unused):
+    _no_grads(ctx)
+    q, k, dq, dk, dlogs, dbias, logit_scale, logit_bias = ctx.saved_tensors
+    d_scale = d_bias = gq = gk = None
+    if ctx.needs_input_grad[2]:
+        d_scale = _param_grad(dlogs * grad.double() / logit_scale.double().to(dlogs.device), logit_scale)
+    if ctx.needs_input_grad[3]:
+        d_bias = _param_grad(dbias * grad.double(), logit_bias)
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        gq, gk = torch.ops.contrastive_torch.feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, None,
+                                                           *ctx.call)
+    return gq, gk, d_scale, d_bias, None, None, None
+
+
+def _fake_step(q, k, grads, sigmoid):
+    scalar = q.new_empty((), dtype=torch.float32)
+    dq = torch.empty_like(q) if grads else q.new_empty((0, q.shape[1]))
+    dk = torch.empty_like(k) if grads else k.new_empty((0, k.shape[1]))
+    wide = q.new_empty((), dtype=torch.float64)
+    extra = (torch.empty_like(wide),) if sigmoid else ()
+    return (scalar, dq, dk, wide) + extra + (torch.empty_like(scalar), q.new_empty((), dtype=torch.int32))
+
+
+if HAS_CUSTOM_OPS:
+    Tensor = torch.Tensor
+
+    @torch.library.custom_op("contrastive_torch::softmax_step", mutates_args=())
+    def softmax_step(q: Tensor, k: Tensor, logit_scale: Tensor, labels: Optional[Tensor], symmetric: bool,
+                     algorithm: str, threads: int, fused_tiles: bool,
+                     grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return softmax_step_cpu(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads)
+
+    softmax_step.register_kernel("cuda")(softmax_step_cuda)
+    softmax_step.register_fake(lambda q, k, s, labels, sym, alg, threads, tiles, grads: _fake_step(q, k, grads, False))
+    softmax_step.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+
+    @torch.library.custom_op("contrastive_torch::sigmoid_step", mutates_args=())
+    def sigmoid_step(q: Tensor, k: Tensor, logit_scale: Tensor, logit_bias: Tensor, algorithm: str, threads: int,
+                     grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return sigmoid_step_cpu(q, k, logit_scale, logit_bias, algorithm, threads, grads)
+
+    sigmoid_step.register_kernel("cuda")(sigmoid_step_cuda)
+    sigmoid_step.register_fake(lambda q, k, s, b, alg, threads, grads: _fake_step(q, k, grads, True))
+    sigmoid_step.register_autograd(_sigmoid_backward, setup_context=_sigmoid_setup_context)
+
+    @torch.library.custom_op("contrastive_torch::feature_grads", mutates_args=())
+    def feature_grads(grad: Tensor, dq: Tensor, dk: Tensor, q: Optional[Tensor], k: Optional[Tensor],
+                      logit_scale: Tensor, logit_bias: Optional[Tensor], labels: Optional[Tensor], symmetric: bool,
+                      algorithm: str, threads: int, fused_tiles: bool) -> Tuple[Tensor, Tensor]:
+        return feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
+                                 fused_tiles)
+
+    feature_grads.register_kernel("cuda")(feature_grads_cuda)
+    feature_grads.register_fake(lambda grad, dq, dk, *rest: (torch.empty_like(dq), torch.empty_like(dk)))

@@ -1,0 +1,132 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The losses as functions, in the style of torch.nn.functional:
+
+    import contrastive_torch.functional as CF
+    loss = CF.clip_loss(image_features, text_features, model.logit_scale.exp())
+    loss = CF.siglip_loss(image_features, text_features, model.logit_scale.exp(), model.logit_bias)
+    loss = CF.info_nce_loss(query, keys, logit_scale, labels)
+
+Each returns the loss (a 0-dim float32 tensor on the features' device) with gradients to the features, logit_scale
+and logit_bias. Features are 2-D (batch x dim), contiguous, float32, bfloat16 or float16, CPU or CUDA; logit_scale
+(s = 1/tau) and logit_bias are numbers or one-element tensors. CPU tensors run the library's host engine, CUDA
+tensors its device step; eager and torch.compile calls run the same operators (contrastive_torch._ops).
+
+Common keyword arguments:
+    algorithm  'fused' (never the n x n logits; the default, but for SigLIP on CUDA), 'materialized' (the logits in
+               the features' dtype: fastest on the host when they fit), 'chunked' (row chunks; cuBLAS products on
+               GPUs, the one device algorithm of the sigmoid loss)
+    threads    host threads (0: all cores)
+    fused_tiles  CUDA, 'chunked', 16-bit features: tensor-core logits tiles consumed in registers
+    report     a dict to fill with the step's diagnosis: 'loss', 'max_logit', 'first_nonfinite_code' (tensors; no
+               synchronisation), and on the CPU 'first_nonfinite' (a NONFINITE_SITES name). Not filled while
+               torch.compile traces.
+
+clip_loss and siglip_loss take `group` (a torch.distributed ProcessGroup): every rank of the group calls with its own
+rows and gets the loss of the global batch (see contrastive_torch._distributed for the exchanges and the gradient
+convention; `grad_ranks` is the factor on the features' gradients, default the group's size, which DDP's averaging
+turns into the exact gradient)."""
+
+import torch
+
+from . import _checks, _distributed
+from ._extension import require_custom_ops
+from ._host import NONFINITE_SITES
+
+__all__ = ["clip_loss", "siglip_loss", "info_nce_loss", "NONFINITE_SITES"]
+
+
+def _compiling():
+    """True while torch.compile (dynamo) traces the caller."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _wants_grads(*tensors):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _fill(report, out, q):
+    """The step's diagnosis into `report` (a dict; None: nothing)."""
+    if report is None or _compiling():
+        return
+    loss, max_logit, site = out[0], out[-2], out[-1]
+    report.update({"loss": loss.detach(), "max_logit": max_logit.detach(), "first_nonfinite_code": site})
+    if q.device.type == "cpu":
+        report["first_nonfinite"] = NONFINITE_SITES[int(site)]
+
+
+def _softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report):
+    """One process: the softmax objectives (symmetric, InfoNCE) through contrastive_torch::softmax_step."""
+    require_custom_ops()
+    s = _checks.scalar("logit_scale", logit_scale, q.device)
+    labels = _checks.labels(labels, q.shape[0], q.device)
+    out = torch.ops.contrastive_torch.softmax_step(q, k, s, labels, symmetric, algorithm, threads, fused_tiles,
+                                                   _wants_grads(q, k, s))
+    _fill(report, out, q)
+    return out[0]
+
+
+def _sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report):
+    require_custom_ops()
+    s = _checks.scalar("logit_scale", logit_scale, q.device)
+    b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
+                       "None, a number or a one-element tensor")
+    out = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, algorithm, threads, _wants_grads(q, k, s, b))
+    _fill(report, out, q)
+    return out[0]
+
+
+def _sigmoid_algorithm(algorithm, device):
+    """SigLIP's algorithm: None is 'fused' on the CPU and 'chunked' on CUDA, the one device algorithm of this loss."""
+    if device.type == "cuda":
+        if algorithm not in (None, "chunked"):
+            raise ValueError(f"algorithm: '{algorithm}' has no device path for the sigmoid loss; on CUDA tensors "
+                             f"SigLipLoss runs 'chunked' (pass algorithm='chunked', or leave it unset)")
+        return "chunked"
+    return algorithm or "fused"
+
+
+def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, threads=0, fused_tiles=False,
+              group=None, grad_ranks=None, exchange=None, report=None):
+    """CLIP's symmetric loss (CE(s I T^T) + CE(s T I^T)) / 2 over a batch of pairs (row i of each is a pair).
+
+    `group`: the loss of the global batch over a torch.distributed process group (each rank passes its own rows);
+    `grad_ranks`: the features' gradient factor (default: the group's size); `exchange`: 'engine' (the library's
+    distributed engine: gathers the texts, reduce-scatters their gradients; CPU tensors) or 'gather' (torch's
+    autograd all-gather of both towers and the one-process step on this rank's rows; CPU and CUDA); None picks
+    'engine' for CPU tensors and 'gather' for CUDA tensors."""
+    names = ("image_features", "text_features")
+    algorithm = _checks.algorithm(algorithm, allow_none=True) or "fused"
+    _checks.threads(threads)
+    _checks.boolean("fused_tiles", fused_tiles)
+    if group is not None:
+        return _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None, algorithm,
+                                        threads, fused_tiles, _checks.group(group), grad_ranks, exchange, report)
+    _checks.feature_pair(image_features, text_features, names)
+    return _softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles, report)
+
+
+def info_nce_loss(query, keys, logit_scale, labels=None, *, algorithm=None, threads=0, fused_tiles=False,
+                  report=None):
+    """One-directional InfoNCE: mean_i CE(s q_i . K^T, labels[i]). Keys may outnumber queries (a MoCo queue);
+    labels=None means the diagonal (needs n_q <= n_k); labels: int64 or int32, one per query, in [0, n_k)."""
+    algorithm = _checks.algorithm(algorithm, allow_none=True) or "fused"
+    _checks.threads(threads)
+    _checks.boolean("fused_tiles", fused_tiles)
+    _checks.feature_pair(query, keys, ("query", "keys"))
+    return _softmax(query, keys, logit_scale, labels, False, algorithm, threads, fused_tiles, report)
+
+
+def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, algorithm=None, threads=0,
+                group=None, grad_ranks=None, exchange=None, report=None):
+    """SigLIP's pairwise sigmoid loss (Zhai et al. 2023): logits z = s I T^T + b, loss -(1/n) sum log sigmoid(l z)
+    with l = +1 on the diagonal and -1 elsewhere, n the number of images (texts may outnumber images). logit_bias None
+    means no bias. `group`, `grad_ranks`, `exchange`: as clip_loss's (the texts are gathered)."""
+    _checks.algorithm(algorithm, allow_none=True)
+    _checks.threads(threads)
+    if group is not None:
+        return _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
+                                        algorithm, threads, False, _checks.group(group), grad_ranks, exchange, report)
+    _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
+    algorithm = _sigmoid_algorithm(algorithm, image_features.device)
+    return _sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report)

@@ -1,0 +1,165 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""open_clip's loss modules (ClipLoss, SigLipLoss) with open_clip's constructors and calls, and InfoNCELoss: thin
+modules over contrastive_torch.functional. Each keeps the diagnosis of its last call in `last_step`."""
+
+import torch
+
+from . import _checks, _distributed, functional
+from ._host import NONFINITE_SITES
+
+
+class StepReport(dict):
+    """A loss call's diagnosis: 'loss', 'max_logit', 'first_nonfinite_code' (tensors on the features' device, read
+    without synchronising), and 'first_nonfinite', the site's name (NONFINITE_SITES), read from the code when asked
+    (one synchronisation on CUDA)."""
+
+    def __missing__(self, key):
+        if key == "first_nonfinite" and "first_nonfinite_code" in self:
+            return NONFINITE_SITES[int(self["first_nonfinite_code"])]
+        raise KeyError(key)
+
+
+def _open_clip_dtype(loss, features):
+    """open_clip's loss dtype: float32 under autocast (cross-entropy runs in float32 there), else the features' dtype
+    (pure bfloat16 / float16 training)."""
+    if features.dtype == torch.float32 or torch.is_autocast_enabled(features.device.type):
+        return loss
+    return loss.to(features.dtype)
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, algorithm, threads, fused_tiles, custom_ops=False):
+        super().__init__()
+        self.algorithm = _checks.algorithm(algorithm, allow_none=True)
+        self.threads = _checks.threads(threads)
+        self.fused_tiles = _checks.boolean("fused_tiles", fused_tiles)
+        # Kept for compatibility: every call runs the torch.library operators (what torch.compile traces).
+        self.use_custom_ops = _checks.boolean("custom_ops", custom_ops)
+        self.last_step = StepReport()
+
+    def _report(self):
+        """A fresh report for this call (None while torch.compile traces: the module is not mutated there)."""
+        if functional._compiling():
+            return None
+        self.last_step = StepReport()
+        return self.last_step
+
+    def _distribution(self, rank, world_size, group, exchange):
+        self.rank, self.world_size = _checks.rank_and_world(rank, world_size)
+        self.group = _checks.group(group)
+        if exchange is not None and exchange not in ("engine", "gather"):
+            raise ValueError(f"exchange: '{exchange}' is not one of 'engine', 'gather'")
+        self.exchange = exchange
+        self.distributed = self.world_size > 1 or group is not None
+        if self.distributed and (exchange or "engine") == "engine":
+            # The host extension is built (or loaded) here, before the loss's first collective: ranks that compile it
+            # on first use wait for one build together at construction instead of inside a step.
+            from ._extension import extension
+
+            extension()
+
+
+class ClipLoss(_Loss):
+    """open_clip's ClipLoss: same constructor (released 3.3 and its development branch, where use_horovod is gone),
+    same call.
+
+        loss_fn = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
+                           use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, group=None,
+                           exchange=None)
+        loss = loss_fn(image_features, text_features, logit_scale)      # logit_scale = model.logit_scale.exp()
+
+    functional.clip_loss with open_clip's arguments: `local_loss` and `gather_with_grad` choose open_clip's
+    multi-process scheme (with world_size=1 both change nothing); `cache_labels` has nothing to cache (the diagonal is
+    implied); use_horovod=True raises NotImplementedError. With world_size > 1 (or `group`) every rank gets the
+    global loss (also for local_loss=True, whose open_clip value is the rank's share: their mean over ranks is this);
+    each rank's features get world_size x d(global loss)/d(its rows) with gather_with_grad=True or local_loss=True
+    (DDP's averaging then gives the exact gradient), 1 x with neither; logit_scale gets d(global loss)/d(logit_scale)
+    on every rank. The loss is float32, or the features' dtype for 16-bit features outside autocast (open_clip's)."""
+
+    def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
+                 use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False, group=None,
+                 exchange=None):
+        super().__init__(algorithm, threads, fused_tiles, custom_ops)
+        self.local_loss = _checks.flag("local_loss", local_loss)
+        self.gather_with_grad = _checks.flag("gather_with_grad", gather_with_grad)
+        self.cache_labels = _checks.flag("cache_labels", cache_labels)
+        self.use_horovod = _checks.flag("use_horovod", use_horovod)
+        if self.use_horovod:
+            raise NotImplementedError("use_horovod: Horovod is not supported by contrastive_torch (use_horovod=True)")
+        self._distribution(rank, world_size, group, exchange)
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        """open_clip's forward. open_clip adds `logit_bias` to every logit; one value (open_clip's CLIP models pass
+        None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
+        gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused."""
+        report = self._report()
+        if self.distributed:
+            grad_ranks = None if (self.gather_with_grad or self.local_loss) else 1
+            loss = _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None,
+                                            self.algorithm or "fused", self.threads, self.fused_tiles, self.group,
+                                            grad_ranks, self.exchange, report, expected=(self.rank, self.world_size))
+        else:
+            loss = functional.clip_loss(image_features, text_features, logit_scale, algorithm=self.algorithm,
+                                        threads=self.threads, fused_tiles=self.fused_tiles, report=report)
+        if logit_bias is not None:
+            bias = _checks.scalar("logit_bias", logit_bias, image_features.device,
+                                  "None, a number or a one-element tensor")
+            if bias.requires_grad:
+                loss = loss + (bias.reshape(()) * 0).to(loss.dtype)
+        loss = _open_clip_dtype(loss, image_features)
+        return {"contrastive_loss": loss} if output_dict else loss
+
+
+class SigLipLoss(_Loss):
+    """open_clip's SigLipLoss: same constructor (released 3.3; the development branch's chunk_size), same call.
+
+        loss_fn = SigLipLoss(cache_labels=False, rank=0, world_size=1, dist_impl=None, chunk_size=0, *,
+                             algorithm=None, threads=0, group=None, exchange=None)
+        loss = loss_fn(image_features, text_features, logit_scale, logit_bias)  # logit_scale = t = exp(t')
+
+    functional.siglip_loss with open_clip's arguments. `dist_impl` ('bidir', 'shift', 'reduce', 'gather') picks
+    open_clip's exchange; all four give the same loss and gradients, and so does this one whichever is named.
+    `chunk_size` bounds open_clip's logits memory; this loss never forms them, so it only has to be an int >= 0.
+    `cache_labels` has nothing to cache. With world_size > 1 (or `group`) every rank gets the global loss, (1/N) sum
+    over all N x N pairs (the mean over ranks of open_clip's per-rank values); each rank's features get world_size x
+    d(global loss)/d(its rows) (open_clip's: its exchanges carry gradients back), logit_scale and logit_bias
+    d(global loss)/d(them) on every rank."""
+
+    _DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
+
+    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, chunk_size=0, *, algorithm=None,
+                 threads=0, custom_ops=False, group=None, exchange=None):
+        super().__init__(algorithm, threads, False, custom_ops)
+        self.cache_labels = _checks.flag("cache_labels", cache_labels)
+        if dist_impl is not None and dist_impl not in self._DIST_IMPLS:
+            raise ValueError(f"dist_impl: '{dist_impl}' is not one of "
+                             f"{', '.join(repr(d) for d in self._DIST_IMPLS)}")
+        self.dist_impl = dist_impl or "bidir"
+        self.chunk_size = _checks.index("chunk_size", chunk_size)
+        if self.chunk_size < 0:
+            raise ValueError(f"chunk_size: must be >= 0, got {self.chunk_size}")
+        self._distribution(rank, world_size, group, exchange)
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        report = self._report()
+        if self.distributed:
+            loss = _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
+                                            self.algorithm, self.threads, False, self.group, None, self.exchange,
+                                            report, expected=(self.rank, self.world_size))
+        else:
+            loss = functional.siglip_loss(image_features, text_features, logit_scale, logit_bias,
+                                          algorithm=self.algorithm, threads=self.threads, report=report)
+        loss = _open_clip_dtype(loss, image_features)
+        return {"contrastive_loss": loss} if output_dict else loss
+
+
+class InfoNCELoss(_Loss):
+    """One-directional InfoNCE (functional.info_nce_loss): mean_i CE(s q_i . K^T, labels[i]); keys may outnumber
+    queries (a MoCo queue); labels=None means the diagonal (needs n_q <= n_k)."""
+
+    def __init__(self, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False):
+        super().__init__(algorithm, threads, fused_tiles, custom_ops)
+
+    def forward(self, query, keys, logit_scale, labels=None):
+        return functional.info_nce_loss(query, keys, logit_scale, labels, algorithm=self.algorithm,
+                                        threads=self.threads, fused_tiles=self.fused_tiles, report=self._report())
