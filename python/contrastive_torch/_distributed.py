@@ -45,20 +45,22 @@ def _with_rank(rank, text):
     return f"rank {rank}: {text}"
 
 
-def _on_cpu(group):
+def _agreement_device(group):
+    """None where the group carries CPU tensors (gloo): the library's agreement runs; else the device whose tensors
+    carry the same exchange through torch.distributed (NCCL: the current CUDA device)."""
     import torch.distributed as dist
 
-    return "gloo" in str(dist.get_backend(group))
+    return None if "gloo" in str(dist.get_backend(group)) else torch.device("cuda", torch.cuda.current_device())
 
 
 def _exchange_verdicts(group, kind, message, values):
-    """(first failing rank or -1, its kind, its message, every rank's values): the library's agreement (CPU, gloo)
-    where the group carries CPU tensors, else the same exchange in device tensors through torch.distributed (NCCL)."""
-    if _on_cpu(group):
+    """(first failing rank or -1, its kind, its message, every rank's values): the library's agreement, or the same
+    exchange in device tensors (_agreement_device)."""
+    device = _agreement_device(group)
+    if device is None:
         return extension().agree(group, kind, message, [float(v) for v in values])
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.zeros(10, dtype=torch.float64, device=device)
     mine[0], mine[1] = kind, len(values)
     if values:
@@ -100,7 +102,8 @@ def _first_other(got, i):
 
 
 def _check_same(got, first_name):
-    """The ranks' dtype, algorithm, exchange, logit_scale, logit_bias and which inputs want gradients must agree."""
+    """The ranks' dtype, algorithm, exchange, logit_scale, logit_bias, embedding size and which inputs want gradients
+    must agree."""
     names = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
     r = _first_other(got, 0)
     if r is not None:
@@ -119,6 +122,10 @@ def _check_same(got, first_name):
         if r is not None:
             raise ValueError(f"{name}: rank {r}: {got[r][i]!r} where rank 0 has {got[0][i]!r}; every rank must pass "
                              f"the same {name} (a parameter that DDP keeps equal on every rank)")
+    r = _first_other(got, 7)
+    if r is not None:
+        raise ValueError(f"{first_name}: rank {r}: embedding size {int(got[r][7])} where rank 0 has "
+                         f"{int(got[0][7])}; every rank must pass the same")
     r = _first_other(got, 6)
     if r is not None:
         raise ValueError(f"{first_name}: rank {r} wants gradients for (features, logit_scale, logit_bias) = "
@@ -180,6 +187,12 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
             raise ValueError(f"rank: {expected[0]}, but this process is rank {rank} of the process group")
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"features: each rank passes as many texts as images ({q.shape[0]} and {k.shape[0]})")
+        if exchange == "gather":
+            # The engine agrees on its own value checks; the one-process step runs after the gather, where a refusal
+            # on one rank would leave the others in the next collective: checked here (one read; a sync on CUDA).
+            for name, x in zip(names, (q, k)):
+                if not bool(torch.isfinite(x).all()):
+                    raise ValueError(f"{name}: holds a non-finite value")
         s = _checks.scalar("logit_scale", logit_scale, q.device)
         b = None
         if objective == "sigmoid":
@@ -192,7 +205,7 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         if c < 1:
             raise ValueError(f"grad_ranks: must be >= 1, got {c}")
         values = [_DTYPE_CODES[q.dtype], _checks.ALGORITHMS.index(algorithm), _EXCHANGES.index(exchange),
-                  scale_value(s), bias_value(b), q.shape[0], wants | wants_s << 1 | wants_b << 2]
+                  scale_value(s), bias_value(b), q.shape[0], wants | wants_s << 1 | wants_b << 2, q.shape[1]]
     except Exception as e:  # raised below on every rank, after the agreement
         error = e
     got = agree(group, error, values)

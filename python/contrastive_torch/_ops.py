@@ -43,7 +43,7 @@ def _outputs(q, k, value, dq, dk, dlogs, dbias, max_logit, site, sigmoid):
     """The host step's results as the operators' output tensors."""
     if dq is None:
         dq, dk = q.new_empty((0, q.shape[1])), k.new_empty((0, k.shape[1]))
-        dlogs = dbias = torch.zeros((), dtype=torch.float64)
+        dlogs, dbias = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     out = [torch.tensor(value, dtype=torch.float32), dq, dk, dlogs.to(torch.float64).reshape(())]
     if sigmoid:
         out.append(dbias.to(torch.float64).reshape(()))
@@ -124,6 +124,12 @@ def feature_grads_cuda(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symm
 # --- autograd ----------------------------------------------------------------------------------------------------
 
 
+def _feature_grads(*args):
+    """contrastive_torch::feature_grads (named here so that the tests can route the formulas to the CUDA kernel with a
+    stand-in extension on the CPU)."""
+    return torch.ops.contrastive_torch.feature_grads(*args)
+
+
 def _param_grad(value, param):
     """A float64 0-dim gradient in the device, dtype and shape of `param`."""
     return value.to(device=param.device, dtype=param.dtype).reshape(param.shape)
@@ -156,7 +162,7 @@ def _softmax_backward(ctx, grad, *_unused):
     if ctx.needs_input_grad[2]:  # d loss / d s = (d loss / d log s) / s
         d_scale = _param_grad(dlogs * grad.double() / logit_scale.double().to(dlogs.device), logit_scale)
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-        gq, gk = torch.ops.contrastive_torch.feature_grads(grad, dq, dk, q, k, logit_scale, None, labels, *ctx.call)
+        gq, gk = _feature_grads(grad, dq, dk, q, k, logit_scale, None, labels, *ctx.call)
     return gq, gk, d_scale, None, None, None, None, None, None
 
 
@@ -177,8 +183,7 @@ def _sigmoid_backward(ctx, grad, *_unused):
     if ctx.needs_input_grad[3]:
         d_bias = _param_grad(dbias * grad.double(), logit_bias)
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-        gq, gk = torch.ops.contrastive_torch.feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, None,
-                                                           *ctx.call)
+        gq, gk = _feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, None, *ctx.call)
     return gq, gk, d_scale, d_bias, None, None, None
 
 

@@ -24,25 +24,62 @@ def unit(n, d, seed, dtype=torch.float32):
     return F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype)
 
 
+SOFTMAX = torch.ops.contrastive_torch.softmax_step.default if ct.HAS_CUSTOM_OPS else None
+SIGMOID = torch.ops.contrastive_torch.sigmoid_step.default if ct.HAS_CUSTOM_OPS else None
+FEATURE_GRADS = torch.ops.contrastive_torch.feature_grads.default if ct.HAS_CUSTOM_OPS else None
+
+
+def grad_leaves(*xs):
+    return tuple(x.clone().requires_grad_() for x in xs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_opcheck(algorithm, dtype):
-    # opcheck runs the operator under its schema check, FakeTensor (the fake implementation against the real one),
+    # opcheck runs each operator under its schema check, FakeTensor (the fake implementation against the real one),
     # autograd registration and AOT dispatch with static and dynamic shapes.
     q, k = unit(40, 16, 1, dtype), unit(40, 16, 2, dtype)
     s = torch.tensor(12.0)
-    loss = torch.ops.contrastive_torch.loss.default
-    backward = torch.ops.contrastive_torch.loss_backward.default
-    torch.library.opcheck(loss, (q.clone().requires_grad_(), k.clone().requires_grad_(), s.clone().requires_grad_(),
-                                 None, True, algorithm, 0))
-    torch.library.opcheck(loss, (q, k, s, None, True, algorithm, 1))  # no gradient wanted
-    torch.library.opcheck(backward, (torch.tensor(1.0), q, k, s, None, True, algorithm, 0))
+    torch.library.opcheck(SOFTMAX, (*grad_leaves(q, k, s), None, True, algorithm, 0, False, True))
+    torch.library.opcheck(SOFTMAX, (q, k, s, None, True, algorithm, 1, False, False))  # no gradient wanted
     # InfoNCE with labels and more keys than queries.
     keys = unit(70, 16, 3, dtype)
     labels = torch.randint(0, 70, (40,), generator=torch.Generator().manual_seed(4))
-    torch.library.opcheck(loss, (q.clone().requires_grad_(), keys.clone().requires_grad_(), s, labels, False,
-                                 algorithm, 0))
-    torch.library.opcheck(backward, (torch.tensor(2.0), q, keys, s, labels, False, algorithm, 0))
+    torch.library.opcheck(SOFTMAX, (*grad_leaves(q, keys), s, labels, False, algorithm, 0, False, True))
+    # The backward for the features: multiplied, or (float16 under a loss scale) the host step rerun at it.
+    _, dq, dk, *_ = SOFTMAX(q, keys, s, labels, False, algorithm, 0, False, True)
+    saved = (q, keys) if dtype == torch.float16 else (None, None)
+    for grad in (torch.tensor(1.0), torch.tensor(65536.0)):
+        torch.library.opcheck(FEATURE_GRADS, (grad, dq, dk, *saved, s, None, labels, False, algorithm, 0, False))
+    if dtype != torch.float16:
+        t, b = torch.tensor(10.0), torch.tensor(-10.0)
+        torch.library.opcheck(SIGMOID, (*grad_leaves(q, keys, t, b), algorithm, 0, True))
+        torch.library.opcheck(SIGMOID, (q, keys, t, b, algorithm, 1, False))
+
+
+def test_feature_grads_needs_the_features_to_rerun():
+    # float16 under a loss scale without the features cannot rerun: a clear error, not a silently worse gradient.
+    q = unit(8, 4, 5, torch.float16)
+    with pytest.raises(RuntimeError, match="need q and k"):
+        FEATURE_GRADS(torch.tensor(65536.0), q, q, None, None, torch.tensor(10.0), None, None, True, "fused", 0,
+                      False)
+
+
+def test_float16_backward_reruns_at_the_incoming_gradient(monkeypatch):
+    # On the CPU too a float16 backward under g != 1 runs the host step again at loss scale g: the gradients equal
+    # the host engine's at loss scale g, bit for bit (GradScaler's protocol; no underflow at scale 1 is kept).
+    from contrastive_torch import _host
+
+    q, k = unit(24, 8, 6, torch.float16), unit(24, 8, 7, torch.float16)
+    s = torch.tensor(30.0)
+    calls = []
+    real = _host.step
+    monkeypatch.setattr(_host, "step", lambda *a, **kw: calls.append(a[-1] if len(a) == 10 else 1.0) or real(*a))
+    a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
+    (ct.ClipLoss()(a, b, s) * 4096.0).backward()
+    assert calls == [1.0, 4096.0]
+    want = real(q, k, 30.0, 0.0, None, "symmetric", "fused", 0, True, 4096.0)
+    assert torch.equal(a.grad, want[1]) and torch.equal(b.grad, want[2])
 
 
 def test_operator_refuses_bad_values():
@@ -50,15 +87,18 @@ def test_operator_refuses_bad_values():
     q = unit(8, 4, 5)
     bad = q.clone()
     bad[2, 1] = float("nan")
-    op = torch.ops.contrastive_torch.loss
     with pytest.raises(ValueError, match=r"q\[2\]\[1\] is not finite"):
-        op(bad, q, torch.tensor(10.0), None, True, "fused", 0)
+        SOFTMAX(bad, q, torch.tensor(10.0), None, True, "fused", 0, False, False)
     with pytest.raises(ValueError, match="logit_scale"):
-        op(q, q, torch.tensor(-1.0), None, True, "fused", 0)
+        SOFTMAX(q, q, torch.tensor(-1.0), None, True, "fused", 0, False, False)
     with pytest.raises(ValueError, match="labels"):
-        op(q, q, torch.tensor(10.0), torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]), False, "fused", 0)
+        SOFTMAX(q, q, torch.tensor(10.0), torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]), False, "fused", 0, False, False)
     with pytest.raises(ValueError, match="logit_scale"):
-        ct.ClipLoss(custom_ops=True)(q, q, torch.ones(2))
+        ct.ClipLoss()(q, q, torch.ones(2))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SIGMOID(q, q, torch.tensor(10.0), torch.tensor(float("nan")), "fused", 0, False)
+    with pytest.raises(ValueError, match="logit_scale"):
+        SIGMOID(q, q, torch.tensor(0.0), torch.tensor(-10.0), "fused", 0, False)
 
 
 class TwoTower(torch.nn.Module):
@@ -76,9 +116,11 @@ def rel(a, b):
 @pytest.mark.parametrize("algorithm", ["fused", "chunked"])
 def test_compiled_training_step_matches_eager(algorithm, monkeypatch):
     require("compile", hasattr(torch, "compile"), "no torch.compile")
-    backward_calls = []
-    real = ct._host_gradients
-    monkeypatch.setattr(ct, "_host_gradients", lambda *a: backward_calls.append(1) or real(*a))
+    from contrastive_torch import _ops
+
+    kernel_calls = []
+    real = _ops.softmax_step_cpu
+    monkeypatch.setattr(_ops, "softmax_step_cpu", lambda *a: kernel_calls.append(a[-1]) or real(*a))
     loss_fn = ct.ClipLoss(algorithm=algorithm)
 
     def step(model, x, y):
@@ -114,7 +156,8 @@ def test_compiled_training_step_matches_eager(algorithm, monkeypatch):
             assert rel(p.grad, q.grad) <= 256 * eps, f"step {i}: grad of {name}: {rel(p.grad, q.grad) / eps:.1f} eps"
         for opt in opts:
             opt.step()
-    assert len(backward_calls) == 4, "the compiled step's backward did not run the contrastive_torch::loss_backward op"
+    # One path: the eager and the compiled step each ran contrastive_torch::softmax_step once per step, with grads.
+    assert kernel_calls == [True] * 8, f"operator calls (grads): {kernel_calls}"
     # A last, smaller batch (a loader without drop_last): the fake implementations give the new shapes.
     x = torch.randn(19, 24, generator=data)
     y = x + 0.3 * torch.randn(19, 24, generator=data)
@@ -127,58 +170,29 @@ def test_compiled_training_step_matches_eager(algorithm, monkeypatch):
         assert rel(p.grad, q.grad) <= 256 * eps
 
 
-# The CUDA operator (contrastive_torch::cuda_step): its fake implementation and autograd formula are checked here on
-# the CPU; running it needs a GPU (the tests below skip without one).
+# The CUDA kernels (the same operators): their fake implementations are checked here on the CPU; running them needs a
+# GPU (the tests below skip without one). Their backward logic runs on the CPU with a stand-in extension
+# (test_siglip.py's test_cuda_backward_reruns_float16_...).
 
 
-def test_cuda_operator_traces_without_a_gpu():
+def test_cuda_operators_trace_without_a_gpu():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         q = torch.empty(8, 4, device="cuda", dtype=torch.bfloat16)
-        k = torch.empty(8, 4, device="cuda", dtype=torch.bfloat16)
-        s = torch.empty((), device="cuda")
-        loss, dq, dk, dlogs = torch.ops.contrastive_torch.cuda_step(q, k, s, None, True, "chunked", False)
-    assert (loss.shape, loss.dtype, loss.device.type) == ((), torch.float32, "cuda")
-    assert (dq.shape, dq.dtype, dk.shape, dk.dtype) == (q.shape, q.dtype, k.shape, k.dtype)
-    assert (dlogs.shape, dlogs.dtype) == ((), torch.float32)
-
-
-def test_cuda_operator_autograd_formula():
-    # The step's gradients at loss scale 1, times the incoming gradient (bfloat16 here: float16's rerun at it is
-    # test_siglip.py's test_cuda_backward_reruns_float16_...); d loss / d s = (d loss / d log s) / s.
-    from cuda_standin import Ctx
-
-    dq, dk = torch.randn(6, 3).to(torch.bfloat16), torch.randn(6, 3).to(torch.bfloat16)
-    dlogs, s = torch.tensor(0.75), torch.tensor(12.0)
-    ctx = Ctx((True, True, True, False, False, False, False))
-    ct._cuda_setup_context(ctx, (dq, dk, s, None, True, "chunked", False), (torch.tensor(0.5), dq, dk, dlogs))
-    gq, gk, gs, *rest = ct._cuda_autograd(ctx, torch.tensor(65536.0), None, None, None)
-    assert rest == [None] * 4
-    assert gq.dtype == torch.bfloat16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.bfloat16))
-    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.bfloat16))
-    assert float(gs) == pytest.approx(0.75 * 65536.0 / 12.0, rel=1e-6) and gs.shape == s.shape
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_feature_grads_opcheck(monkeypatch, dtype):
-    # contrastive_torch::cuda_feature_grads (the CUDA operators' backward for the features) runs on every device; on
-    # the CPU its rerun goes to a stand-in extension. opcheck: schema, fake implementation, AOT dispatch.
-    from cuda_standin import StandIn
-
-    monkeypatch.setattr(ct, "cuda_extension", lambda: StandIn(3.0e-7))
-    q, k = unit(8, 4, 1, dtype), unit(8, 4, 2, dtype)
-    dq, dk = unit(8, 4, 3, dtype), unit(8, 4, 4, dtype)
-    s, b = torch.tensor(12.0), torch.tensor(-10.0)
-    op = torch.ops.contrastive_torch.cuda_feature_grads.default
-    saved = (q, k) if dtype == torch.float16 else (None, None)
-    for grad in (torch.tensor(1.0), torch.tensor(65536.0)):
-        for bias, labels in ((None, None), (None, torch.arange(8)), (b, None)):
-            torch.library.opcheck(op, (grad, dq, dk, *saved, s, bias, labels, True, "chunked", False))
-    # float16 under a loss scale without the features cannot rerun: a clear error, not a silently worse gradient.
-    if dtype == torch.float16:
-        with pytest.raises(RuntimeError, match="need q and k"):
-            op(torch.tensor(65536.0), dq, dk, None, None, s, None, None, True, "chunked", False)
+        k = torch.empty(12, 4, device="cuda", dtype=torch.bfloat16)
+        s, b = torch.empty((), device="cuda"), torch.empty((), device="cuda")
+        softmax = torch.ops.contrastive_torch.softmax_step(q, k, s, None, False, "chunked", 0, False, True)
+        sigmoid = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, "chunked", 0, True)
+        no_grads = torch.ops.contrastive_torch.softmax_step(q, k, s, None, False, "chunked", 0, False, False)
+    for out in (softmax, sigmoid):
+        loss, dq, dk, dlogs = out[:4]
+        assert (loss.shape, loss.dtype, loss.device.type) == ((), torch.float32, "cuda")
+        assert (dq.shape, dq.dtype, dk.shape, dk.dtype) == (q.shape, q.dtype, k.shape, k.dtype)
+        assert (dlogs.shape, dlogs.dtype) == ((), torch.float64)
+        assert (out[-2].dtype, out[-1].dtype) == (torch.float32, torch.int32)
+    assert sigmoid[4].dtype == torch.float64
+    assert no_grads[1].shape == (0, 4) and no_grads[2].shape == (0, 4)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
@@ -189,9 +203,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def test_cuda_opcheck(algorithm):
     q, k = unit(64, 32, 6).cuda(), unit(64, 32, 7).cuda()
     s = torch.tensor(12.0, device="cuda")
-    torch.library.opcheck(torch.ops.contrastive_torch.cuda_step.default,
-                          (q.clone().requires_grad_(), k.clone().requires_grad_(), s.clone().requires_grad_(), None,
-                           True, algorithm, False))
+    torch.library.opcheck(SOFTMAX, (*grad_leaves(q, k, s), None, True, algorithm, 0, False, True))
 
 
 @needs_cuda
@@ -214,31 +226,6 @@ def test_cuda_compiled_step_matches_eager():
     assert rel(b.detach(), a.detach()) <= 64 * eps
     for p, q in zip(models[1].parameters(), models[0].parameters()):
         assert rel(p.grad, q.grad) <= 256 * eps
-
-
-# SigLipLoss's operators (contrastive_torch::sigmoid_loss, ::sigmoid_loss_backward).
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_sigmoid_opcheck(algorithm, dtype):
-    q, k = unit(40, 16, 11, dtype), unit(52, 16, 12, dtype)
-    t, b = torch.tensor(10.0), torch.tensor(-10.0)
-    loss = torch.ops.contrastive_torch.sigmoid_loss.default
-    backward = torch.ops.contrastive_torch.sigmoid_loss_backward.default
-    torch.library.opcheck(loss, (q.clone().requires_grad_(), k.clone().requires_grad_(), t.clone().requires_grad_(),
-                                 b.clone().requires_grad_(), algorithm, 0))
-    torch.library.opcheck(loss, (q, k, t, b, algorithm, 1))
-    torch.library.opcheck(backward, (torch.tensor(2.0), q, k, t, b, algorithm, 0))
-
-
-def test_sigmoid_operator_refuses_bad_values():
-    q = unit(8, 4, 13)
-    op = torch.ops.contrastive_torch.sigmoid_loss
-    with pytest.raises(ValueError, match="logit_bias"):
-        op(q, q, torch.tensor(10.0), torch.tensor(float("nan")), "fused", 0)
-    with pytest.raises(ValueError, match="logit_scale"):
-        op(q, q, torch.tensor(0.0), torch.tensor(-10.0), "fused", 0)
 
 
 def test_compiled_siglip_step_matches_eager():

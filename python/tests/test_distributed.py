@@ -32,6 +32,9 @@ import contrastive_torch as ct
 from conftest import require
 
 ALGORITHMS = ("fused", "materialized", "chunked")
+# The exchanges: the library's distributed engine, and torch's autograd all-gather with the one-process step (the one
+# CUDA tensors use, run here on CPU tensors over gloo).
+EXCHANGES = ("engine", "gather")
 DTYPES = (torch.float32, torch.bfloat16)
 BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8}
 JOIN_TIMEOUT_S = 240  # measured: 6-8 s (2 ranks) and 15-17 s (4 ranks) on 2 loaded cores
@@ -119,11 +122,12 @@ def _worker(rank, world, port, seed, out_dir):
                     fn = oc.ClipLoss(local_loss=local_loss, gather_with_grad=gwg, rank=rank, world_size=world)
                     loss, di, dt, ds = _step(fn, I[mine].float(), T[mine].float(), scale)
                     theirs[local_loss, gwg] = (loss, di, dt, ds, mean_over_ranks(loss), mean_over_ranks(ds))
-            for algorithm in ALGORITHMS:
+            for algorithm, exchange in itertools.product(ALGORITHMS, EXCHANGES):
                 ref = _step(ct.ClipLoss(algorithm=algorithm, threads=1), I, T, scale)
                 for local_loss, gwg in itertools.product((False, True), repeat=2):
-                    where = f"{dtype} {algorithm} local_loss={local_loss} gather_with_grad={gwg}"
-                    fn = ct.ClipLoss(local_loss, gwg, rank=rank, world_size=world, algorithm=algorithm, threads=1)
+                    where = f"{dtype} {algorithm} {exchange} local_loss={local_loss} gather_with_grad={gwg}"
+                    fn = ct.ClipLoss(local_loss, gwg, rank=rank, world_size=world, algorithm=algorithm, threads=1,
+                                     exchange=exchange)
                     got = _step(fn, I[mine], T[mine], scale)
                     check(got[1].dtype == dtype and got[2].dtype == dtype, f"{where}: gradient dtype")
                     c = world if (gwg or local_loss) else 1
@@ -154,14 +158,14 @@ def _worker(rank, world, port, seed, out_dir):
         offset = sum(counts[:rank])
         rows = slice(offset, offset + counts[rank])
         tol = BOUND_EPS[torch.float32] * torch.finfo(torch.float32).eps
-        for algorithm in ALGORITHMS:
+        for algorithm, exchange in itertools.product(ALGORITHMS, EXCHANGES):
             ref = _step(ct.ClipLoss(algorithm=algorithm, threads=1), img, txt, scale)
-            got = _step(ct.ClipLoss(True, True, rank=rank, world_size=world, algorithm=algorithm, threads=1),
-                        img[rows], txt[rows], scale)
+            got = _step(ct.ClipLoss(True, True, rank=rank, world_size=world, algorithm=algorithm, threads=1,
+                                    exchange=exchange), img[rows], txt[rows], scale)
             want = (ref[0], world * ref[1][rows], world * ref[2][rows], ref[3])
             for name, a, b in zip(names, got, want):
                 err = _rel(a, b)
-                check(err <= tol, f"unequal rows {counts} {algorithm}: {name} {err:.2e} from one process")
+                check(err <= tol, f"unequal rows {counts} {algorithm} {exchange}: {name} {err:.2e} from one process")
 
         # Bad input on one rank raises on every rank, naming it; then the ranks still compute together.
         bad = world - 1
@@ -180,18 +184,41 @@ def _worker(rank, world, port, seed, out_dir):
                                                                   world_size=world, threads=1), 1.0),
             ("another incoming gradient", ValueError, good, fn, 2.0),
         ]
+        gather = ct.ClipLoss(True, True, rank=rank, world_size=world, threads=1, exchange="gather")
+        # The 'gather' exchange: the same refusals but the incoming gradient (its backward sums what every rank
+        # sends, as open_clip's), and an exchange that differs between ranks; then the agreement carried by torch's
+        # own all-gather (as over NCCL) instead of the library's, for two of them.
+        cases += [(f"{what} (gather)", kind, args, gather if bad_fn is fn else ct.ClipLoss(
+            True, True, rank=(rank + 1) % world, world_size=world, threads=1, exchange="gather"), 1.0)
+            for what, kind, args, bad_fn, factor in cases if factor == 1.0]
+        cases.append(("another exchange", ValueError, good, fn, 1.0))
         for what, kind, args, bad_fn, factor in cases:
             use = args if rank == bad else good
-            f = bad_fn if rank == bad else fn
+            f = bad_fn if rank == bad else (gather if "gather" in what or what == "another exchange" else fn)
             try:
                 _step(f, *use, grad_factor=factor if rank == bad else 1.0)
                 check(False, f"{what} on rank {bad}: nothing raised")
             except Exception as e:  # noqa: BLE001 - the type is checked
                 check(isinstance(e, kind) and f"rank {bad}" in str(e),
                       f"{what} on rank {bad}: raised {type(e).__name__}: {e}")
+        from contrastive_torch import _distributed
+
+        library_agreement = _distributed._agreement_device
+        _distributed._agreement_device = lambda group: torch.device("cpu")
+        for what, kind, args in (("wrong dim (torch's agreement)", ValueError, wide),
+                                 ("another dtype (torch's agreement)", TypeError,
+                                  (img[mine].bfloat16(), txt[mine].bfloat16(), scale))):
+            try:
+                _step(gather, *(args if rank == bad else good))
+                check(False, f"{what} on rank {bad}: nothing raised")
+            except Exception as e:  # noqa: BLE001 - the type is checked
+                check(isinstance(e, kind) and f"rank {bad}" in str(e),
+                      f"{what} on rank {bad}: raised {type(e).__name__}: {e}")
+        _distributed._agreement_device = library_agreement
         ref = _step(ct.ClipLoss(threads=1), img, txt, scale)
-        got = _step(fn, *good)
-        check(_rel(got[1], world * ref[1][mine]) <= tol, "after the refusals: d image_features differs")
+        for f in (fn, gather):
+            got = _step(f, *good)
+            check(_rel(got[1], world * ref[1][mine]) <= tol, "after the refusals: d image_features differs")
         # The refusals' tracebacks (frames holding the group) are reference cycles: collected now, so that no process
         # group outlives destroy_process_group into the interpreter's exit (where gloo's can abort the process).
         del cases
@@ -245,15 +272,16 @@ def test_global_batch_over_gloo(world, seed, tmp_path):
         failures += got["failures"]
         checks.append(got["checks"])
     assert not failures, "\n".join(failures[:20])
-    # 2 dtypes x 3 algorithms x (4 settings x 5 vs one process + 15 vs open_clip) + unequal rows (3 x 4) + the refusals
-    # (7 + 1): every check ran on every rank.
-    assert checks == [2 * 3 * (4 * 5 + 15) + 3 * 4 + 8] * world, f"checks per rank: {checks}"
+    # 2 exchanges x (2 dtypes x 3 algorithms x (4 settings x 5 vs one process + 15 vs open_clip) + unequal rows
+    # (3 x 4)) + the refusals (7 engine, 6 gather, 1 exchange, 2 over torch's agreement, 2 after them): every check
+    # ran on every rank.
+    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2] * world, f"checks per rank: {checks}"
 
 
 def test_distributed_arguments():
     # Refused before any collective (the same on every rank: constructor arguments).
-    with pytest.raises(NotImplementedError, match="custom_ops"):
-        ct.ClipLoss(world_size=2, rank=0, custom_ops=True)
+    with pytest.raises(ValueError, match="exchange"):
+        ct.ClipLoss(world_size=2, rank=0, exchange="ring")
     with pytest.raises(TypeError, match="group"):
         ct.ClipLoss(group="WORLD")
     import torch.distributed as dist

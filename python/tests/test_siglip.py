@@ -14,6 +14,7 @@ at most 0.36.)"""
 
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -30,6 +31,8 @@ from test_distributed import JOIN_TIMEOUT_S, PG_TIMEOUT_S, WORLDS, _draw, _free_
 
 ALGORITHMS = ("fused", "materialized", "chunked")
 BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8, torch.float16: 8}
+# The distributed exchanges: the library's engine, and torch's autograd all-gather with the one-process step (CUDA's).
+EXCHANGES = ("engine", "gather")
 NAMES = ("loss", "d image_features", "d text_features", "d logit_scale", "d logit_bias")
 
 
@@ -161,11 +164,11 @@ def _worker(rank, world, port, seed, out_dir):
             loss, di, dt, ds, db = _step(oc.SigLipLoss(rank=rank, world_size=world), I[mine], T[mine], t, b,
                                          dtype=torch.float64)
             theirs = (mean_over_ranks(loss), di, dt, mean_over_ranks(ds), mean_over_ranks(db))
-            for algorithm in ALGORITHMS:
-                where = f"{dtype} {algorithm}"
+            for algorithm, exchange in itertools.product(ALGORITHMS, EXCHANGES):
+                where = f"{dtype} {algorithm} exchange={exchange}"
                 ref = _step(ct.SigLipLoss(algorithm=algorithm, threads=1), I, T, t, b)
-                got = _step(ct.SigLipLoss(rank=rank, world_size=world, algorithm=algorithm, threads=1), I[mine],
-                            T[mine], t, b)
+                got = _step(ct.SigLipLoss(rank=rank, world_size=world, algorithm=algorithm, threads=1,
+                                          exchange=exchange), I[mine], T[mine], t, b)
                 want = (ref[0], world * ref[1][mine], world * ref[2][mine], ref[3], ref[4])
                 for name, a, w, tol in zip(NAMES, got, want, bounds):
                     err = _rel(a, w)
@@ -178,18 +181,19 @@ def _worker(rank, world, port, seed, out_dir):
 
         # A bad or differing logit_bias on one rank raises on every rank, naming it; then the ranks compute together.
         bad = world - 1
-        fn = ct.SigLipLoss(rank=rank, world_size=world, threads=1)
-        for what, bias in (("NaN logit_bias", float("nan")), ("another logit_bias", -9.0)):
-            try:
-                _step(fn, img[mine], txt[mine], t, bias if rank == bad else b)
-                check(False, f"{what} on rank {bad}: nothing raised")
-            except Exception as e:  # noqa: BLE001 - the type is checked
-                check(isinstance(e, ValueError) and f"rank {bad}" in str(e) and "logit_bias" in str(e),
-                      f"{what} on rank {bad}: raised {type(e).__name__}: {e}")
         ref = _step(ct.SigLipLoss(threads=1), img, txt, t, b)
-        got = _step(fn, img[mine], txt[mine], t, b)
-        check(_rel(got[1], world * ref[1][mine]) <= 256 * torch.finfo(torch.float32).eps,
-              "after the refusals: d image_features differs")
+        for exchange in EXCHANGES:
+            fn = ct.SigLipLoss(rank=rank, world_size=world, threads=1, exchange=exchange)
+            for what, bias in (("NaN logit_bias", float("nan")), ("another logit_bias", -9.0)):
+                try:
+                    _step(fn, img[mine], txt[mine], t, bias if rank == bad else b)
+                    check(False, f"{what} on rank {bad} ({exchange}): nothing raised")
+                except Exception as e:  # noqa: BLE001 - the type is checked
+                    check(isinstance(e, ValueError) and f"rank {bad}" in str(e) and "logit_bias" in str(e),
+                          f"{what} on rank {bad} ({exchange}): raised {type(e).__name__}: {e}")
+            got = _step(fn, img[mine], txt[mine], t, b)
+            check(_rel(got[1], world * ref[1][mine]) <= 256 * torch.finfo(torch.float32).eps,
+                  f"after the refusals ({exchange}): d image_features differs")
         gc.collect()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the test
@@ -229,50 +233,87 @@ def test_global_batch_over_gloo(world, seed, tmp_path):
         failures += got["failures"]
         checks.append(got["checks"])
     assert not failures, "\n".join(failures[:20])
-    # 2 dtypes x 3 algorithms x 2 x 5 values, 2 refusals and the check after them: every check ran on every rank.
-    assert checks == [2 * 3 * 10 + 3] * world, f"checks per rank: {checks}"
+    # 2 exchanges x (2 dtypes x 3 algorithms x 2 x 5 values, 2 refusals and the check after them): every check ran on
+    # every rank.
+    assert checks == [2 * (2 * 3 * 10 + 3)] * world, f"checks per rank: {checks}"
 
 
-# CUDA tensors: the device's chunked step (contrastive_torch._C_cuda.sigmoid_step and the operator
-# contrastive_torch::cuda_sigmoid_step). The operator's fake implementation and autograd formula are checked here on
-# the CPU; running it needs a GPU (the tests after them skip without one).
+# CUDA tensors: the device's chunked step, the CUDA kernel of contrastive_torch::sigmoid_step. Its backward logic is
+# checked here on the CPU with a stand-in extension; running it needs a GPU (the tests after it skip without one).
 
 
-def test_cuda_sigmoid_operator_traces_without_a_gpu():
-    if not ct.HAS_CUSTOM_OPS:
-        pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        q = torch.empty(8, 4, device="cuda", dtype=torch.bfloat16)
-        k = torch.empty(12, 4, device="cuda", dtype=torch.bfloat16)
-        t, b = torch.empty((), device="cuda"), torch.empty((), device="cuda")
-        loss, dq, dk, dlogs, dbias = torch.ops.contrastive_torch.cuda_sigmoid_step(q, k, t, b)
-    assert (loss.shape, loss.dtype, loss.device.type) == ((), torch.float32, "cuda")
-    assert (dq.shape, dq.dtype, dk.shape, dk.dtype) == (q.shape, q.dtype, k.shape, k.dtype)
-    assert (dlogs.shape, dlogs.dtype, dbias.shape, dbias.dtype) == ((), torch.float32, (), torch.float32)
-
-
-def test_cuda_sigmoid_autograd_formula():
-    # The step's gradients at loss scale 1, times the incoming gradient; d loss / d t = (d loss / d log t) / t and
-    # d loss / d b as it is, each in its parameter's dtype, shape and device.
-    if not ct.HAS_CUSTOM_OPS:
-        pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
-
-    # bfloat16: multiplied (float16's rerun at the incoming gradient: test_cuda_backward_reruns_float16_...).
-    dq, dk = torch.randn(6, 3).to(torch.bfloat16), torch.randn(9, 3).to(torch.bfloat16)
-    dlogs, dbias = torch.tensor(0.75), torch.tensor(-0.5)
-    t, b = torch.tensor([10.0], dtype=torch.float64), torch.tensor(-10.0)
+def _cuda_chain(monkeypatch, inputs, grad):
+    """An operator's CUDA kernel on CPU tensors (the extension is a stand-in), its setup_context and its autograd
+    formula, whose feature_grads goes to the CUDA kernel too: the CUDA path of a backward, without a GPU. `inputs`:
+    sigmoid_step's 7 or softmax_step's 9. Returns the gradients of q, k, the logit scale (and the bias)."""
+    from contrastive_torch import _ops
     from cuda_standin import Ctx
 
-    ctx = Ctx((True, True, True, True))
-    ct._cuda_sigmoid_setup_context(ctx, (dq, dk, t, b), (torch.tensor(0.5), dq, dk, dlogs, dbias))
-    gq, gk, gt, gb = ct._cuda_sigmoid_autograd(ctx, torch.tensor(65536.0), None, None, None, None)
-    assert gq.dtype == torch.bfloat16 and torch.equal(gq, (dq.float() * 65536.0).to(torch.bfloat16))
-    assert torch.equal(gk, (dk.float() * 65536.0).to(torch.bfloat16))
-    assert gt.dtype == torch.float64 and gt.shape == t.shape
-    assert float(gt) == pytest.approx(0.75 * 65536.0 / 10.0, rel=1e-6)
-    assert gb.shape == b.shape and float(gb) == -0.5 * 65536.0
+    monkeypatch.setattr(_ops, "_feature_grads", _ops.feature_grads_cuda)
+    sigmoid = len(inputs) == 7
+    q, k = inputs[:2]
+    ctx = Ctx((q.requires_grad, k.requires_grad) + tuple(isinstance(x, torch.Tensor) and x.requires_grad
+                                                         for x in inputs[2:]))
+    with torch.no_grad():  # as the operator and autograd's backward run
+        plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
+        kernel, setup, formula = ((_ops.sigmoid_step_cuda, _ops._sigmoid_setup_context, _ops._sigmoid_backward)
+                                  if sigmoid else
+                                  (_ops.softmax_step_cuda, _ops._softmax_setup_context, _ops._softmax_backward))
+        output = kernel(*plain)
+        setup(ctx, tuple(inputs), output)
+        got = formula(ctx, torch.tensor(grad), *([None] * (len(output) - 1)))
+    return got[:4] if sigmoid else got[:3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad", [65536.0, 1.0])
+def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtype, grad):
+    # The device step runs at loss scale 1 in the forward. Its float16 gradients there can be subnormal (here 3e-7:
+    # 5 units of float16's 6e-8 spacing) where a GradScaler's scale puts them in the normal range, so a float16
+    # backward with an incoming gradient g != 1 reruns the step at loss scale g (feature_grads' CUDA kernel), with
+    # every other argument of the forward's call. Checked on the CPU with a stand-in for the extension that rounds an
+    # exact gradient at the loss scale it is given, as the device does, and records its calls.
+    from contrastive_torch import _device
+    from cuda_standin import StandIn
+
+    if not ct.HAS_CUSTOM_OPS:
+        pytest.skip("torch.library.custom_op needs PyTorch >= 2.4")
+    exact = 3.0e-7
+    ext = StandIn(exact)
+    monkeypatch.setattr(_device, "cuda_extension", lambda: ext)
+    q = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
+    k = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
+    t = torch.tensor(10.0, requires_grad=True)
+    b = torch.tensor(-10.0, requires_grad=True)
+    labels64 = torch.tensor([3, 0, 2, 1])
+    reruns = dtype == torch.float16 and grad != 1.0
+    want = torch.tensor(exact * grad).to(dtype)
+    runs = {
+        "sigmoid": (q, k, t, b, "chunked", 0, True),
+        "softmax": (q, k, t, None, True, "chunked", 0, False, True),
+        "infonce": (q, k, t, labels64, False, "materialized", 0, True, True),
+    }
+    for name, inputs in runs.items():
+        ext.clear()
+        gq, gk, gt, *gb = _cuda_chain(monkeypatch, inputs, grad)
+        assert ext.calls == ([1.0, grad] if reruns else [1.0]), name
+        if reruns:  # the same call but for the loss scale: scale, bias, labels (int32, the features' device), options
+            assert ext.args[1] == ext.args[0], name
+        assert gq.dtype == dtype and torch.equal(gq, torch.full(q.shape, float(want), dtype=dtype)), name
+        assert torch.equal(gk, -gq), name
+        # d loss / d t = (d loss / d log t) / t, times the incoming gradient, in t's dtype and shape.
+        assert gt.dtype == t.dtype and gt.shape == t.shape, name
+        assert float(gt) == pytest.approx(0.25 * grad / 10.0, rel=1e-6), name
+        if name == "sigmoid":
+            assert float(gb[0]) == -0.125 * grad, name
+    if reruns:
+        # Without the rerun the gradient would be the subnormal times g: 0.6% off here.
+        subnormal_times_g = float(torch.tensor(exact).to(dtype).float() * grad)
+        assert abs(subnormal_times_g - exact * grad) > 1e-3 * exact * grad
+    # No rerun when the features need no gradient (only t and b do).
+    ext.clear()
+    gq, gk, _gt, _gb = _cuda_chain(monkeypatch, (q.detach(), k.detach(), t, b, "chunked", 0, True), grad)
+    assert ext.calls == [1.0] and gq is None and gk is None
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
@@ -324,9 +365,9 @@ def test_cuda_opcheck_and_compiled_step():
     img, txt = _draw(64, 32, 9)
     I, T = img.cuda(), txt.cuda()
     t, b = torch.tensor(10.0, device="cuda"), torch.tensor(-10.0, device="cuda")
-    torch.library.opcheck(torch.ops.contrastive_torch.cuda_sigmoid_step.default,
+    torch.library.opcheck(torch.ops.contrastive_torch.sigmoid_step.default,
                           (I.clone().requires_grad_(), T.clone().requires_grad_(), t.clone().requires_grad_(),
-                           b.clone().requires_grad_()))
+                           b.clone().requires_grad_(), "chunked", 0, True))
     fn = ct.SigLipLoss()
     eager = _step(fn, I, T, 10.0, -10.0)
     compiled = _step(torch.compile(fn, fullgraph=True), I, T, 10.0, -10.0)
@@ -334,88 +375,3 @@ def test_cuda_opcheck_and_compiled_step():
         assert _rel(a.cpu(), w.cpu()) <= 64 * torch.finfo(torch.float32).eps, name
 
 
-def _operator_backward(inputs, grad):
-    """The compiled path on the CPU: an operator's forward (`inputs`: cuda_sigmoid_step's 4 or cuda_step's 7), its
-    setup_context and its autograd formula (contrastive_torch::cuda_feature_grads for the features), with the
-    extension monkeypatched to a stand-in. Returns the gradients of q, k, the logit scale (and the bias)."""
-    q, k = inputs[:2]
-    from cuda_standin import Ctx
-
-    ctx = Ctx((q.requires_grad, k.requires_grad) + (True,) * (len(inputs) - 2))
-    with torch.no_grad():  # as the operator and autograd's backward run
-        plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
-        if len(inputs) == 4:
-            output = ct._cuda_sigmoid_step_forward(*plain)
-            ct._cuda_sigmoid_setup_context(ctx, tuple(inputs), output)
-            return ct._cuda_sigmoid_autograd(ctx, torch.tensor(grad), None, None, None, None)
-        output = ct._cuda_step_forward(*plain)
-        ct._cuda_setup_context(ctx, tuple(inputs), output)
-        return ct._cuda_autograd(ctx, torch.tensor(grad), None, None, None)[:3]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("grad", [65536.0, 1.0])
-def test_cuda_backward_reruns_float16_at_the_incoming_gradient(monkeypatch, dtype, grad):
-    # The device step runs at loss scale 1 in the forward. Its float16 gradients there can be subnormal (here 3e-7:
-    # 5 units of float16's 6e-8 spacing) where a GradScaler's scale puts them in the normal range, so a float16
-    # backward with an incoming gradient g != 1 reruns the step at loss scale g, eagerly (_CudaFunction,
-    # _CudaSigmoidFunction) and compiled (the operators' forward, setup_context and autograd formula, through
-    # cuda_feature_grads), with every other argument of the forward's call. Checked on the CPU with a stand-in for the
-    # extension that rounds an exact gradient at the loss scale it is given, as the device does, and records its calls.
-    from cuda_standin import StandIn
-
-    exact = 3.0e-7
-    ext = StandIn(exact)
-    monkeypatch.setattr(ct, "cuda_extension", lambda: ext)
-    q = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
-    k = torch.zeros(4, 3, dtype=dtype, requires_grad=True)
-    t = torch.tensor(10.0, requires_grad=True)
-    b = torch.tensor(-10.0, requires_grad=True)
-    labels64 = torch.tensor([3, 0, 2, 1])
-    reruns = dtype == torch.float16 and grad != 1.0
-    want = torch.tensor(exact * grad).to(dtype)
-
-    def eager(function, *args):
-        q.grad = k.grad = t.grad = b.grad = None
-        function.apply(*args).backward(torch.tensor(grad))
-        return q.grad, k.grad, t.grad, b.grad
-
-    runs = {
-        "eager sigmoid": lambda: eager(ct._CudaSigmoidFunction, q, k, t, b, {}),
-        "eager softmax": lambda: eager(ct._CudaFunction, q, k, t, None, True, "chunked", False, {}),
-        "eager infonce": lambda: eager(ct._CudaFunction, q, k, t, labels64.to(torch.int32), False, "fused", True, {}),
-    }
-    if ct.HAS_CUSTOM_OPS:
-        runs["operator sigmoid"] = lambda: _operator_backward((q, k, t, b), grad)
-        runs["operator softmax"] = lambda: _operator_backward((q, k, t, None, True, "chunked", False), grad)
-        runs["operator infonce"] = lambda: _operator_backward((q, k, t, labels64, False, "materialized", True), grad)
-    for name, run in runs.items():
-        ext.clear()
-        gq, gk, gt, *gb = run()
-        assert ext.calls == ([1.0, grad] if reruns else [1.0]), name
-        if reruns:  # the same call but for the loss scale: scale, bias, labels (int32, the features' device), options
-            assert ext.args[1] == ext.args[0], name
-        assert gq.dtype == dtype and torch.equal(gq, torch.full(q.shape, float(want), dtype=dtype)), name
-        assert torch.equal(gk, -gq), name
-        # d loss / d t = (d loss / d log t) / t, times the incoming gradient, as before.
-        assert float(gt) == pytest.approx(0.25 * grad / 10.0, rel=1e-6), name
-        if "sigmoid" in name:
-            assert float(gb[0]) == -0.125 * grad, name
-    if reruns:
-        # Without the rerun the gradient would be the subnormal times g: 0.6% off here.
-        subnormal_times_g = float(torch.tensor(exact).to(dtype).float() * grad)
-        assert abs(subnormal_times_g - exact * grad) > 1e-3 * exact * grad
-    # No rerun when the features need no gradient (only t and b do); bfloat16 features are not saved at all, so an
-    # in-place change after the forward does not trip the backward.
-    ext.clear()
-    ct._CudaSigmoidFunction.apply(q.detach(), k.detach(), t, b, {}).backward(torch.tensor(grad))
-    assert ext.calls == [1.0]
-    if ct.HAS_CUSTOM_OPS:
-        ext.clear()
-        gq, gk, _gt, _gb = _operator_backward((q.detach(), k.detach(), t, b), grad)
-        assert ext.calls == [1.0] and gq is None and gk is None
-    if dtype == torch.bfloat16:
-        loss = ct._CudaSigmoidFunction.apply(q, k, t, b, {})
-        with torch.no_grad():
-            q.mul_(1.0)
-        loss.backward(torch.tensor(grad))
