@@ -2,7 +2,7 @@
 """Side by side: contrastive_torch.ClipLoss, open_clip's own ClipLoss (open_clip.loss, where open-clip-torch is
 installed) and a plain PyTorch ClipLoss on the same tensors (CPU).
 
-    cd python && ../.venv-torch/bin/python -m contrastive_torch.bench [--n 4096] [--d 512] [--dtype float32] [--steps 5]
+    .venv-torch/bin/python scripts/torch_bench.py [--n 4096] [--d 512] [--dtype float32] [--steps 5]
 
 Each measurement runs in a fresh subprocess: the median time of a forward+backward step after one warm-up, and the
 step's memory as the growth of the process's resident high-water mark (VmHWM) over the steps. glibc's malloc raises
@@ -19,7 +19,7 @@ setting its maintainers scale with: per rank, the median time of the step (forwa
 ranks start each step together, after a barrier) and the growth of its resident high-water mark; the table shows the
 slowest rank's time and the largest rank's memory. Each rank uses --threads threads (0: the cores divided by W).
 
-    cd python && ../.venv-torch/bin/python -m contrastive_torch.bench --world 2 4 --n 4096 --d 512
+    .venv-torch/bin/python scripts/torch_bench.py --world 2 4 --n 4096 --d 512
 """
 
 import argparse
@@ -29,6 +29,10 @@ import platform
 import statistics
 import subprocess
 import sys
+
+# The package from this checkout (python/), for this process and its children.
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+sys.path.insert(0, PACKAGE_DIR)
 
 CHILD = r"""
 import math, statistics, sys, time
@@ -132,7 +136,7 @@ def measure_ranks(which, n, d, dtype, steps, algorithm, world, threads, mmap_thr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = PACKAGE_DIR
     procs = [subprocess.Popen([sys.executable, "-c", RANK_CHILD, which, str(n), str(d), dtype, str(steps), algorithm,
                                here, str(r), str(world), str(port), str(threads)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -152,7 +156,7 @@ def measure(which, n, d, dtype, steps, algorithm, threads, mmap_threshold=0, dev
         env["OMP_NUM_THREADS"] = str(threads)
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = PACKAGE_DIR
     out = subprocess.run([sys.executable, "-c", CHILD, which, str(n), str(d), dtype, str(steps), algorithm, here, device],
                          check=True, capture_output=True, text=True, env=env).stdout.split()
     return float(out[0]), int(out[1]), out[2]

@@ -1,0 +1,150 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""contrastive_torch.functional (the losses as functions) and what the modules add over it: the same values and
+gradients bit for bit (one path), the report, the loss's dtype (open_clip's), open_clip's constructors (released 3.3
+and its development branch), gradients-free calls, and a retained graph."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import contrastive_torch as ct
+import contrastive_torch.functional as CF
+from conftest import require
+
+
+@pytest.fixture(autouse=True)
+def needs_custom_ops():
+    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
+
+
+def unit(n, d, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype)
+
+
+def grads(fn, *inputs):
+    """The value of fn(*leaves) and the leaves' gradients (tensor inputs that are floating point become leaves)."""
+    leaves = [x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+              for x in inputs]
+    loss = fn(*leaves)
+    loss.backward()
+    return [loss.detach()] + [x.grad for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_functions_equal_modules(seed, dtype):
+    q, k = unit(30, 16, seed, dtype), unit(30, 16, seed + 1, dtype)
+    keys = unit(45, 16, seed + 2, dtype)
+    labels = torch.randint(0, 45, (30,), generator=torch.Generator().manual_seed(seed))
+    s, b = torch.tensor(14.0), torch.tensor(-8.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the modules return float32 here, as the functions do
+        pairs = [
+            (lambda *a: CF.clip_loss(*a, algorithm="materialized"),
+             lambda *a: ct.ClipLoss(algorithm="materialized")(*a), (q, k, s)),
+            (lambda *a: CF.siglip_loss(*a), lambda *a: ct.SigLipLoss()(*a), (q, keys, s, b)),
+            (lambda *a: CF.info_nce_loss(*a, algorithm="chunked"),
+             lambda *a: ct.InfoNCELoss(algorithm="chunked")(*a), (q, keys, s, labels)),
+        ]
+        for function, module, inputs in pairs:
+            got, want = grads(function, *inputs), grads(module, *inputs)
+            assert len(got) == len(want) >= 4
+            for a, w in zip(got, want):
+                assert a.dtype == w.dtype and torch.equal(a, w), f"seed {seed}"
+
+
+def test_report_and_last_step():
+    q, k = unit(12, 8, 1), unit(12, 8, 2)
+    report = {}
+    loss = CF.clip_loss(q, k, 10.0, report=report)
+    assert set(report) == {"loss", "max_logit", "first_nonfinite_code", "first_nonfinite"}
+    assert torch.equal(report["loss"], loss) and report["first_nonfinite"] == "none"
+    assert float(report["max_logit"]) == pytest.approx(float((q @ k.T).max() * 10.0), rel=1e-5)
+    big = {}
+    CF.clip_loss(q.half(), k.half(), 1e6, algorithm="materialized", report=big)  # logits past float16's range
+    assert big["first_nonfinite"] == "logits" and ct.NONFINITE_SITES[int(big["first_nonfinite_code"])] == "logits"
+    fn = ct.SigLipLoss()
+    fn(q, k, 10.0, -10.0)
+    assert isinstance(fn.last_step, ct.StepReport) and fn.last_step["first_nonfinite"] == "none"
+
+
+def test_loss_dtype_is_open_clips():
+    # open_clip's loss is float32 under autocast (its cross-entropy runs in float32 there) and the features' dtype in
+    # pure 16-bit training; the functions always return float32.
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k = unit(16, 8, 3, dtype), unit(16, 8, 4, dtype)
+        assert ct.ClipLoss()(q, k, 10.0).dtype == dtype
+        assert ct.SigLipLoss()(q, k, 10.0, -10.0).dtype == dtype
+        assert CF.clip_loss(q, k, 10.0).dtype == torch.float32
+        with torch.autocast("cpu", dtype=dtype):
+            assert ct.ClipLoss()(q, k, 10.0).dtype == torch.float32
+            assert ct.SigLipLoss()(q, k, 10.0, -10.0).dtype == torch.float32
+        a = q.clone().requires_grad_()
+        ct.ClipLoss()(a, k, 10.0).backward()
+        assert a.grad.dtype == dtype and torch.isfinite(a.grad).all()
+    q = unit(16, 8, 3)
+    assert ct.ClipLoss()(q, q, 10.0).dtype == torch.float32
+
+
+def test_open_clip_constructors():
+    # Released 3.3: ClipLoss(local_loss, gather_with_grad, cache_labels, rank, world_size, use_horovod) and
+    # SigLipLoss(cache_labels, rank, world_size, dist_impl); the development branch drops use_horovod and adds
+    # SigLipLoss's chunk_size (open_clip's logits memory bound; nothing to bound here).
+    ct.ClipLoss(False, False, False, 0, 1)
+    ct.ClipLoss(False, False, False, 0, 1, False)
+    fn = ct.SigLipLoss(False, 0, 1, "bidir", 4096)
+    assert fn.chunk_size == 4096
+    ct.SigLipLoss(cache_labels=True, rank=0, world_size=1, dist_impl=None, chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ct.SigLipLoss(chunk_size=-1)
+    with pytest.raises(TypeError, match="chunk_size"):
+        ct.SigLipLoss(chunk_size="big")
+    with pytest.raises(NotImplementedError, match="use_horovod"):
+        ct.ClipLoss(use_horovod=True)
+
+
+def test_argument_errors_name_the_argument():
+    q, k = unit(8, 4, 5), unit(8, 4, 6)
+    with pytest.raises(TypeError, match="group"):
+        CF.clip_loss(q, k, 10.0, group="WORLD")
+    with pytest.raises(ValueError, match="algorithm"):
+        CF.siglip_loss(q, k, 10.0, algorithm="magic")
+    with pytest.raises(ValueError, match="threads"):
+        CF.info_nce_loss(q, k, 10.0, threads=-1)
+    with pytest.raises(TypeError, match="fused_tiles"):
+        CF.clip_loss(q, k, 10.0, fused_tiles=1)
+    with pytest.raises(TypeError, match="logit_scale"):
+        CF.clip_loss(q, k, "10")
+    with pytest.raises(ValueError, match="logit_scale"):
+        CF.clip_loss(q, k, float("inf"))
+    with pytest.raises(TypeError, match="logit_scale"):
+        CF.clip_loss(q, k, torch.tensor(10))
+    with pytest.raises(ValueError, match="labels"):
+        CF.info_nce_loss(q, k, 10.0, torch.arange(8).reshape(2, 4))
+    with pytest.raises(ValueError, match="query"):
+        CF.info_nce_loss(q[0], k, 10.0)
+    with pytest.raises(TypeError, match="logit_bias"):
+        CF.siglip_loss(q, k, 10.0, [1.0])
+    assert math.isfinite(float(CF.clip_loss(q, k, 10.0)))  # after the refusals
+
+
+def test_no_gradients_wanted_and_a_retained_graph(monkeypatch):
+    from contrastive_torch import _ops
+
+    calls = []
+    real = _ops.softmax_step_cpu
+    monkeypatch.setattr(_ops, "softmax_step_cpu", lambda *a: calls.append(a[-1]) or real(*a))
+    q, k = unit(20, 8, 7), unit(20, 8, 8)
+    with torch.no_grad():
+        evaluated = CF.clip_loss(q.requires_grad_(), k, 10.0)
+    assert calls == [False] and not evaluated.requires_grad  # forward only: no gradients computed
+    q = q.detach()
+    assert torch.equal(CF.clip_loss(q, k, 10.0), evaluated) and calls[-1] is False
+    # A retained graph can be differentiated twice (the gradients are saved, not an engine's state).
+    a = q.clone().requires_grad_()
+    loss = CF.clip_loss(a, k, 10.0)
+    loss.backward(retain_graph=True)
+    once = a.grad.clone()
+    loss.backward()
+    assert torch.equal(a.grad, 2 * once)
