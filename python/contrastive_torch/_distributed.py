@@ -322,12 +322,14 @@ class _SumGradOverRanks(torch.autograd.Function):
 
 def _all_gather_with_grad(x, group):
     """The ranks' (equal-sized) tensors concatenated along rows; its backward sums every rank's gradient of each
-    rank's rows. torch's functional collective where it has one (open_clip's development branch uses it), else
-    torch.distributed.nn.all_gather (open_clip 3.3's gather_with_grad)."""
+    rank's rows. torch's functional collective where it has one (all_gather_single_autograd; before PyTorch 2.15
+    all_gather_tensor_autograd, which open_clip's development branch uses), else torch.distributed.nn.all_gather
+    (open_clip 3.3's gather_with_grad)."""
     from torch.distributed import _functional_collectives as fcol
 
-    if hasattr(fcol, "all_gather_tensor_autograd"):
-        out = fcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=0, group=group)
+    gather = getattr(fcol, "all_gather_single_autograd", None) or getattr(fcol, "all_gather_tensor_autograd", None)
+    if gather is not None:
+        out = gather(x.contiguous(), gather_dim=0, group=group)
         return fcol.wait_tensor(out) if hasattr(fcol, "wait_tensor") else out
     import torch.distributed.nn as dist_nn
 

@@ -6,15 +6,16 @@
     contrastive_torch::sigmoid_step(q, k, logit_scale, logit_bias, algorithm, threads, grads)
         -> (loss, dq, dk, dlogs, dbias, max_logit, site)           SigLIP's sigmoid loss
     contrastive_torch::feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm,
-                                     threads, fused_tiles) -> (dq, dk)        the steps' backward for the features
+                                     threads, fused_tiles) -> (dq, dk)        float16 features' backward
 
 A step computes the loss and, when `grads`, every gradient at loss scale 1 in one engine call (the host engine's
 forward and backward, or the device's one pass): loss (float32), dq and dk (the features' dtype; 0 x dim when not
 `grads`), dlogs = d loss / d log s and dbias = d loss / d b (float64), the largest logit (float32) and the first
 non-finite site (int32, an index into NONFINITE_SITES). Each step has a CPU kernel (the host engine) and a CUDA kernel
 (the device step) on the one operator, a fake implementation, and one autograd formula: the incoming gradient g
-multiplies the saved gradients (in float: a GradScaler scale of 65536 does not fit float16), except for float16
-features under g != 1, where feature_grads runs the step again at loss scale g, so that gradients below float16's
+multiplies the saved gradients (in float: a GradScaler scale of 65536 does not fit float16; in the formula itself for
+bfloat16 and float32), except for float16 features under g != 1, where feature_grads (which reads g) runs the step
+again at loss scale g, so that gradients below float16's
 normal range at scale 1 keep their digits (at SigLIP's start and a batch of 32k, |dQ| ~ 1e-5). bfloat16 and float32
 keep float's exponent range, so multiplying loses nothing there (for a power-of-two g, as GradScaler's, the result is
 bit for bit the engine's at loss scale g)."""
@@ -124,10 +125,14 @@ def feature_grads_cuda(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symm
 # --- autograd ----------------------------------------------------------------------------------------------------
 
 
-def _feature_grads(*args):
-    """contrastive_torch::feature_grads (named here so that the tests can route the formulas to the CUDA kernel with a
-    stand-in extension on the CPU)."""
-    return torch.ops.contrastive_torch.feature_grads(*args)
+def _feature_grads(grad, dq, dk, *args):
+    """The features' gradients for the incoming gradient: float16 goes through contrastive_torch::feature_grads
+    (which reads g and may rerun the step; named here so that the tests can route the formulas to the CUDA kernel with
+    a stand-in extension on the CPU); bfloat16 and float32 are multiplied right here (no value read: a traced formula
+    keeps them in its graph)."""
+    if dq.dtype != torch.float16:
+        return _scaled(grad, dq, dk)
+    return torch.ops.contrastive_torch.feature_grads(grad, dq, dk, *args)
 
 
 def _param_grad(value, param):

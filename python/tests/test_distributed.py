@@ -289,3 +289,68 @@ def test_distributed_arguments():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             ct.ClipLoss(world_size=2, rank=0)(torch.randn(4, 8), torch.randn(4, 8), 10.0)
+
+
+def _one_rank_group(backend):
+    """A process group of this process alone (rank 0 of 1), for the duration of a test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    return dist
+
+
+@pytest.mark.parametrize("exchange", ["engine", "gather"])
+def test_one_rank_group_equals_one_process(exchange, seed):
+    # group= a group of one rank: the global batch is this rank's, so both exchanges give the one-process loss and
+    # gradients (grad_ranks = the group's size = 1).
+    import torch.distributed as dist
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    dist = _one_rank_group("gloo")
+    try:
+        img, txt = _draw(12, 16, seed)
+        ref = _step(ct.ClipLoss(threads=1), img, txt, 14.0)
+        got = _step(ct.ClipLoss(threads=1, group=dist.group.WORLD, exchange=exchange), img, txt, 14.0)
+        eps = torch.finfo(torch.float32).eps
+        for name, a, b in zip(("loss", "d image", "d text", "d logit_scale"), got, ref):
+            assert _rel(a, b) <= 16 * eps, f"{exchange}: {name} (seed {seed})"
+    finally:
+        dist.destroy_process_group()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+
+
+@needs_cuda
+def test_cuda_gather_over_a_one_rank_nccl_group(seed):
+    # CUDA tensors with a process group: the gather exchange over NCCL (the torch-tensor agreement, torch's autograd
+    # all-gather, the one-process device step), on one GPU as a group of one rank, against the one-process step.
+    import torch.distributed as dist
+
+    require("distributed", dist.is_available() and dist.is_nccl_available(), "torch.distributed with NCCL")
+    dist = _one_rank_group("nccl")
+    try:
+        img, txt = _draw(300, 64, seed)
+        img, txt = img.cuda(), txt.cuda()
+        for make in (lambda **kw: ct.ClipLoss(algorithm="chunked", **kw), lambda **kw: ct.SigLipLoss(**kw)):
+            args = (14.0,) if isinstance(make(), ct.ClipLoss) else (10.0, -10.0)
+
+            def run(fn):
+                a, b = img.clone().requires_grad_(), txt.clone().requires_grad_()
+                loss = fn(a, b, *args)
+                loss.backward()
+                return loss.detach(), a.grad, b.grad
+
+            ref = run(make())
+            got = run(make(group=dist.group.WORLD))
+            for name, x, y in zip(("loss", "d image", "d text"), got, ref):
+                assert _rel(x.cpu(), y.cpu()) <= 64 * torch.finfo(torch.float32).eps, f"{name} (seed {seed})"
+        bad = img.clone()
+        bad[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="rank 0"):
+            ct.ClipLoss(group=dist.group.WORLD)(bad, txt, 14.0)
+    finally:
+        dist.destroy_process_group()
