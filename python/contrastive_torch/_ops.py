@@ -45,9 +45,9 @@ def _outputs(q, k, value, dq, dk, dlogs, dbias, max_logit, site, sigmoid):
     if dq is None:
         dq, dk = q.new_empty((0, q.shape[1])), k.new_empty((0, k.shape[1]))
         dlogs, dbias = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    out = [torch.tensor(value, dtype=torch.float32), dq, dk, dlogs.to(torch.float64).reshape(())]
+    out = [torch.tensor(value, dtype=torch.float32), dq, dk, dlogs]  # the engine's scalars: float64, 0-dim
     if sigmoid:
-        out.append(dbias.to(torch.float64).reshape(()))
+        out.append(dbias)
     return tuple(out + [torch.tensor(max_logit, dtype=torch.float32), torch.tensor(site, dtype=torch.int32)])
 
 
@@ -137,7 +137,8 @@ def _feature_grads(grad, dq, dk, *args):
 
 def _param_grad(value, param):
     """A float64 0-dim gradient in the device, dtype and shape of `param`."""
-    return value.to(device=param.device, dtype=param.dtype).reshape(param.shape)
+    value = value.to(device=param.device, dtype=param.dtype)
+    return value if value.shape == param.shape else value.reshape(param.shape)
 
 
 def _rerun_inputs(q, k):
@@ -165,7 +166,7 @@ def _softmax_backward(ctx, grad, *_unused):
     q, k, labels, dq, dk, dlogs, logit_scale = ctx.saved_tensors
     d_scale = gq = gk = None
     if ctx.needs_input_grad[2]:  # d loss / d s = (d loss / d log s) / s
-        d_scale = _param_grad(dlogs * grad.double() / logit_scale.double().to(dlogs.device), logit_scale)
+        d_scale = _param_grad(dlogs * grad / logit_scale, logit_scale)
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
         gq, gk = _feature_grads(grad, dq, dk, q, k, logit_scale, None, labels, *ctx.call)
     return gq, gk, d_scale, None, None, None, None, None, None
@@ -184,9 +185,9 @@ def _sigmoid_backward(ctx, grad, *_unused):
     q, k, dq, dk, dlogs, dbias, logit_scale, logit_bias = ctx.saved_tensors
     d_scale = d_bias = gq = gk = None
     if ctx.needs_input_grad[2]:
-        d_scale = _param_grad(dlogs * grad.double() / logit_scale.double().to(dlogs.device), logit_scale)
+        d_scale = _param_grad(dlogs * grad / logit_scale, logit_scale)
     if ctx.needs_input_grad[3]:
-        d_bias = _param_grad(dbias * grad.double(), logit_bias)
+        d_bias = _param_grad(dbias * grad, logit_bias)
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
         gq, gk = _feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, None, *ctx.call)
     return gq, gk, d_scale, d_bias, None, None, None

@@ -51,12 +51,25 @@ class _Loss(torch.nn.Module):
             raise ValueError(f"exchange: '{exchange}' is not one of 'engine', 'gather'")
         self.exchange = exchange
         self.distributed = self.world_size > 1 or group is not None
-        if self.distributed and (exchange or "engine") == "engine":
-            # The host extension is built (or loaded) here, before the loss's first collective: ranks that compile it
-            # on first use wait for one build together at construction instead of inside a step.
-            from ._extension import extension
+        if self.distributed:
+            _build_for(group)
 
-            extension()
+
+def _build_for(group):
+    """Builds (or loads) the extension a distributed loss will run, here, before its first collective: ranks that
+    compile it on first use wait for one build together at construction instead of inside a step, where the others
+    would wait in a collective. The group's backend decides: NCCL (CUDA tensors) the CUDA extension, else the host's."""
+    import torch.distributed as dist
+
+    from ._extension import cuda_extension, extension
+
+    backend = ""
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        cuda_extension()
+    if "nccl" not in backend or "gloo" in backend:
+        extension()
 
 
 class ClipLoss(_Loss):
