@@ -22,6 +22,7 @@ from ._extension import HAS_CUSTOM_OPS, cuda_extension, extension
 from ._host import NONFINITE_SITES
 from .losses import ClipLoss, InfoNCELoss, SigLipLoss, StepReport
 from .temperature import clamp_logit_scale, freeze_then_learn
+from .cached import CachedStep
 
-__all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "StepReport", "functional", "temperature", "clamp_logit_scale",
+__all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature", "clamp_logit_scale",
            "freeze_then_learn", "extension", "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS"]

@@ -1,0 +1,194 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""CachedStep: a two-tower training step whose contrastive batch does not depend on the encoders' activation memory
+(gradient caching, Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup").
+
+    step = CachedStep(model, ClipLoss(), chunk_size=256)               # an open_clip model (or DDP-wrapped one)
+    loss = step(images, texts, model.logit_scale.exp())               # forward and backward of the whole batch
+    optimizer.step()
+
+One call runs a training step's forward and backward for a batch of any size with the activations of one chunk:
+1. pass 1, no graph: the encoders embed the batch chunk by chunk; each chunk's random state (CPU and the devices', as
+   torch.utils.checkpoint saves it) is kept, so dropout and stochastic depth draw the same masks in pass 2;
+2. the loss once on all embeddings (leaves): its value, their gradients, and through the user's graph the gradients
+   of the loss's other arguments (`model.logit_scale.exp()`, `logit_bias`); O(N D) memory with this library's losses;
+3. pass 2: per chunk, the chunk's random state restored, the encoders run again with a graph and the chunk's cached
+   embedding gradients are back-propagated into the parameters. Under DDP every chunk but the last runs inside
+   `no_sync()`, so the parameters are all-reduced once per step.
+The gradients equal the one-pass step's (same masks; BatchNorm's statistics are per chunk: the known difference).
+"""
+
+import contextlib
+
+import torch
+
+from . import _checks
+
+
+def _is_ddp(module):
+    return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def _open_clip_model(model):
+    """The open_clip model inside `model` (itself, or a DDP wrapper's module), or None."""
+    inner = model.module if _is_ddp(model) else model
+    return inner if hasattr(inner, "encode_image") and hasattr(inner, "encode_text") else None
+
+
+class _RandomState:
+    """The CPU generator's state and, when the chunk is on CUDA, the current device's (torch.utils.checkpoint's way)."""
+
+    def __init__(self, device):
+        self.cpu = torch.get_rng_state()
+        self.cuda = None
+        self.device = None
+        if device.type == "cuda" and torch.cuda.is_initialized():
+            self.device = device.index if device.index is not None else torch.cuda.current_device()
+            self.cuda = torch.cuda.get_rng_state(self.device)
+
+    @contextlib.contextmanager
+    def restored(self):
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, enabled=True):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def _features(name, out):
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"{name}: expected to return one 2-D tensor (batch x dim), returned {what}")
+    return out
+
+
+class CachedStep:
+    """A two-tower step with cached embedding gradients: `step(images, texts, *loss_args, scaler=None)`.
+
+    CachedStep(model, loss, chunk_size=256)
+    CachedStep(image_encoder, text_encoder, loss, chunk_size=256, *, no_sync=None)
+
+    `model`: an open_clip model, or one wrapped in DistributedDataParallel (its encoders then run through the wrapper's
+    forward, `model(images, None)` and `model(None, texts)`, with normalized features, and its `no_sync` is used).
+    `image_encoder`, `text_encoder`: callables from a chunk of inputs to its features (the features the loss should
+    see: for open_clip, `lambda x: model.encode_image(x, normalize=True)`). `loss`: a loss of this library (ClipLoss,
+    SigLipLoss, InfoNCELoss; one process or world_size > 1) or any callable `loss(image_features, text_features,
+    *loss_args)` returning a scalar. `chunk_size`: rows per chunk of both towers. `no_sync`: a context manager factory
+    (a DDP module's `no_sync`) under which every chunk's backward but the last runs; None with plain encoders.
+
+    The call: `images` and `texts` (tensors, or anything with a length whose slices the encoders take, of the same
+    length), `loss_args` what the loss takes after the two feature tensors (`model.logit_scale.exp()`, and
+    `model.logit_bias` for SigLIP), `scaler` a GradScaler: the cached gradients are those of the scaled loss, so
+    float16 gradients keep their digits; unscaling and `scaler.step` stay the caller's. Encoders run under whatever
+    autocast the caller has entered. Returns the loss, detached. Parameters' gradients accumulate into `.grad` as a
+    backward does (zero them before, as usual)."""
+
+    def __init__(self, *args, chunk_size=256, no_sync=None):
+        if len(args) == 2 or (len(args) == 3 and not callable(args[2])):
+            model, loss = args[0], args[1]
+            if len(args) == 3:
+                chunk_size = args[2]
+            inner = _open_clip_model(model)
+            if inner is None:
+                raise TypeError(f"model: expected an open_clip model (with encode_image and encode_text) or one "
+                                f"wrapped in DistributedDataParallel, got {type(model).__name__}; pass "
+                                "image_encoder, text_encoder, loss instead")
+            if _is_ddp(model):
+                self._joint = lambda x, y: self._ddp_joint(model, x, y)
+                no_sync = self._ddp_no_sync(model)
+                self._ddp_extras = True
+            else:
+                self._joint = lambda x, y: (inner.encode_image(x, normalize=True), inner.encode_text(y, normalize=True))
+                self._ddp_extras = False
+            self.image_encoder = self.text_encoder = None
+        elif len(args) in (3, 4):
+            self.image_encoder, self.text_encoder, loss = args[:3]
+            if len(args) == 4:
+                chunk_size = args[3]
+            for name, f in (("image_encoder", self.image_encoder), ("text_encoder", self.text_encoder)):
+                if not callable(f):
+                    raise TypeError(f"{name}: expected a callable (a module or function), got {type(f).__name__}")
+            if _is_ddp(self.image_encoder) and no_sync is None:
+                no_sync = self._ddp_no_sync(self.image_encoder)
+            self._joint = lambda x, y: (self.image_encoder(x), self.text_encoder(y))
+            self._ddp_extras = False
+        else:
+            raise TypeError("CachedStep(model, loss, chunk_size=256) or CachedStep(image_encoder, text_encoder, loss, "
+                            f"chunk_size=256): got {len(args)} positional arguments")
+        if not callable(loss):
+            raise TypeError(f"loss: expected a callable loss, got {type(loss).__name__}")
+        self.loss = loss
+        if isinstance(chunk_size, bool) or _checks.index("chunk_size", chunk_size) <= 0:
+            raise ValueError(f"chunk_size: must be an int > 0, got {chunk_size!r}")
+        self.chunk_size = int(chunk_size)
+        if no_sync is not None and not callable(no_sync):
+            raise TypeError(f"no_sync: expected a context manager factory (a DDP module's no_sync), got "
+                            f"{type(no_sync).__name__}")
+        self.no_sync = no_sync
+
+    @staticmethod
+    def _ddp_no_sync(model):
+        no_sync = getattr(model, "no_sync", None)
+        if not callable(no_sync):
+            raise TypeError(f"model: wrapped in {type(model).__name__}, whose no_sync is unavailable: every chunk's "
+                            "backward would all-reduce the parameters")
+        return no_sync
+
+    @staticmethod
+    def _ddp_joint(model, x, y):
+        out = model(x, y)
+        if isinstance(out, dict):
+            return out["image_features"], out["text_features"], [v for k, v in out.items() if k.startswith("logit_")]
+        return out[0], out[1], list(out[2:])
+
+    def _embed(self, x, y):
+        out = self._joint(x, y)
+        extras = out[2] if len(out) == 3 else []
+        return _features("image_encoder", out[0]), _features("text_encoder", out[1]), extras
+
+    def __call__(self, images, texts, *loss_args, scaler=None):
+        n = len(images)
+        if len(texts) != n:
+            raise ValueError(f"texts: {len(texts)} rows where images has {n}; a contrastive batch pairs them row by row")
+        if n == 0:
+            raise ValueError("images: an empty batch")
+        bounds = [(i, min(i + self.chunk_size, n)) for i in range(0, n, self.chunk_size)]
+        # Pass 1: embeddings without a graph, and each chunk's random state.
+        states, image_parts, text_parts = [], [], []
+        with torch.no_grad():
+            for a, b in bounds:
+                x, y = images[a:b], texts[a:b]
+                states.append(_RandomState(x.device if isinstance(x, torch.Tensor) else torch.device("cpu")))
+                f, g, _ = self._embed(x, y)
+                if f.shape[0] != b - a or g.shape[0] != b - a:
+                    raise ValueError(f"image_encoder/text_encoder: returned {f.shape[0]} and {g.shape[0]} rows for a "
+                                     f"chunk of {b - a}")
+                image_parts.append(f)
+                text_parts.append(g)
+        # The loss on all embeddings as leaves: their gradients, and the loss arguments' through the user's graph.
+        image_features = torch.cat(image_parts).requires_grad_()
+        text_features = torch.cat(text_parts).requires_grad_()
+        del image_parts, text_parts
+        loss = self.loss(image_features, text_features, *loss_args)
+        if isinstance(loss, dict):
+            loss = sum(loss.values())
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        d_image, d_text = image_features.grad, text_features.grad
+        del image_features, text_features
+        # Pass 2: each chunk again with a graph, its cached gradients back-propagated.
+        for i, ((a, b), state) in enumerate(zip(bounds, states)):
+            last = i == len(bounds) - 1
+            sync = contextlib.nullcontext() if (last or self.no_sync is None) else self.no_sync()
+            with sync, state.restored():
+                f, g, extras = self._embed(images[a:b], texts[a:b])
+                outputs, grads = [f, g], [d_image[a:b], d_text[a:b]]
+                if last and self._ddp_extras:
+                    # The DDP model's forward also returns logit_scale.exp() (and logit_bias): a zero gradient through
+                    # them lets DDP's reducer see those parameters used in this backward and all-reduce their
+                    # gradients, which the loss's backward above accumulated.
+                    for e in extras:
+                        if isinstance(e, torch.Tensor) and e.requires_grad:
+                            outputs.append(e)
+                            grads.append(torch.zeros_like(e))
+                torch.autograd.backward(outputs, grads)
+        return loss.detach()

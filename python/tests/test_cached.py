@@ -1,0 +1,286 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""CachedStep (gradient caching) against the one-pass step on the same batch: every parameter's gradient, the logit
+scale's and the bias's, for ClipLoss and SigLipLoss, with dropout (the reference draws the same per-chunk masks: it
+runs the encoders chunk by chunk from the same random state, keeping every graph), float32, bfloat16 autocast and
+float16 with a GradScaler; an open_clip model from open_clip's own classes; BatchNorm (per-chunk statistics, the known
+difference); 2 gloo ranks under DDP; the errors. Differences are normwise relative, in multiples of the type's eps."""
+
+import datetime
+import json
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import contrastive_torch as ct
+from conftest import require
+
+
+@pytest.fixture(autouse=True)
+def needs_custom_ops():
+    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
+
+
+class Towers(torch.nn.Module):
+    def __init__(self, d_in=24, d_out=16, dropout=0.2, norm=None):
+        super().__init__()
+
+        def tower():
+            layers = [torch.nn.Linear(d_in, 48)]
+            if norm == "batch":
+                layers.append(torch.nn.BatchNorm1d(48))
+            layers += [torch.nn.GELU(), torch.nn.Dropout(dropout), torch.nn.Linear(48, d_out)]
+            return torch.nn.Sequential(*layers)
+
+        self.visual, self.text = tower(), tower()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.6593))
+        self.logit_bias = torch.nn.Parameter(torch.tensor(-10.0))
+
+    # open_clip's model interface (CachedStep's model form): encode_image/encode_text(normalize=...), and forward
+    # returning (image features, text features, logit_scale.exp()).
+    def encode_image(self, x, normalize=True):
+        return F.normalize(self.visual(x), dim=-1)
+
+    def encode_text(self, y, normalize=True):
+        return F.normalize(self.text(y), dim=-1)
+
+    def forward(self, image, text):
+        return self.encode_image(image), self.encode_text(text), self.logit_scale.exp()
+
+
+def batch(n, seed, d_in=24):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    return x, x + 0.3 * torch.randn(n, d_in, generator=g)
+
+
+def loss_args(model, sigmoid):
+    return (model.logit_scale.exp(), model.logit_bias) if sigmoid else (model.logit_scale.exp(),)
+
+
+def one_pass(model, loss_fn, x, y, chunk, sigmoid, scale=1.0):
+    """The reference: the encoders chunk by chunk with a graph (the same random draws as CachedStep's passes), the loss
+    on everything, one backward (of scale x loss)."""
+    parts = [(model.encode_image(x[a:a + chunk]), model.encode_text(y[a:a + chunk])) for a in range(0, len(x), chunk)]
+    f, g = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = loss_fn(f, g, *loss_args(model, sigmoid))
+    (loss * scale).backward()
+    return loss.detach()
+
+
+def grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def compare(make_loss, sigmoid, seed, n=40, chunk=7, dtype=None, scaler=False, norm=None, dropout=0.2):
+    """(loss rel. difference, {parameter: rel. difference}) of CachedStep against one_pass, same seed and masks."""
+    torch.manual_seed(seed)
+    ref_model = Towers(dropout=dropout, norm=norm)
+    model = Towers(dropout=dropout, norm=norm)
+    model.load_state_dict(ref_model.state_dict())
+    x, y = batch(n, seed + 1)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast("cpu", enabled=False)
+    scale = 1024.0 if scaler else 1.0
+    torch.manual_seed(seed + 2)
+    with autocast:
+        want = one_pass(ref_model, make_loss(), x, y, chunk, sigmoid, scale)
+    step = ct.CachedStep(lambda v: model.encode_image(v), lambda v: model.encode_text(v), make_loss(), chunk)
+    torch.manual_seed(seed + 2)
+    gs = torch.amp.GradScaler("cpu", init_scale=scale) if scaler else None
+    with autocast:
+        got = step(x, y, *loss_args(model, sigmoid), scaler=gs)
+    after_step = torch.rand(()).item()  # the random state after the step: as after one pass
+    probe = Towers(dropout=dropout, norm=norm)
+    torch.manual_seed(seed + 2)
+    with autocast:
+        one_pass(probe, make_loss(), x, y, chunk, sigmoid)
+    assert torch.rand(()).item() == after_step, "CachedStep left another random state than the one-pass step"
+    want_grads, got_grads = grads(ref_model), grads(model)
+    assert set(got_grads) == set(want_grads)
+    return rel(got, want), {name: rel(got_grads[name], want_grads[name]) for name in want_grads}
+
+
+CASES = [("clip", False, lambda: ct.ClipLoss()), ("siglip", True, lambda: ct.SigLipLoss())]
+
+
+@pytest.mark.parametrize("name,sigmoid,make_loss", CASES)
+def test_float32_equals_the_one_pass_step(name, sigmoid, make_loss, seed):
+    eps = torch.finfo(torch.float32).eps
+    for n, chunk in ((40, 7), (40, 40), (33, 16)):
+        loss_err, errs = compare(make_loss, sigmoid, seed, n=n, chunk=chunk)
+        assert loss_err <= 16 * eps, f"{name} n {n} chunk {chunk}: loss (seed {seed})"
+        for p, err in errs.items():
+            assert err <= 64 * eps, f"{name} n {n} chunk {chunk}: d {p} {err / eps:.1f} eps32 (seed {seed})"
+        if sigmoid:
+            assert "logit_bias" in errs
+        assert "logit_scale" in errs
+
+
+@pytest.mark.parametrize("name,sigmoid,make_loss", CASES)
+def test_bfloat16_autocast_and_float16_with_a_grad_scaler(name, sigmoid, make_loss, seed):
+    # 16-bit: the encoders' matmuls round to the type in both steps alike; the cached step adds no rounding of its
+    # own but the features' concatenation order, so the bound is a few eps of the type.
+    for dtype, scaler in ((torch.bfloat16, False), (torch.float16, True)):
+        eps = torch.finfo(dtype).eps
+        loss_err, errs = compare(make_loss, sigmoid, seed, dtype=dtype, scaler=scaler)
+        assert loss_err <= 4 * eps, f"{name} {dtype}: loss (seed {seed})"
+        for p, err in errs.items():
+            assert err <= 8 * eps, f"{name} {dtype}: d {p} {err / eps:.2f} eps (seed {seed})"
+
+
+def test_batchnorm_statistics_are_per_chunk(seed):
+    # BatchNorm normalises each chunk by the chunk's statistics in both passes: the cached step equals the one-pass
+    # step run chunk by chunk (the reference above), and differs from a whole-batch BatchNorm, the known difference.
+    eps = torch.finfo(torch.float32).eps
+    _, errs = compare(lambda: ct.ClipLoss(), False, seed, norm="batch", dropout=0.0)
+    assert max(errs.values()) <= 256 * eps
+    _, whole = compare(lambda: ct.ClipLoss(), False, seed, norm="batch", dropout=0.0, chunk=40)
+    torch.manual_seed(seed)
+    model = Towers(dropout=0.0, norm="batch")
+    x, y = batch(40, seed + 1)
+    step = ct.CachedStep(lambda v: model.encode_image(v), lambda v: model.encode_text(v), ct.ClipLoss(), 8)
+    step(x, y, model.logit_scale.exp())
+    chunked = grads(model)
+    torch.manual_seed(seed)
+    ref = Towers(dropout=0.0, norm="batch")
+    one_pass(ref, ct.ClipLoss(), x, y, 40, False)
+    assert rel(chunked["visual.0.weight"], grads(ref)["visual.0.weight"]) > 1e-3  # per-chunk statistics differ
+
+
+def test_open_clip_model():
+    # An open_clip model from open_clip's own classes (the installed package), small for the CPU, in the model form.
+    open_clip = pytest.importorskip("open_clip")
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+    torch.manual_seed(0)
+    cfg = dict(embed_dim=32, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=32, patch_size=8, image_size=32),
+               text_cfg=CLIPTextCfg(context_length=12, vocab_size=64, width=64, heads=2, layers=2))
+    models = [CLIP(**cfg), CLIP(**cfg)]
+    models[1].load_state_dict(models[0].state_dict())
+    images = torch.randn(20, 3, 32, 32)
+    texts = torch.randint(0, 64, (20, 12))
+    ref = models[0]
+    f, g, s = ref(images, texts)
+    ct.ClipLoss()(f, g, s).backward()
+    step = ct.CachedStep(models[1], ct.ClipLoss(), chunk_size=6)
+    step(images, texts, models[1].logit_scale.exp())
+    eps = torch.finfo(torch.float32).eps
+    for (name, p), q in zip(models[1].named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert rel(p.grad, q.grad) <= 512 * eps, f"{name}: {rel(p.grad, q.grad) / eps:.1f} eps32"
+    assert open_clip is not None
+
+
+def test_errors_name_the_argument(monkeypatch):
+    model = Towers()
+    enc_i, enc_t = (lambda v: model.encode_image(v)), (lambda v: model.encode_text(v))
+    x, y = batch(10, 1)
+    s = model.logit_scale.exp()
+    for bad in (0, -3, 2.5, "8"):
+        with pytest.raises((ValueError, TypeError), match="chunk_size"):
+            ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), bad)
+    step = ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), 4)
+    with pytest.raises(ValueError, match="texts"):
+        step(x, y[:9], s)
+    with pytest.raises(TypeError, match="image_encoder"):
+        ct.CachedStep(lambda v: (model.encode_image(v), 1), enc_t, ct.ClipLoss(), 4)(x, y, s)
+    with pytest.raises(TypeError, match="text_encoder"):
+        ct.CachedStep(enc_i, lambda v: model.encode_text(v)[0], ct.ClipLoss(), 4)(x, y, s)
+    with pytest.raises(TypeError, match="model"):
+        ct.CachedStep(torch.nn.Linear(3, 3), ct.ClipLoss())
+    with pytest.raises(TypeError, match="text_encoder"):
+        ct.CachedStep(enc_i, "text", ct.ClipLoss())
+
+    class Wrapped(torch.nn.Module):  # a DDP-like wrapper around an open_clip-like model, without no_sync
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    from contrastive_torch import cached
+
+    monkeypatch.setattr(cached, "_is_ddp", lambda m: isinstance(m, Wrapped))
+    with pytest.raises(TypeError, match="no_sync"):
+        ct.CachedStep(Wrapped(model), ct.ClipLoss())
+    assert model.visual[0].weight.grad is None  # nothing ran
+
+
+# --- 2 gloo ranks under DDP: the global batch, against the one-pass DDP step -----------------------------------------
+
+
+def _ddp_worker(rank, world, port, seed, out_dir):
+    failures = []
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        x, y = batch(16 * world, seed)
+        mine = slice(16 * rank, 16 * (rank + 1))
+        torch.manual_seed(seed)
+        base = Towers(dropout=0.0)
+        results = []
+        for cached in (False, True):
+            model = Towers(dropout=0.0)
+            model.load_state_dict(base.state_dict())
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            loss_fn = ct.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
+            if cached:  # the model form: DDP's forward per chunk, no_sync for all but the last
+                loss = ct.CachedStep(ddp, loss_fn, 5)(x[mine], y[mine], model.logit_scale.exp())
+            else:
+                f, g, s = ddp(x[mine], y[mine])
+                loss = loss_fn(f, g, s)
+                loss.backward()
+            results.append((float(loss), grads(model)))
+        (l0, g0), (l1, g1) = results
+        eps = torch.finfo(torch.float32).eps
+        if abs(l0 - l1) > 16 * eps * abs(l0):
+            failures.append(f"rank {rank}: loss {l1} vs {l0}")
+        for name in g0:
+            if rel(g1[name], g0[name]) > 256 * eps:
+                failures.append(f"rank {rank}: d {name} {rel(g1[name], g0[name]) / eps:.1f} eps32 (seed {seed})")
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"failures": failures}, f)
+
+
+def test_ddp_over_gloo_equals_the_one_pass_step(seed, tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from test_distributed import _free_port
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    ct.extension()
+    world, port = 2, _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, seed, str(tmp_path))) for r in range(world)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, 180 - (time.monotonic() - start)))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} did not finish (seed {seed})"
+    failures = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} exited with {procs[r].exitcode} and no report (seed {seed})"
+        failures += json.loads(path.read_text())["failures"]
+    assert not failures, "\n".join(failures)
