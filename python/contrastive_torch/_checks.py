@@ -106,20 +106,26 @@ def feature_pair(q, k, names):
 
 
 def scalar(name, value, device, kinds="a number or a one-element tensor"):
-    """logit_scale / logit_bias as the one-element float tensor the operators take (a number becomes a float32 tensor
-    on `device`). Its value is not read."""
-    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, float, int)):
+    """logit_scale / logit_bias as the one-element float tensor the operators take, on the features' `device`: a
+    number (Python's or numpy's) becomes a float32 tensor there; a tensor elsewhere is moved there (a differentiable
+    copy: the gradient reaches the parameter where it lives); an integer tensor becomes float32. Its value is not
+    read."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            extra = " (a per-logit bias is not supported)" if name == "logit_bias" else ""
+            raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name}: dtype {value.dtype} is not a real number type")
+        if not value.is_floating_point():
+            value = value.float()
+        return value if value.device == device else value.to(device)
+    if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):
         raise TypeError(f"{name}: expected {kinds}, got {type(value).__name__}")
-    if not isinstance(value, torch.Tensor):
-        return torch.tensor(float(value), dtype=torch.float32, device=device)
-    if value.numel() != 1:
-        extra = " (a per-logit bias is not supported)" if name == "logit_bias" else ""
-        raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")
-    if not value.is_floating_point():
-        raise TypeError(f"{name}: dtype {value.dtype} is not a floating-point type")
-    if value.device != device and value.device.type != "cpu":
-        raise ValueError(f"{name}: on {value.device} while the features are on {device}")
-    return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected {kinds}, got {type(value).__name__} {value!r}") from None
+    return torch.tensor(number, dtype=torch.float32, device=device)
 
 
 def labels(value, n_q, device):

@@ -128,14 +128,15 @@ def _check_same(got, first_name):
                          f"{int(got[0][7])}; every rank must pass the same")
     r = _first_other(got, 6)
     if r is not None:
-        raise ValueError(f"{first_name}: rank {r} wants gradients for (features, logit_scale, logit_bias) = "
+        raise ValueError(f"{first_name}: rank {r} wants gradients for (image_features, text_features, logit_scale, "
+                         f"logit_bias) = "
                          f"{_wants(got[r][6])} where rank 0 wants {_wants(got[0][6])}; the backward is a collective of "
                          "every rank")
 
 
 def _wants(code):
     code = int(code)
-    return tuple(bool(code >> i & 1) for i in range(3))
+    return tuple(bool(code >> i & 1) for i in range(4))
 
 
 def _eager_only(f):
@@ -154,9 +155,11 @@ def _eager_only(f):
 @_eager_only
 def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fused_tiles, group, grad_ranks,
                 exchange, report, expected=None):
-    """The loss of the global batch (objective 'symmetric' or 'sigmoid'); every rank of `group` calls it.
-    `expected`: (rank, world_size) the caller was constructed with (open_clip's arguments), checked against the
-    group."""
+    """The loss of the global batch (objective 'symmetric' or 'sigmoid'); every rank of `group` calls it. Every
+    argument is checked here, inside the agreement (a refusal on one rank is raised on every rank). `expected`:
+    (rank, world_size) the caller was constructed with (open_clip's arguments), checked against the group. For
+    'symmetric', a `logit_bias` is only checked (one value: open_clip's ClipLoss adds it to every logit, which no
+    softmax sees)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -169,7 +172,12 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
     names = ("image_features", "text_features")
     error, values = None, []
     try:
+        algorithm = _checks.algorithm(algorithm, allow_none=True)
+        _checks.threads(threads)
+        _checks.boolean("fused_tiles", fused_tiles)
         _checks.feature_pair(q, k, names)
+        if q.shape[0] == 0:
+            raise ValueError("image_features: no rows on this rank; every rank of the group needs at least one")
         if exchange is None:
             exchange = "gather" if q.device.type == "cuda" else "engine"
         if exchange not in _EXCHANGES:
@@ -181,6 +189,8 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
             raise NotImplementedError("exchange: 'engine': the extension was built without torch.distributed")
         if objective == "sigmoid":
             algorithm = _sigmoid_algorithm(algorithm, q.device)
+        else:
+            algorithm = algorithm or "fused"
         if expected is not None and expected[1] > 1 and expected[1] != size:
             raise ValueError(f"world_size: {expected[1]}, but the process group has {size} ranks")
         if expected is not None and expected[1] > 1 and expected[0] != rank:
@@ -195,17 +205,19 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
                     raise ValueError(f"{name}: holds a non-finite value")
         s = _checks.scalar("logit_scale", logit_scale, q.device)
         b = None
-        if objective == "sigmoid":
+        if objective == "sigmoid" or logit_bias is not None:
             b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
                                "None, a number or a one-element tensor")
-        wants = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        wants_s = torch.is_grad_enabled() and s.requires_grad
-        wants_b = torch.is_grad_enabled() and b is not None and b.requires_grad
+            if objective != "sigmoid":
+                b = None  # checked only
+        grad_on = torch.is_grad_enabled()
+        wants = [grad_on and x is not None and x.requires_grad for x in (q, k, s, b)]
         c = size if grad_ranks is None else _checks.index("grad_ranks", grad_ranks)
         if c < 1:
             raise ValueError(f"grad_ranks: must be >= 1, got {c}")
         values = [_DTYPE_CODES[q.dtype], _checks.ALGORITHMS.index(algorithm), _EXCHANGES.index(exchange),
-                  scale_value(s), bias_value(b), q.shape[0], wants | wants_s << 1 | wants_b << 2, q.shape[1]]
+                  scale_value(s), bias_value(b), q.shape[0], sum(int(w) << i for i, w in enumerate(wants)),
+                  q.shape[1]]
     except Exception as e:  # raised below on every rank, after the agreement
         error = e
     got = agree(group, error, values)
@@ -303,21 +315,37 @@ def _report(report, loss, handle):
 
 
 class _SumGradOverRanks(torch.autograd.Function):
-    """Identity forward; backward: the incoming gradient summed over the group's ranks, times `factor`. Turns every
-    rank's gradient of its share of the loss into the gradient of the global loss."""
+    """Identity forward; backward: `weight` (this rank's) times the incoming gradient, summed over the group's ranks.
+    Turns every rank's gradient of its share of the loss into the gradient of the global loss."""
 
     @staticmethod
-    def forward(ctx, x, group, factor):
-        ctx.group, ctx.factor = group, factor
+    def forward(ctx, x, group, weight):
+        ctx.group, ctx.weight = group, weight
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         import torch.distributed as dist
 
-        total = grad.contiguous().clone()
+        total = (grad * ctx.weight).contiguous()
         dist.all_reduce(total, group=ctx.group)
-        return total * ctx.factor, None, None
+        return total, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward: the incoming gradient times `weight`, computed in float (float16 gradients keep
+    their range: the one-process step ran at the caller's loss scale)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.weight == 1.0:
+            return grad, None
+        return (grad.float() * ctx.weight).to(grad.dtype), None
 
 
 def _all_gather_with_grad(x, group):
@@ -352,26 +380,40 @@ def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, 
     from .functional import _sigmoid, _softmax
 
     rank = group.rank()
-    share = counts[rank] / sum(counts)
-    # Every rank's loss is its rows' share P_r of the global loss G = sum_r P_r; its backward, at c times the incoming
-    # gradient, reaches every rank's features through the gather's backward: c x dG/d(rows). The scalars' gradient is
-    # summed over ranks (divided by c): dG/ds on every rank.
-    s_used = _SumGradOverRanks.apply(s, group, 1.0 / c) if s.requires_grad and torch.is_grad_enabled() else s
+    # This rank's rows carry the share P_r = w_r (l_1 + l_2) of the global loss G = sum_r P_r (w_r = n_r / 2N for
+    # CLIP's two directions, n_r / N for SigLIP). The one-process steps see the caller's incoming gradient g itself
+    # (a GradScaler's scale: float16 reruns only where it would in one process); the weights go on in the backward:
+    # c w_r on the features (the gathered ones too, so the gather's backward sums c dG/d(rows) over ranks), w_r on the
+    # scalars before their gradient is summed over ranks (dG/ds on every rank).
+    weight = counts[rank] / sum(counts) / (2.0 if objective == "symmetric" else 1.0)
+    grad_on = torch.is_grad_enabled()
+
+    def scalar(x):
+        return _SumGradOverRanks.apply(x, group, weight) if grad_on and x.requires_grad else x
+
+    def features(x):
+        return _ScaleGrad.apply(x, c * weight) if grad_on and x.requires_grad else x
+
     reports = [{}, {}]
-    keys = _gather_rows(k, group, counts, rank)
+    s_used = scalar(s)
+    keys = features(_gather_rows(k, group, counts, rank))
     if objective == "symmetric":
-        images = _gather_rows(q, group, counts, rank)
-        part = (_softmax(q, keys, s_used, None, False, algorithm, threads, fused_tiles, reports[0]) +
-                _softmax(k, images, s_used, None, False, algorithm, threads, fused_tiles, reports[1])) * (share / 2)
+        images = features(_gather_rows(q, group, counts, rank))
+        local = (_softmax(features(q), keys, s_used, None, False, algorithm, threads, fused_tiles, reports[0]) +
+                 _softmax(features(k), images, s_used, None, False, algorithm, threads, fused_tiles, reports[1]))
     else:
-        b_used = _SumGradOverRanks.apply(b, group, 1.0 / c) if b.requires_grad and torch.is_grad_enabled() else b
-        part = _sigmoid(q, keys, s_used, b_used, algorithm, threads, reports[0]) * share
-    total = part.detach().clone()
-    dist.all_reduce(total, group=group)
-    loss = total + c * (part - part.detach())
+        local = _sigmoid(features(q), keys, s_used, scalar(b), algorithm, threads, reports[0])
+    shared = torch.stack([local.detach() * weight, torch.zeros_like(local.detach())])
+    if reports[0]:
+        shared[1] = torch.stack([r["max_logit"].float().to(shared.device) for r in reports if r]).max()
+    dist.all_reduce(shared[:1], group=group)
+    if reports[0]:
+        dist.all_reduce(shared[1:], op=dist.ReduceOp.MAX, group=group)
+    total = shared[0].clone()
+    loss = total + (local - local.detach())
     if report is not None and reports[0]:
         sites = [r["first_nonfinite_code"] for r in reports if r]
-        report.update({"loss": total, "max_logit": torch.stack([r["max_logit"] for r in reports if r]).max(),
+        report.update({"loss": total, "max_logit": shared[1].clone(),
                        "first_nonfinite_code": sites[0] if len(sites) == 1 else torch.where(sites[0] != 0, sites[0],
                                                                                             sites[1])})
         if q.device.type == "cpu":

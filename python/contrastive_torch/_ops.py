@@ -205,7 +205,11 @@ def _fake_step(q, k, grads, sigmoid):
 if HAS_CUSTOM_OPS:
     Tensor = torch.Tensor
 
-    @torch.library.custom_op("contrastive_torch::softmax_step", mutates_args=())
+    # The CUDA kernels read values (the checks, one synchronisation), which CUDA graph capture cannot hold: tagged so
+    # that torch.compile's cudagraphs leave these operators out of a captured graph.
+    _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+    @torch.library.custom_op("contrastive_torch::softmax_step", mutates_args=(), tags=_TAGS)
     def softmax_step(q: Tensor, k: Tensor, logit_scale: Tensor, labels: Optional[Tensor], symmetric: bool,
                      algorithm: str, threads: int, fused_tiles: bool,
                      grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -215,7 +219,7 @@ if HAS_CUSTOM_OPS:
     softmax_step.register_fake(lambda q, k, s, labels, sym, alg, threads, tiles, grads: _fake_step(q, k, grads, False))
     softmax_step.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
 
-    @torch.library.custom_op("contrastive_torch::sigmoid_step", mutates_args=())
+    @torch.library.custom_op("contrastive_torch::sigmoid_step", mutates_args=(), tags=_TAGS)
     def sigmoid_step(q: Tensor, k: Tensor, logit_scale: Tensor, logit_bias: Tensor, algorithm: str, threads: int,
                      grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return sigmoid_step_cpu(q, k, logit_scale, logit_bias, algorithm, threads, grads)
@@ -224,7 +228,7 @@ if HAS_CUSTOM_OPS:
     sigmoid_step.register_fake(lambda q, k, s, b, alg, threads, grads: _fake_step(q, k, grads, True))
     sigmoid_step.register_autograd(_sigmoid_backward, setup_context=_sigmoid_setup_context)
 
-    @torch.library.custom_op("contrastive_torch::feature_grads", mutates_args=())
+    @torch.library.custom_op("contrastive_torch::feature_grads", mutates_args=(), tags=_TAGS)
     def feature_grads(grad: Tensor, dq: Tensor, dk: Tensor, q: Optional[Tensor], k: Optional[Tensor],
                       logit_scale: Tensor, logit_bias: Optional[Tensor], labels: Optional[Tensor], symmetric: bool,
                       algorithm: str, threads: int, fused_tiles: bool) -> Tuple[Tensor, Tensor]:

@@ -95,14 +95,13 @@ def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, thr
     distributed engine: gathers the texts, reduce-scatters their gradients; CPU tensors) or 'gather' (torch's
     autograd all-gather of both towers and the one-process step on this rank's rows; CPU and CUDA); None picks
     'engine' for CPU tensors and 'gather' for CUDA tensors."""
-    names = ("image_features", "text_features")
+    if group is not None:  # every argument is checked there, agreed between the ranks
+        return _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None, algorithm,
+                                        threads, fused_tiles, _checks.group(group), grad_ranks, exchange, report)
     algorithm = _checks.algorithm(algorithm, allow_none=True) or "fused"
     _checks.threads(threads)
     _checks.boolean("fused_tiles", fused_tiles)
-    if group is not None:
-        return _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None, algorithm,
-                                        threads, fused_tiles, _checks.group(group), grad_ranks, exchange, report)
-    _checks.feature_pair(image_features, text_features, names)
+    _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
     return _softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles, report)
 
 
@@ -122,11 +121,11 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     """SigLIP's pairwise sigmoid loss (Zhai et al. 2023): logits z = s I T^T + b, loss -(1/n) sum log sigmoid(l z)
     with l = +1 on the diagonal and -1 elsewhere, n the number of images (texts may outnumber images). logit_bias None
     means no bias. `group`, `grad_ranks`, `exchange`: as clip_loss's (the texts are gathered)."""
-    _checks.algorithm(algorithm, allow_none=True)
-    _checks.threads(threads)
-    if group is not None:
+    if group is not None:  # every argument is checked there, agreed between the ranks
         return _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
                                         algorithm, threads, False, _checks.group(group), grad_ranks, exchange, report)
+    _checks.algorithm(algorithm, allow_none=True)
+    _checks.threads(threads)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
     algorithm = _sigmoid_algorithm(algorithm, image_features.device)
     return _sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report)

@@ -106,19 +106,20 @@ class ClipLoss(_Loss):
         None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
         gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused."""
         report = self._report()
-        if self.distributed:
+        if self.distributed:  # the bias is checked there, inside the ranks' agreement
             grad_ranks = None if (self.gather_with_grad or self.local_loss) else 1
-            loss = _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None,
+            loss = _distributed.global_loss("symmetric", image_features, text_features, logit_scale, logit_bias,
                                             self.algorithm or "fused", self.threads, self.fused_tiles, self.group,
                                             grad_ranks, self.exchange, report, expected=(self.rank, self.world_size))
         else:
+            if logit_bias is not None:
+                _checks.features("image_features", image_features)
+                _checks.scalar("logit_bias", logit_bias, image_features.device, "None, a number or a one-element "
+                               "tensor")
             loss = functional.clip_loss(image_features, text_features, logit_scale, algorithm=self.algorithm,
                                         threads=self.threads, fused_tiles=self.fused_tiles, report=report)
-        if logit_bias is not None:
-            bias = _checks.scalar("logit_bias", logit_bias, image_features.device,
-                                  "None, a number or a one-element tensor")
-            if bias.requires_grad:
-                loss = loss + (bias.reshape(()) * 0).to(loss.dtype)
+        if isinstance(logit_bias, torch.Tensor) and logit_bias.requires_grad:
+            loss = loss + (logit_bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
         loss = _open_clip_dtype(loss, image_features)
         return {"contrastive_loss": loss} if output_dict else loss
 

@@ -215,6 +215,40 @@ def _worker(rank, world, port, seed, out_dir):
                 check(isinstance(e, kind) and f"rank {bad}" in str(e),
                       f"{what} on rank {bad}: raised {type(e).__name__}: {e}")
         _distributed._agreement_device = library_agreement
+        # Found by review: gradient wishes that differ per tower, an empty rank, a bad keyword or logit_bias on one
+        # rank: raised on every rank, naming it, for both exchanges (each would otherwise leave the other ranks in a
+        # collective, or sum mismatched gradients).
+        import contrastive_torch.functional as CF
+
+        for exchange in EXCHANGES:
+            loss_fn = ct.ClipLoss(True, True, rank=rank, world_size=world, threads=1, exchange=exchange)
+            i_only = (img[mine].clone().requires_grad_(), txt[mine].clone(), scale)
+            both = (img[mine].clone().requires_grad_(), txt[mine].clone().requires_grad_(), scale)
+            empty = (img[mine][:0].clone(), txt[mine][:0].clone(), scale)
+            two_bias = (*both, torch.zeros(2))
+            for what, kind, call in (
+                    ("images only want gradients", ValueError, lambda: loss_fn(*(i_only if rank == bad else both))),
+                    ("no rows", ValueError, lambda: loss_fn(*(empty if rank == bad else both))),
+                    ("threads=-1", ValueError, lambda: CF.clip_loss(*both, group=dist.group.WORLD, exchange=exchange,
+                                                                    threads=-1 if rank == bad else 1)),
+                    ("a logit_bias of 2 values", ValueError, lambda: loss_fn(*(two_bias if rank == bad else both)))):
+                try:
+                    call().backward()
+                    check(False, f"{what} on rank {bad} ({exchange}): nothing raised")
+                except Exception as e:  # noqa: BLE001 - the type is checked
+                    check(isinstance(e, kind) and f"rank {bad}" in str(e),
+                          f"{what} on rank {bad} ({exchange}): raised {type(e).__name__}: {e}")
+        # float16 over the gather: the one-process steps see the caller's incoming gradient itself, so they rerun
+        # where one process would (g != 1), never for the gather's own weights.
+        from contrastive_torch import _host
+
+        real_step, calls = _host.step, []
+        _host.step = lambda *a: calls.append(a[9] if len(a) == 10 else None) or real_step(*a)
+        for factor, want in ((1.0, [None, None]), (1024.0, [None, None, 1024.0, 1024.0])):
+            calls.clear()
+            _step(gather, img[mine].half(), txt[mine].half(), scale, grad_factor=factor)
+            check(calls == want, f"float16 gather, incoming gradient {factor}: host steps {calls}, want {want}")
+        _host.step = real_step
         ref = _step(ct.ClipLoss(threads=1), img, txt, scale)
         for f in (fn, gather):
             got = _step(f, *good)
@@ -273,9 +307,10 @@ def test_global_batch_over_gloo(world, seed, tmp_path):
         checks.append(got["checks"])
     assert not failures, "\n".join(failures[:20])
     # 2 exchanges x (2 dtypes x 3 algorithms x (4 settings x 5 vs one process + 15 vs open_clip) + unequal rows
-    # (3 x 4)) + the refusals (7 engine, 6 gather, 1 exchange, 2 over torch's agreement, 2 after them): every check
-    # ran on every rank.
-    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2] * world, f"checks per rank: {checks}"
+    # (3 x 4)) + the refusals (7 engine, 6 gather, 1 exchange, 2 over torch's agreement, 2 after them, 2 x 4 found by
+    # review) + 2 float16 rerun counts: every check ran on every rank.
+    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2 + 2 * 4 + 2] * world, \
+        f"checks per rank: {checks}"
 
 
 def test_distributed_arguments():

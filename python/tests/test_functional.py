@@ -119,7 +119,13 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="logit_scale"):
         CF.clip_loss(q, k, float("inf"))
     with pytest.raises(TypeError, match="logit_scale"):
-        CF.clip_loss(q, k, torch.tensor(10))
+        CF.clip_loss(q, k, torch.tensor(10.0j))
+    # numpy numbers and integer tensors are numbers: accepted, as float() takes them.
+    import numpy as np
+
+    want = CF.clip_loss(q, k, 10.0)
+    for scale in (np.float32(10.0), np.array(10.0), torch.tensor(10), 10):
+        assert torch.equal(CF.clip_loss(q, k, scale), want), type(scale)
     with pytest.raises(ValueError, match="labels"):
         CF.info_nce_loss(q, k, 10.0, torch.arange(8).reshape(2, 4))
     with pytest.raises(ValueError, match="query"):
