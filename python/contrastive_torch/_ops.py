@@ -86,8 +86,15 @@ def sigmoid_step_cuda(q, k, logit_scale, logit_bias, algorithm, threads, grads):
     return _device_outputs(q, k, out, grads, True)
 
 
-def _scaled(grad, dq, dk):
-    return (dq.float() * grad).to(dq.dtype), (dk.float() * grad).to(dk.dtype)
+def _scaled(grad, dq, dk, reuse=False):
+    """dq and dk times the incoming gradient (a 0-dim float32 tensor): one rounding to their dtype (16-bit products
+    are formed in float). `reuse` (an autograd formula, not an operator, whose outputs must not alias its inputs): an
+    eager CPU backward with g = 1 returns the saved gradients themselves (no copy: autograd's accumulation copies a
+    gradient that a saved variable still holds), which a traced formula cannot check."""
+    if reuse and type(grad) is torch.Tensor and grad.device.type == "cpu" and not torch.compiler.is_compiling():
+        if float(grad) == 1.0:
+            return dq, dk
+    return dq * grad, dk * grad
 
 
 def _objective(logit_bias, symmetric):
@@ -131,7 +138,7 @@ def _feature_grads(grad, dq, dk, *args):
     a stand-in extension on the CPU); bfloat16 and float32 are multiplied right here (no value read: a traced formula
     keeps them in its graph)."""
     if dq.dtype != torch.float16:
-        return _scaled(grad, dq, dk)
+        return _scaled(grad, dq, dk, reuse=True)
     return torch.ops.contrastive_torch.feature_grads(grad, dq, dk, *args)
 
 
