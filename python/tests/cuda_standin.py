@@ -24,6 +24,12 @@ class Ctx:
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
+    def mark_non_differentiable(self, *tensors):
+        self.non_differentiable = tensors
+
+    def set_materialize_grads(self, value):
+        self.materialize_grads = value
+
 
 class StandIn:
     """dq = +exact * loss_scale, dk = -exact * loss_scale (rounded to the dtype); loss 0.5, d loss / d log s 0.25,
