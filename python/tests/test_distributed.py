@@ -55,11 +55,15 @@ def _draw(n, d, seed, pairing=0.5):
 
 def _open_clip_loss_module():
     """open_clip's own loss.py (open-clip-torch), loaded by itself: importing the open_clip package pulls in its
-    models and tokenizers (~2 s per rank); loss.py needs only torch. None if open_clip is not installed."""
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "loss.py")
+    models and tokenizers (~2 s per rank); loss.py needs only torch. None if open_clip is not installed.
+    CONTRASTIVE_OPEN_CLIP_LOSS=path/to/loss.py compares against that file instead (another open_clip version, e.g.
+    its development branch's src/open_clip/loss.py)."""
+    path = os.environ.get("CONTRASTIVE_OPEN_CLIP_LOSS")
+    if not path:
+        spec = importlib.util.find_spec("open_clip")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = os.path.join(list(spec.submodule_search_locations)[0], "loss.py")
     loss_spec = importlib.util.spec_from_file_location("_open_clip_loss", path)
     module = importlib.util.module_from_spec(loss_spec)
     loss_spec.loader.exec_module(module)

@@ -10,7 +10,9 @@ torch.finfo(dtype).eps."""
 import argparse
 import functools
 import importlib
+import inspect
 import math
+import os
 
 import pytest
 import torch
@@ -25,6 +27,11 @@ EPS32 = torch.finfo(torch.float32).eps
 
 @pytest.fixture(scope="module")
 def open_clip_loss():
+    # CONTRASTIVE_OPEN_CLIP_LOSS=path/to/loss.py: another open_clip version's loss (test_distributed.py's loader).
+    if os.environ.get("CONTRASTIVE_OPEN_CLIP_LOSS"):
+        from test_distributed import _open_clip_loss_module
+
+        return _open_clip_loss_module()
     try:
         module = importlib.import_module("open_clip.loss")
     except Exception as e:  # ImportError, or an open_clip that does not import on this torch
@@ -239,6 +246,8 @@ def open_clip_args(**kw):
 
 
 def test_open_clip_create_loss_builds_ours(open_clip_loss, monkeypatch, seed):
+    if os.environ.get("CONTRASTIVE_OPEN_CLIP_LOSS"):
+        pytest.skip("CONTRASTIVE_OPEN_CLIP_LOSS: the factory is the installed package's, not that loss.py's")
     factory = importlib.import_module("open_clip.factory")
     assert type(factory.create_loss(open_clip_args())) is open_clip_loss.ClipLoss
     # How a user plugs ours in: replace the class open_clip's factory instantiates (its own keyword arguments:
@@ -265,7 +274,9 @@ def test_constructor_and_call_are_open_clips(open_clip_loss):
     loss_fn = ct.ClipLoss(False, False, True, 0, 1, False, algorithm="fused", threads=1)
     assert (loss_fn.local_loss, loss_fn.gather_with_grad, loss_fn.cache_labels, loss_fn.rank, loss_fn.world_size,
             loss_fn.use_horovod) == (False, False, True, 0, 1, False)
-    theirs = open_clip_loss.ClipLoss(False, False, True, 0, 1, False)
+    # open_clip 3.3 takes use_horovod last; its development branch no longer has it.
+    horovod = [False] if "use_horovod" in inspect.signature(open_clip_loss.ClipLoss).parameters else []
+    theirs = open_clip_loss.ClipLoss(False, False, True, 0, 1, *horovod)
     # local_loss / gather_with_grad do not change a one-process loss, in open_clip or here.
     for local, gather in ((True, False), (False, True), (True, True)):
         a = ct.ClipLoss(local_loss=local, gather_with_grad=gather)(img, txt, s)
