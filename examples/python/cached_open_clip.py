@@ -73,7 +73,7 @@ def main():
         with torch.no_grad():
             model.logit_scale.clamp_(0, 4.6052)  # open_clip's clamp: tau >= 0.01
         print(f"step {i}: loss {float(loss):.4f} (log N = {torch.log(torch.tensor(float(args.batch))):.2f} at "
-              f"chance), tau {1 / float(model.logit_scale.exp()):.4f}, {time.perf_counter() - t:.1f} s, peak "
+              f"chance), tau {1 / model.logit_scale.detach().exp().item():.4f}, {time.perf_counter() - t:.1f} s, peak "
               f"{peak_mib():.0f} MiB", flush=True)
     # The plain step's activations: the tensors autograd keeps for the backward of a forward on 256 samples (each
     # storage counted once), scaled to the batch.
