@@ -173,7 +173,9 @@ class CachedStep:
         if isinstance(loss, dict):
             loss = sum(loss.values())
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        d_image, d_text = image_features.grad, text_features.grad
+        # A loss that does not depend on one side leaves it without a gradient: zeros, so pass 2 still runs that tower.
+        d_image = image_features.grad if image_features.grad is not None else torch.zeros_like(image_features)
+        d_text = text_features.grad if text_features.grad is not None else torch.zeros_like(text_features)
         del image_features, text_features
         # Pass 2: each chunk again with a graph, its cached gradients back-propagated.
         for i, ((a, b), state) in enumerate(zip(bounds, states)):
