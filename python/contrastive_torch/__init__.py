@@ -14,7 +14,7 @@ engines), _distributed.py (the global batch over torch.distributed), _extension.
 extensions), temperature.py (helpers for a learnable temperature). PyTorch >= 2.4; the guide is python/README.md.
 """
 
-import torch
+import torch  # noqa: F401 - contrastive_torch.torch, as before
 
 from . import _ops  # noqa: F401 - registers the operators
 from . import functional, temperature

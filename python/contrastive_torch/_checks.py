@@ -28,6 +28,16 @@ def algorithm(value, allow_none=False):
     return value
 
 
+def sigmoid_algorithm(algorithm, device):
+    """SigLIP's algorithm: None is 'fused' on the CPU and 'chunked' on CUDA, the one device algorithm of this loss."""
+    if device.type == "cuda":
+        if algorithm not in (None, "chunked"):
+            raise ValueError(f"algorithm: '{algorithm}' has no device path for the sigmoid loss; on CUDA tensors "
+                             f"SigLipLoss runs 'chunked' (pass algorithm='chunked', or leave it unset)")
+        return "chunked"
+    return algorithm or "fused"
+
+
 def threads(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"threads: must be an int >= 0 (0 = all cores), got {value!r}")

@@ -188,7 +188,7 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         if exchange == "engine" and not getattr(extension(), "HAS_DISTRIBUTED", False):
             raise NotImplementedError("exchange: 'engine': the extension was built without torch.distributed")
         if objective == "sigmoid":
-            algorithm = _sigmoid_algorithm(algorithm, q.device)
+            algorithm = _checks.sigmoid_algorithm(algorithm, q.device)
         else:
             algorithm = algorithm or "fused"
         if expected is not None and expected[1] > 1 and expected[1] != size:
@@ -227,12 +227,6 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         key = (DTYPE_NAMES[q.dtype], algorithm, threads, rank, size)
         return _EngineFunction.apply(q, k, s, b, objective, key, group, c, report)
     return _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report)
-
-
-def _sigmoid_algorithm(algorithm, device):
-    from .functional import _sigmoid_algorithm as pick
-
-    return pick(algorithm, device)
 
 
 class _EngineFunction(torch.autograd.Function):

@@ -124,11 +124,3 @@ def cuda_extension():
             _loaded["cuda"] = ext
     return _loaded["cuda"]
 
-
-def set_cuda_extension(ext):
-    """Replaces the CUDA extension (tests: a CPU stand-in with the same `step` and `sigmoid_step`); None unloads."""
-    with _lock:
-        if ext is None:
-            _loaded.pop("cuda", None)
-        else:
-            _loaded["cuda"] = ext

@@ -4,8 +4,6 @@ allocated), and the one-process step that the operators' CPU kernels run."""
 
 import threading
 
-import torch
-
 from ._checks import DTYPE_NAMES
 from ._extension import extension
 

@@ -97,36 +97,33 @@ def _scaled(grad, dq, dk, reuse=False):
     return dq * grad, dk * grad
 
 
-def _objective(logit_bias, symmetric):
-    return "sigmoid" if logit_bias is not None else _OBJECTIVES[symmetric]
-
-
-def _need_features(q, k):
+def _feature_grads_with(rerun, grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric):
+    """feature_grads' kernels: the saved gradients times g, or (float16, g != 1) `rerun(g, objective)`'s dq and dk."""
+    g = rerun_scale(dq.dtype, grad)
+    if g is None:
+        return _scaled(grad, dq, dk)
     if q is None or k is None:
         raise RuntimeError("feature_grads: float16 gradients under a loss scale need q and k to rerun the step")
+    out = rerun(g, "sigmoid" if logit_bias is not None else _OBJECTIVES[symmetric])
+    return out[1], out[2]
 
 
 def feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
                       fused_tiles):
-    g = rerun_scale(dq.dtype, grad)
-    if g is None:
-        return _scaled(grad, dq, dk)
-    _need_features(q, k)
-    out = _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias), labels_int32(labels),
-                     _objective(logit_bias, symmetric), algorithm, threads, True, g)
-    return out[1], out[2]
+    return _feature_grads_with(
+        lambda g, objective: _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias), labels_int32(labels),
+                                        objective, algorithm, threads, True, g),
+        grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric)
 
 
 def feature_grads_cuda(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
                        fused_tiles):
-    g = rerun_scale(dq.dtype, grad)
-    if g is None:
-        return _scaled(grad, dq, dk)
-    _need_features(q, k)
     # The forward checked the values: the rerun converts the labels only (no second read, no synchronisation).
-    out = _device.step(q, k, logit_scale, logit_bias, labels, _objective(logit_bias, symmetric),
-                       "chunked" if logit_bias is not None else algorithm, fused_tiles, g, checked=True)
-    return out[1], out[2]
+    return _feature_grads_with(
+        lambda g, objective: _device.step(q, k, logit_scale, logit_bias, labels, objective,
+                                          "chunked" if objective == "sigmoid" else algorithm, fused_tiles, g,
+                                          checked=True),
+        grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric)
 
 
 # --- autograd ----------------------------------------------------------------------------------------------------

@@ -76,16 +76,6 @@ def _sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report):
     return out[0]
 
 
-def _sigmoid_algorithm(algorithm, device):
-    """SigLIP's algorithm: None is 'fused' on the CPU and 'chunked' on CUDA, the one device algorithm of this loss."""
-    if device.type == "cuda":
-        if algorithm not in (None, "chunked"):
-            raise ValueError(f"algorithm: '{algorithm}' has no device path for the sigmoid loss; on CUDA tensors "
-                             f"SigLipLoss runs 'chunked' (pass algorithm='chunked', or leave it unset)")
-        return "chunked"
-    return algorithm or "fused"
-
-
 def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, threads=0, fused_tiles=False,
               group=None, grad_ranks=None, exchange=None, report=None):
     """CLIP's symmetric loss (CE(s I T^T) + CE(s T I^T)) / 2 over a batch of pairs (row i of each is a pair).
@@ -127,5 +117,5 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     _checks.algorithm(algorithm, allow_none=True)
     _checks.threads(threads)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
-    algorithm = _sigmoid_algorithm(algorithm, image_features.device)
+    algorithm = _checks.sigmoid_algorithm(algorithm, image_features.device)
     return _sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report)

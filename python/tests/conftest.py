@@ -27,3 +27,14 @@ def require(part, available, why):
 def seed():
     value = os.environ.get("CONTRASTIVE_TEST_SEED")
     return int(value) if value is not None else secrets.randbits(31)
+
+
+@pytest.fixture
+def needs_custom_ops():
+    """Skips (or, where required, fails) a test on PyTorch without torch.library.custom_op (< 2.4): the losses run
+    through the operators only. Use with pytestmark = pytest.mark.usefixtures("needs_custom_ops")."""
+    import torch
+
+    import contrastive_torch as ct
+
+    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")

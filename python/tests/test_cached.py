@@ -8,7 +8,6 @@ difference); 2 gloo ranks under DDP; the errors. Differences are normwise relati
 import datetime
 import json
 import os
-import time
 import traceback
 
 import pytest
@@ -19,9 +18,7 @@ import contrastive_torch as ct
 from conftest import require
 
 
-@pytest.fixture(autouse=True)
-def needs_custom_ops():
-    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
+pytestmark = pytest.mark.usefixtures("needs_custom_ops")
 
 
 class Towers(torch.nn.Module):
@@ -258,29 +255,9 @@ def _ddp_worker(rank, world, port, seed, out_dir):
 
 def test_ddp_over_gloo_equals_the_one_pass_step(seed, tmp_path):
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
-    from test_distributed import _free_port
+    from test_distributed import run_ranks
 
     require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
-    ct.extension()
-    world, port = 2, _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, seed, str(tmp_path))) for r in range(world)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, 180 - (time.monotonic() - start)))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} did not finish (seed {seed})"
-    failures = []
-    for r in range(world):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} exited with {procs[r].exitcode} and no report (seed {seed})"
-        failures += json.loads(path.read_text())["failures"]
+    failures = [f for got in run_ranks(_ddp_worker, 2, seed, tmp_path, join_timeout=180) for f in got["failures"]]
     assert not failures, "\n".join(failures)

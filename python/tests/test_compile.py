@@ -14,9 +14,7 @@ from conftest import require
 ALGORITHMS = ("fused", "materialized", "chunked")
 
 
-@pytest.fixture(autouse=True)
-def needs_custom_ops():
-    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
+pytestmark = pytest.mark.usefixtures("needs_custom_ops")
 
 
 def unit(n, d, seed, dtype=torch.float32):

@@ -18,7 +18,6 @@ import gc
 import importlib.util
 import itertools
 import json
-import math
 import os
 import socket
 import time
@@ -274,6 +273,36 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def run_ranks(worker, world, seed, tmp_path, join_timeout=JOIN_TIMEOUT_S):
+    """Spawns `world` processes of worker(rank, world, port, seed, out_dir) (gloo on 127.0.0.1, the extension loaded
+    here first) and returns each rank's JSON report (rank{r}.json in tmp_path). A rank that does not finish within
+    `join_timeout` fails the test, after every rank is killed, as does a rank without a report or a nonzero exit."""
+    import torch.multiprocessing as mp
+
+    ct.extension()  # compiled (or loaded) once here, before the ranks load it
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, seed, str(tmp_path))) for r in range(world)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, join_timeout - (time.monotonic() - start)))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} of {world} did not finish within {join_timeout} s (seed {seed})"
+    reports = []
+    for r, p in enumerate(procs):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} exited with {p.exitcode} and no report (seed {seed})"
+        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode} after its report (seed {seed})"
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
 # CONTRASTIVE_TORCH_DIST_WORLDS: the world sizes to spawn (install_check.sh runs 2 only: the installed build of the
 # same code, and 4 ranks cost ~15 s more of CI).
 WORLDS = [int(w) for w in os.environ.get("CONTRASTIVE_TORCH_DIST_WORLDS", "2,4").split(",") if w.strip()]
@@ -282,33 +311,12 @@ WORLDS = [int(w) for w in os.environ.get("CONTRASTIVE_TORCH_DIST_WORLDS", "2,4")
 @pytest.mark.parametrize("world", WORLDS)
 def test_global_batch_over_gloo(world, seed, tmp_path):
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
     require("open_clip", _open_clip_loss_module() is not None, "open-clip-torch is not installed")
-    ct.extension()  # compiled (or loaded) once here, before the ranks load it
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, str(tmp_path))) for r in range(world)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, JOIN_TIMEOUT_S - (time.monotonic() - start)))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} of {world} did not finish within {JOIN_TIMEOUT_S} s (seed {seed})"
-    failures, checks = [], []
-    for r, p in enumerate(procs):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} exited with {p.exitcode} and no report (seed {seed})"
-        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode} after its report (seed {seed})"
-        got = json.loads(path.read_text())
-        failures += got["failures"]
-        checks.append(got["checks"])
+    reports = run_ranks(_worker, world, seed, tmp_path)
+    failures = [f for got in reports for f in got["failures"]]
+    checks = [got["checks"] for got in reports]
     assert not failures, "\n".join(failures[:20])
     # 2 exchanges x (2 dtypes x 3 algorithms x (4 settings x 5 vs one process + 15 vs open_clip) + unequal rows
     # (3 x 4)) + the refusals (7 engine, 6 gather, 1 exchange, 2 over torch's agreement, 2 after them, 2 x 4 found by

@@ -18,7 +18,6 @@ import itertools
 import json
 import math
 import os
-import time
 import traceback
 
 import pytest
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 import contrastive_torch as ct
 from conftest import require
-from test_distributed import JOIN_TIMEOUT_S, PG_TIMEOUT_S, WORLDS, _draw, _free_port, _open_clip_loss_module, _rel
+from test_distributed import PG_TIMEOUT_S, WORLDS, _draw, _open_clip_loss_module, _rel, run_ranks
 
 ALGORITHMS = ("fused", "materialized", "chunked")
 BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8, torch.float16: 8}
@@ -205,33 +204,12 @@ def _worker(rank, world, port, seed, out_dir):
 @pytest.mark.parametrize("world", WORLDS)  # CONTRASTIVE_TORCH_DIST_WORLDS (test_distributed.py), default 2 and 4
 def test_global_batch_over_gloo(world, seed, tmp_path):
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
     require("open_clip", _open_clip_loss_module() is not None, "open-clip-torch is not installed")
-    ct.extension()
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, str(tmp_path))) for r in range(world)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, JOIN_TIMEOUT_S - (time.monotonic() - start)))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} of {world} did not finish within {JOIN_TIMEOUT_S} s (seed {seed})"
-    failures, checks = [], []
-    for r, p in enumerate(procs):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), f"rank {r} exited with {p.exitcode} and no report (seed {seed})"
-        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode} after its report (seed {seed})"
-        got = json.loads(path.read_text())
-        failures += got["failures"]
-        checks.append(got["checks"])
+    reports = run_ranks(_worker, world, seed, tmp_path)
+    failures = [f for got in reports for f in got["failures"]]
+    checks = [got["checks"] for got in reports]
     assert not failures, "\n".join(failures[:20])
     # 2 exchanges x (2 dtypes x 3 algorithms x 2 x 5 values, 2 refusals and the check after them): every check ran on
     # every rank.
