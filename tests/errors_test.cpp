@@ -278,6 +278,45 @@ TEST(BadInput, DynamicScalerOutsideItsReachIsRefused)
   EXPECT_EQ(l.loss_scale(), 0.0f);
 }
 
+// The collapse's end state, for every temperature policy: at loss scale 0 (and +inf, unchecked growth's end) the
+// unscaled gradients are 0/0, so every step is non-finite at dQ and skipped, as PyTorch's GradScaler skips every step
+// there (its unscale multiplies by 1/0). The temperature does not move and the scale stays where it is.
+template <class Temperature>
+void expect_dead_scale_skips(Temperature t)
+{
+  fixture_data d;
+  for (const float dead : {0.0f, INFINITY})
+  {
+    auto s = cl::scaler::dynamic::paddle_dygraph(); // the rule that accepts both 0 and +inf
+    s.scale = dead;
+    cl::loss<__half, Temperature, cl::scaler::dynamic, cl::algorithm::materialized> l(t, s);
+    const auto before = l.save();
+    cl::step_record rec;
+    ASSERT_TRUE(l.step(d.problem(), d.dq.data(), d.dk.data(), rec).ok()) << Temperature::name;
+    EXPECT_TRUE(rec.skipped) << Temperature::name << " at scale " << dead;
+    EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::grad_q) << Temperature::name << " at scale " << dead;
+    EXPECT_EQ(rec.loss_scale, dead);
+    EXPECT_EQ(rec.next_loss_scale, dead);
+    const auto after = l.save();
+    EXPECT_EQ(std::memcmp(&after.temperature, &before.temperature, sizeof(before.temperature)), 0) << Temperature::name;
+    EXPECT_EQ(l.tau(), t.tau()) << Temperature::name;
+  }
+}
+
+TEST(DeadLossScale, EveryTemperaturePolicySkipsTheStep)
+{
+  expect_dead_scale_skips(cl::temperature::fixed(0.07f));
+  expect_dead_scale_skips(cl::temperature::learnable(0.07f));
+  expect_dead_scale_skips(cl::temperature::clamped(0.07f, 0.01f, 1.0f));
+  expect_dead_scale_skips(cl::temperature::freeze_then_learn(0.07f, 0));    // learnable from the first step
+  expect_dead_scale_skips(cl::temperature::freeze_then_learn(0.07f, 1000)); // frozen: no gradient wanted
+  expect_dead_scale_skips(cl::temperature::schedule(cl::temperature::schedule_kind::cosine, 0.07f, 0.01f, 100));
+  // range_guard's first observe lowers its ceiling to the range bound, skipped step or not: start it there.
+  cl::temperature::range_guard guard(0.07f);
+  guard.ceiling = guard.range_bound(cl::element_traits<__half>::max_finite());
+  expect_dead_scale_skips(guard);
+}
+
 TEST(BadInput, StepProtocolMisuse)
 {
   fixture_data d;

@@ -69,7 +69,12 @@ make_record(std::int64_t step, float tau, float loss_scale, bool wants_gradient,
   rec.grad_logit_bias = o.grad_logit_bias_scaled / loss_scale;
   rec.max_logit = o.max_logit;
   rec.pending = true;
-  rec.first_nonfinite = first_nonfinite(o.logits_bad, o.loss, o.dq_bad, o.dk_bad, wants_gradient, rec.grad_logit_scale);
+  // A loss scale of 0 (where a dynamic scaler without a floor ends) or +inf (unchecked growth) leaves no unscaled
+  // gradient: dQ / 0 is 0/0 whatever the policies, as PyTorch's unscale (x 1/0) finds. Such a step is non-finite at
+  // dQ for every temperature policy, not only for those whose d loss / d log s (0/0) shows it.
+  const bool no_unscaled_gradient = !(loss_scale > 0.0f) || !finite(loss_scale);
+  rec.first_nonfinite = first_nonfinite(
+      o.logits_bad, o.loss, o.dq_bad || no_unscaled_gradient, o.dk_bad, wants_gradient, rec.grad_logit_scale);
   return rec;
 }
 
