@@ -329,6 +329,75 @@ agree(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   return {-1, 0, std::string(), got};
 }
 #endif
+
+/// One step of the library's `temperature::range_guard` on explicit state, for tests/test_temperature.py (Python's
+/// RangeGuard is checked against it bit for bit). `theta_prev` is theta after the previous step, `theta_opt` the
+/// optimiser's result for this one (used on finite steps only, as the library's learnable `advance` does: NaN keeps
+/// theta, else it is kept within the domain and under the ceiling); then the policy's own `observe`. Returns {theta,
+/// ceiling, events, first moment}.
+std::tuple<double, double, std::int64_t, double> range_guard_observe(const std::string& dtype,
+                                                                     double headroom,
+                                                                     double retreat,
+                                                                     double scale_floor,
+                                                                     double tau_max,
+                                                                     double ceiling,
+                                                                     std::int64_t events,
+                                                                     double first_moment,
+                                                                     double theta_prev,
+                                                                     double theta_opt,
+                                                                     bool skipped,
+                                                                     std::int64_t site,
+                                                                     double loss_scale,
+                                                                     double next_loss_scale)
+{
+  cl::temperature::range_guard g(0.07f,
+                                 cl::optimizer::adam(1e-3f),
+                                 static_cast<float>(headroom),
+                                 static_cast<float>(retreat),
+                                 static_cast<float>(scale_floor),
+                                 static_cast<float>(tau_max));
+  if (site < 0 || site > static_cast<std::int64_t>(cl::nonfinite_site::grad_logit_bias))
+  {
+    throw std::invalid_argument("site must be a nonfinite_site code");
+  }
+  g.ceiling = static_cast<float>(ceiling);
+  g.events = static_cast<std::int32_t>(events);
+  g.opt_state.m = first_moment;
+  g.theta = static_cast<float>(theta_prev);
+  if (!skipped)
+  {
+    const float next = static_cast<float>(theta_opt);
+    g.theta = g.clamp(next != next ? g.theta : cl::temperature::clamp_theta(next));
+  }
+  float max_finite = 0.0f;
+  if (dtype == "float16")
+  {
+    max_finite = cl::element_traits<__half>::max_finite();
+  }
+  else if (dtype == "bfloat16")
+  {
+    max_finite = cl::element_traits<__nv_bfloat16>::max_finite();
+  }
+  else if (dtype == "float32")
+  {
+    max_finite = cl::element_traits<float>::max_finite();
+  }
+  else
+  {
+    throw std::invalid_argument("dtype must be float16, bfloat16 or float32, got " + dtype);
+  }
+  if (const char* why = g.validate(); why[0] != '\0')
+  {
+    throw std::invalid_argument(std::string("range_guard: ") + why);
+  }
+  cl::step_record rec{};
+  rec.skipped = skipped;
+  rec.first_nonfinite = static_cast<cl::nonfinite_site>(site);
+  rec.loss_scale = static_cast<float>(loss_scale);
+  rec.next_loss_scale = static_cast<float>(next_loss_scale);
+  g.observe(rec, max_finite);
+  return {g.theta, g.ceiling, g.events, g.opt_state.m};
+}
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -381,6 +450,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::arg("group"))
 #endif
       ;
+  m.def("range_guard_observe", &range_guard_observe);
   m.attr("HAS_DISTRIBUTED") = static_cast<bool>(CONTRASTIVE_TORCH_DISTRIBUTED);
 #if CONTRASTIVE_TORCH_DISTRIBUTED
   m.def("agree",
