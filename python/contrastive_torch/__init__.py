@@ -11,7 +11,7 @@ exact in float32, bfloat16 and float16, on CPU tensors (the library's host engin
 Where things are: functional.py (the losses as functions), losses.py (the modules), _ops.py (the torch.library
 operators every call runs, eager or compiled), _checks.py (every argument check), _host.py and _device.py (the
 engines), _distributed.py (the global batch over torch.distributed), _extension.py (building and loading the C++
-extensions), temperature.py (helpers for a learnable temperature). PyTorch >= 2.4; the guide is python/README.md.
+extensions), temperature.py (the learnable temperature's tools). PyTorch >= 2.4; the guide is python/README.md.
 """
 
 import torch  # noqa: F401 - contrastive_torch.torch, as before
@@ -21,8 +21,9 @@ from . import functional, temperature
 from ._extension import HAS_CUSTOM_OPS, cuda_extension, extension
 from ._host import NONFINITE_SITES
 from .losses import ClipLoss, InfoNCELoss, SigLipLoss, StepReport
-from .temperature import clamp_logit_scale, freeze_then_learn
+from .temperature import CollapseMonitor, RangeGuard, clamp_logit_scale, freeze_then_learn
 from .cached import CachedStep
 
-__all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature", "clamp_logit_scale",
-           "freeze_then_learn", "extension", "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS"]
+__all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature",
+           "clamp_logit_scale", "freeze_then_learn", "RangeGuard", "CollapseMonitor", "extension",
+           "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS"]
