@@ -27,6 +27,17 @@ except ImportError:  # pragma: no cover - the message is the point
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGED_INCLUDE = os.path.join(HERE, "contrastive_torch", "include")
 REPO_INCLUDE = os.path.normpath(os.path.join(HERE, "..", "include"))
+REPO_VERSION = os.path.normpath(os.path.join(HERE, "..", "VERSION"))
+PACKAGED_VERSION = os.path.join(HERE, "contrastive_torch", "VERSION")
+
+
+def version():
+    """The project's one version number: the repository's VERSION file (CMake reads it too), else an sdist's copy."""
+    for path in (REPO_VERSION, PACKAGED_VERSION):
+        if os.path.isfile(path):
+            with open(path) as f:
+                return f.read().strip()
+    sys.exit(f"contrastive_torch: no VERSION file at {REPO_VERSION} or {PACKAGED_VERSION}")
 
 
 def headers_dir():
@@ -58,7 +69,8 @@ def want_cuda():
 
 
 class build_py_with_headers(build_py):
-    """Copies include/contrastive into the package, so an installed contrastive_torch carries the headers."""
+    """Copies include/contrastive and VERSION into the package, so an installed contrastive_torch carries the headers
+    and knows its version."""
 
     def run(self):
         super().run()
@@ -67,6 +79,8 @@ class build_py_with_headers(build_py):
         if os.path.abspath(src) != os.path.abspath(dst):
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(src, dst)
+        with open(os.path.join(self.build_lib, "contrastive_torch", "VERSION"), "w") as f:
+            f.write(version() + "\n")
 
 
 include = headers_dir()
@@ -100,6 +114,7 @@ if want_cuda():
         ))
 
 setup(
+    version=version(),
     ext_modules=ext_modules,
     cmdclass={"build_py": build_py_with_headers, "build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
 )

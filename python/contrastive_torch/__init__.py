@@ -14,6 +14,8 @@ engines), _distributed.py (the global batch over torch.distributed), _extension.
 extensions), temperature.py (the learnable temperature's tools). PyTorch >= 2.4; the guide is python/README.md.
 """
 
+import os as _os
+
 import torch  # noqa: F401 - contrastive_torch.torch, as before
 
 from . import _ops  # noqa: F401 - registers the operators
@@ -24,6 +26,19 @@ from .losses import ClipLoss, InfoNCELoss, SigLipLoss, StepReport
 from .temperature import CollapseMonitor, RangeGuard, clamp_logit_scale, freeze_then_learn
 from .cached import CachedStep
 
+
+
+def _version():
+    """The project's one version: VERSION beside the package (an install), else the repository's (a checkout)."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    for path in (_os.path.join(here, "VERSION"), _os.path.join(here, "..", "..", "VERSION")):
+        if _os.path.isfile(path):
+            with open(path) as f:
+                return f.read().strip()
+    return "unknown"
+
+
+__version__ = _version()
 __all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature",
            "clamp_logit_scale", "freeze_then_learn", "RangeGuard", "CollapseMonitor", "extension",
            "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS"]

@@ -15,12 +15,13 @@ py=${1:?python with torch and pytest}
 work=${2:?scratch directory}
 src=$(cd "$(dirname "$0")/.." && pwd)
 
-# Build from a copy (python/ and include/ side by side, as in the repository), so setuptools' build/ and egg-info land
+# Build from a copy (python/, include/ and VERSION side by side, as in the repository), so setuptools' build/ and egg-info land
 # in the scratch directory, never in the checkout, and every run compiles afresh against the current headers.
 rm -rf "$work/venv" "$work/src"
 mkdir -p "$work/src"
 cp -r "$src" "$work/src/python"
 cp -r "$src/../include" "$work/src/include"
+cp "$src/../VERSION" "$work/src/VERSION"
 rm -rf "$work/src/python/build" "$work/src/python"/*.egg-info
 "$py" -m venv --without-pip "$work/venv"   # pip and setuptools come from the given Python, through the .pth
 site_of() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }

@@ -1,0 +1,27 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""The package's public surface: one version number with CMake, and every name in __all__ importable."""
+
+import os
+import re
+
+import contrastive_torch as ct
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+def test_one_version_for_cmake_and_python():
+    with open(os.path.join(ROOT, "VERSION")) as f:
+        version = f.read().strip()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    assert ct.__version__ == version
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        cmake = f.read()
+    assert 'file(STRINGS "${CMAKE_CURRENT_SOURCE_DIR}/VERSION" contrastive_version' in cmake
+    assert "project(contrastive VERSION ${contrastive_version}" in cmake
+
+
+def test_every_public_name_exists():
+    for name in ct.__all__:
+        assert getattr(ct, name) is not None, name
+    for name in ct.temperature.__all__:
+        assert getattr(ct.temperature, name) is not None, name
