@@ -3,6 +3,7 @@
 bit, its reading of a GradScaler, CollapseMonitor's records, counts and warnings, and the errors of both."""
 
 import math
+import os
 import random
 import struct
 import warnings
@@ -267,3 +268,29 @@ def test_monitor_errors_name_the_argument():
             CollapseMonitor(None, **{key: value})
     with pytest.raises(ValueError, match="first_nonfinite"):
         CollapseMonitor(None).step(report={"first_nonfinite": "nowhere"})
+
+
+def test_the_collapse_example_runs(tmp_path):
+    # examples/python/collapse.py end to end on a few steps: open_clip's factory model and loss, the guard, the fused
+    # loss (ours, under the custom-ops requirement of every loss call) and bfloat16, one row each and their CSVs.
+    import importlib.util
+    import subprocess
+    import sys
+
+    from conftest import require
+
+    require("open_clip", importlib.util.find_spec("open_clip") is not None, "open-clip-torch is not installed")
+    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python", "collapse.py")
+    out = subprocess.run([sys.executable, example, "--steps", "8", "--eval-every", "4", "--warmup", "2",
+                          "--runs", "fp16_guard,fp16_fused,bf16", "--seeds", "3", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["fp16_guard"], ["fp16_fused"],
+                                                                                     ["bf16"])]
+    assert [r[0] for r in rows] == ["fp16_guard", "fp16_fused", "bf16"], out.stdout
+    for run in ("fp16_guard", "fp16_fused", "bf16"):
+        with open(tmp_path / f"{run}-3.csv") as f:
+            lines = f.read().splitlines()
+        assert lines[0].startswith("step,loss,tau,loss_scale,skipped") and len(lines) == 9, lines
+    assert (tmp_path / "index.txt").read_text().split() == ["fp16_guard-3", "fp16_fused-3", "bf16-3"]
