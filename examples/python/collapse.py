@@ -31,6 +31,7 @@ collapsed, degraded (top-1 more than 5 points below the float run of the seed, o
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -63,9 +64,13 @@ def seeds_of(text):
 class Data:
     """Synthetic pairs: class c's image is prototype c plus noise, its text is class c's tokens."""
 
-    def __init__(self, classes, seed):
+    def __init__(self, classes, seed, latent=0):
         g = torch.Generator().manual_seed(1000 + seed)
-        self.protos = torch.randn(classes, 3, 16, 16, generator=g)
+        if latent:  # prototypes on a latent-dimensional subspace: near neighbours, small margins (the C++ demo's z)
+            z = torch.randn(classes, latent, generator=g)
+            self.protos = (z @ torch.randn(latent, 3 * 16 * 16, generator=g) / latent ** 0.5).reshape(classes, 3, 16, 16)
+        else:
+            self.protos = torch.randn(classes, 3, 16, 16, generator=g)
         self.words = torch.randint(1, 1024, (classes, 8), generator=g)
         self.classes = classes
 
@@ -85,7 +90,7 @@ def top1(model, images, texts, autocast):
 def train(run, seed, args, open_clip, out_dir):
     torch.manual_seed(seed)
     model = open_clip.create_model(MODEL)
-    data = Data(args.classes, seed)
+    data = Data(args.classes, seed, args.latent)
     g = torch.Generator().manual_seed(seed)
     eval_images, eval_texts = data.batch(args.eval_pairs, torch.Generator().manual_seed(10_000 + seed), args.noise)
     towers = [p for n, p in model.named_parameters() if n != "logit_scale"]
@@ -105,8 +110,11 @@ def train(run, seed, args, open_clip, out_dir):
     monitor = CollapseMonitor(scaler, model.logit_scale, dtype=dtype, warn=False)
     rows, warmup = [], args.warmup
     for step in range(args.steps):
-        for group, lr in zip(opt.param_groups, (args.lr, args.tau_lr)):
-            group["lr"] = lr * min(1.0, (step + 1) / warmup)
+        for group, lr, decay in zip(opt.param_groups, (args.lr, args.tau_lr), (args.cosine, False)):
+            ramp = min(1.0, (step + 1) / warmup)
+            if decay and step >= warmup:  # open_clip's cosine schedule after the warm-up (the towers only)
+                ramp = 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+            group["lr"] = lr * ramp
         images, texts = data.batch(args.batch, g, args.noise)
         with autocast():
             f_img, f_txt, logit_scale = model(images, texts)
@@ -194,6 +202,8 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--classes", type=int, default=128, help="classes (prototypes); a batch draws distinct ones")
     ap.add_argument("--lr", type=float, default=3e-3, help="the towers' AdamW learning rate")
+    ap.add_argument("--cosine", action="store_true", help="the towers' learning rate decays as open_clip's cosine")
+    ap.add_argument("--latent", type=int, default=0, help="prototypes from a latent space of this dimension (0: i.i.d.)")
     ap.add_argument("--wd", type=float, default=0.0, help="the towers' AdamW weight decay")
     ap.add_argument("--noise", type=float, default=0.05, help="std of the noise on an image's prototype")
     ap.add_argument("--tau-lr", type=float, default=1.0, help="logit_scale's Adam learning rate (accelerated)")
