@@ -155,6 +155,8 @@ class SigLipLoss(_Loss):
         self._distribution(rank, world_size, group, exchange)
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        """open_clip's SigLipLoss forward: the sigmoid loss of these features at scale s = logit_scale (a number or a
+        one-element tensor) and bias logit_bias; a dict {"contrastive_loss": loss} when output_dict."""
         report = self._report()
         if self.distributed:
             loss = _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
@@ -175,5 +177,6 @@ class InfoNCELoss(_Loss):
         super().__init__(algorithm, threads, fused_tiles, custom_ops)
 
     def forward(self, query, keys, logit_scale, labels=None):
+        """The InfoNCE loss of `query` against `keys` at scale s = logit_scale; labels[i] is row i's positive key."""
         return functional.info_nce_loss(query, keys, logit_scale, labels, algorithm=self.algorithm,
                                         threads=self.threads, fused_tiles=self.fused_tiles, report=self._report())

@@ -25,3 +25,24 @@ def test_every_public_name_exists():
         assert getattr(ct, name) is not None, name
     for name in ct.temperature.__all__:
         assert getattr(ct.temperature, name) is not None, name
+
+
+def test_every_public_name_has_a_docstring():
+    # The Python half of the API reference: what a user imports (the package's, functional's and temperature's
+    # __all__) and the public methods and properties of its classes say what they do.
+    import inspect
+
+    missing = []
+    for module in (ct, ct.functional, ct.temperature):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) or not callable(obj):
+                continue
+            if not (obj.__doc__ or "").strip():
+                missing.append(f"{module.__name__}.{name}")
+            if inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if not attr.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)):
+                        if not (value.__doc__ or "").strip():
+                            missing.append(f"{module.__name__}.{name}.{attr}")
+    assert not missing, f"public names without a docstring: {missing}"
