@@ -24,7 +24,7 @@ with its defaults (2^16, x2 after 2000 finite steps, x0.5 on every skipped one, 
 from the same weights and sees the same batches. A CollapseMonitor follows each run (its CSV: out/torch/<run>-<seed>
 .csv, the C++ demo's columns); the table gives per run: the last loss, held-out top-1 retrieval among --eval-pairs
 pairs (both directions), tau at the end and its smallest value, the smallest and last loss scale, skipped steps, the
-collapse step (the first of >= 50 skipped steps that last to the end) and the first non-finite site then, and the
+collapse step (the first of >= 20 skipped steps that last to the end) and the first non-finite site then, and the
 guard's overflow events. Over several seeds it counts outcomes per run as scripts/demo_seeds.py does for the C++ demo:
 collapsed, degraded (top-1 more than 5 points below the float run of the seed, or >= 20 skipped steps), through.
 """
@@ -50,7 +50,7 @@ CONFIG = {"embed_dim": 64,
           "vision_cfg": {"image_size": 16, "layers": 1, "width": 64, "head_width": 32, "patch_size": 8},
           "text_cfg": {"context_length": 8, "vocab_size": 1024, "width": 64, "heads": 2, "layers": 1}}
 RUNS = ["float", "fp16", "fp16_clamp", "fp16_guard", "fp16_fused", "bf16"]
-COLLAPSE_RUN = 50
+COLLAPSE_RUN = 20  # skipped steps that last to the end (the C++ demo, 1200 steps: 50)
 
 
 def seeds_of(text):
@@ -139,21 +139,47 @@ def train(run, seed, args, open_clip, out_dir):
             f.write(f"{rec['step']},{rec['loss']:.6g},{rec['tau']:.6g},{rec['next_loss_scale']:.6g},"
                     f"{int(rec['skipped'])},{'' if a is None else f'{a:.2f}'},{rec['max_logit']:.6g},"
                     f"{rec['first_nonfinite']}\n")
-    recs = [r for r, _ in rows]
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump({"top1": acc, "events": guard.events if guard is not None else None}, f)
+    return summarize(run, seed, [r for r, _ in rows], acc, guard.events if guard is not None else None)
+
+
+def summarize(run, seed, recs, top1_value, events):
+    """One run's row of the table from its per-step records (those a CollapseMonitor returns, or a CSV's)."""
     tail = 0
     for r in reversed(recs):
         if not r["skipped"]:
             break
         tail += 1
     collapsed = recs[-tail]["step"] if tail >= COLLAPSE_RUN else None
-    summary = monitor.summary()
-    return {"run": run, "seed": seed, "loss": recs[-1]["loss"], "top1": acc, "tau": recs[-1]["tau"],
-            "min_tau": summary["min_tau"], "max_tau": max(r["tau"] for r in recs),
-            "late_max_tau": max(r["tau"] for r in recs[100:]) if len(recs) > 100 else max(r["tau"] for r in recs), "min_scale": summary["min_loss_scale"], "scale": summary["loss_scale"],
-            "skipped": summary["skipped"], "collapsed": collapsed,
+    skipped = [r for r in recs if r["skipped"]]
+    return {"run": run, "seed": seed, "loss": recs[-1]["loss"], "top1": top1_value, "tau": recs[-1]["tau"],
+            "min_tau": min(r["tau"] for r in recs), "max_tau": max(r["tau"] for r in recs),
+            "late_max_tau": max(r["tau"] for r in recs[100:] or recs),
+            "min_scale": min(r["next_loss_scale"] for r in recs), "scale": recs[-1]["next_loss_scale"],
+            "skipped": len(skipped), "collapsed": collapsed,
             "site": recs[-tail]["first_nonfinite"] if collapsed is not None else
-            next((r["first_nonfinite"] for r in recs if r["skipped"]), "-"),
-            "events": guard.events if guard is not None else None, "warned": bool(summary["warnings"])}
+            (skipped[0]["first_nonfinite"] if skipped else "-"), "events": events}
+
+
+def from_csv(run, seed, out_dir):
+    """A finished run's row, re-read from its CSV (and the .json beside it) instead of training again."""
+    name = os.path.join(out_dir, f"{run}-{seed}")
+    recs, top1_value = [], None
+    with open(name + ".csv") as f:
+        next(f)
+        for line in f:
+            step, loss, tau, scale, skipped, acc, max_logit, site = line.strip().split(",")
+            recs.append({"step": int(step), "loss": float(loss), "tau": float(tau), "next_loss_scale": float(scale),
+                         "skipped": skipped == "1", "max_logit": float(max_logit), "first_nonfinite": site})
+            top1_value = float(acc) if acc else top1_value
+    extra = {}
+    if os.path.exists(name + ".json"):
+        with open(name + ".json") as f:
+            extra = json.load(f)
+    r = summarize(run, seed, recs, extra.get("top1", top1_value), extra.get("events"))
+    r["time"] = 0.0
+    return r
 
 
 def one_run(work):
@@ -182,7 +208,7 @@ def show(r):
     print(f"{r['run']:<11} {r['seed']:>4} {r['loss']:>9.4g} {r['top1']:>5.1f}% {r['tau']:>9.3g} {r['min_tau']:>9.3g} "
           f"{r['min_scale']:>9.3g} {r['scale']:>9.3g} {r['skipped']:>7} "
           f"{'no' if r['collapsed'] is None else 'step ' + str(r['collapsed']):>9}  {r['site']:<16}  "
-          f"{'-' if r['events'] is None else r['events']:>12}  {r['max_tau']:>7.3g}  {r['time']:.0f} s", flush=True)
+          f"{('?' if r['run'] == 'fp16_guard' else '-') if r['events'] is None else r['events']:>12}  {r['max_tau']:>7.3g}  {r['time']:.0f} s", flush=True)
     return r
 
 
@@ -213,6 +239,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (default: PyTorch's, or 1 with --jobs)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     ap.add_argument("--out", default="out/torch", help="directory of the per-step CSVs")
+    ap.add_argument("--from-csv", action="store_true",
+                    help="tabulate the runs already in --out (their CSVs) instead of training them again")
     args = ap.parse_args()
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for r in runs:
@@ -228,7 +256,9 @@ def main():
     print(f"{'run':<11} {'seed':>4} {'loss':>9} {'top-1':>6} {'tau':>9} {'min tau':>9} {'min scale':>9} "
           f"{'scale':>9} {'skipped':>7} {'collapsed':>9}  first non-finite  guard events  max tau  time")
     work = [(run, seed, args) for seed in seeds for run in runs]
-    if args.jobs > 1:
+    if args.from_csv:
+        results = [show(from_csv(run, seed, args.out)) for run, seed, _ in work]
+    elif args.jobs > 1:
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
