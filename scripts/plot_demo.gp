@@ -37,7 +37,7 @@ set multiplot layout rows, cols title "Loss scale (blue, left) and tau (orange, 
 do for [i = 1 : n] {
   f = word(files, i)
   name = system("basename " . f . " .csv")
-  set title name font ",10"
+  set title name font ",10" noenhanced
   set ylabel (i - 1) % cols == 0 ? "loss scale (0 drawn at 10^{-8})" : ""
   set y2label i % cols == 0 || i == n ? "tau" : ""
   plot f using 1:($4 > floor ? $4 : floor) every ::1 with lines lw 1.6 lc rgb "#1f4e9a" title "loss scale", \
