@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 """The fp16 temperature collapse in PyTorch, on open_clip's own model and loss, and its remedies.
 
-    .venv-torch/bin/python examples/python/collapse.py                   # seed 5, every run, about 5 minutes on 2 cores
-    .venv-torch/bin/python examples/python/collapse.py --seeds 1-6 --jobs 2   # docs/collapse.md's counts (~30 min)
+    .venv-torch/bin/python examples/python/collapse.py                   # seed 5, every run: about 8 minutes on 2 cores
+    .venv-torch/bin/python examples/python/collapse.py --seeds 1-6       # docs/collapse.md's counts (about 30 minutes)
     gnuplot -e "dir='out/torch'; png='docs/collapse_torch.png'" scripts/plot_demo.gp     # the figure
 
 Each run trains a small CLIP built by open_clip's own factory (the installed open-clip-torch; a ViT and a text
@@ -71,7 +71,8 @@ class Data:
         g = torch.Generator().manual_seed(1000 + seed)
         if latent:  # prototypes on a latent-dimensional subspace: near neighbours, small margins (the C++ demo's z)
             z = torch.randn(classes, latent, generator=g)
-            self.protos = (z @ torch.randn(latent, 3 * 16 * 16, generator=g) / latent ** 0.5).reshape(classes, 3, 16, 16)
+            m = torch.randn(latent, 3 * 16 * 16, generator=g) / latent ** 0.5
+            self.protos = (z @ m).reshape(classes, 3, 16, 16)
         else:
             self.protos = torch.randn(classes, 3, 16, 16, generator=g)
         self.words = torch.randint(1, 1024, (classes, 8), generator=g)
@@ -195,8 +196,7 @@ def one_run(work):
     import open_clip
 
     logging.getLogger().setLevel(logging.ERROR)  # open_clip's "no pretrained weights" line, once per run
-    if args.threads or args.jobs > 1:
-        torch.set_num_threads(args.threads or 1)
+    torch.set_num_threads(args.threads)
     start = time.time()
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, MODEL + ".json"), "w") as f:
@@ -210,10 +210,11 @@ def one_run(work):
 
 
 def show(r):
+    events = ("?" if r["run"] == "fp16_guard" else "-") if r["events"] is None else r["events"]
     print(f"{r['run']:<11} {r['seed']:>4} {r['loss']:>9.4g} {r['top1']:>5.1f}% {r['tau']:>9.3g} {r['min_tau']:>9.3g} "
           f"{r['min_scale']:>9.3g} {r['scale']:>9.3g} {r['skipped']:>7} "
           f"{'no' if r['collapsed'] is None else 'step ' + str(r['collapsed']):>9}  {r['site']:<16}  "
-          f"{('?' if r['run'] == 'fp16_guard' else '-') if r['events'] is None else r['events']:>12}  {r['max_tau']:>7.3g}  {r['time']:.0f} s", flush=True)
+          f"{events:>12}  {r['max_tau']:>7.3g}  {r['time']:.0f} s", flush=True)
     return r
 
 
@@ -235,15 +236,19 @@ def main():
     ap.add_argument("--classes", type=int, default=128, help="classes (prototypes); a batch draws distinct ones")
     ap.add_argument("--lr", type=float, default=3e-3, help="the towers' AdamW learning rate")
     ap.add_argument("--cosine", action="store_true", help="the towers' learning rate decays as open_clip's cosine")
-    ap.add_argument("--latent", type=int, default=0, help="prototypes from a latent space of this dimension (0: i.i.d.)")
+    ap.add_argument("--latent", type=int, default=0,
+                    help="prototypes from a latent space of this dimension (0: i.i.d.)")
     ap.add_argument("--wd", type=float, default=0.0, help="the towers' AdamW weight decay")
     ap.add_argument("--noise", type=float, default=0.05, help="std of the noise on an image's prototype")
     ap.add_argument("--tau-lr", type=float, default=1.0, help="logit_scale's Adam learning rate (accelerated)")
     ap.add_argument("--warmup", type=int, default=50, help="linear warm-up of both learning rates, in steps")
     ap.add_argument("--eval-pairs", type=int, default=128, help="held-out pairs (<= classes)")
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per run (default: PyTorch's, or 1 with --jobs)")
-    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per run (default 1: a run's trajectory depends on its summation order, and "
+                         "docs/collapse.md's counts are 1 thread per run)")
+    ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 6), help="runs in parallel processes "
+                    "(default: one per core, at most 6)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where to train (default: cuda where present, else cpu; the documented counts are the CPU's)")
     ap.add_argument("--out", default="out/torch", help="directory of the per-step CSVs")
@@ -255,11 +260,13 @@ def main():
         if r not in RUNS:
             ap.error(f"--runs: unknown run {r!r} (choose from {','.join(RUNS)})")
     seeds = seeds_of(args.seeds)
+    if args.threads < 1 or args.jobs < 1:
+        ap.error("--threads and --jobs must be >= 1")
     os.makedirs(args.out, exist_ok=True)
     import open_clip
 
     print(f"torch {torch.__version__}, open_clip {open_clip.__version__}, {args.jobs} job(s) x "
-          f"{args.threads or (1 if args.jobs > 1 else torch.get_num_threads())} thread(s) on {args.device}; "
+          f"{args.threads} thread(s) on {args.device}; "
           f"batch {args.batch}, "
           f"{args.steps} steps, tau's Adam lr {args.tau_lr} (accelerated), seeds {args.seeds}")
     print(f"{'run':<11} {'seed':>4} {'loss':>9} {'top-1':>6} {'tau':>9} {'min tau':>9} {'min scale':>9} "

@@ -413,7 +413,8 @@ class CollapseMonitor:
             self._warned["pattern"] = True
             tau_text = "" if first_tau is None or last_tau is None else \
                 f" while tau fell from {first_tau:.3g} to {last_tau:.3g}"
-            self._emit(f"step {rec['step']}: {backoffs} loss-scale back-offs in the last {len(recent)} steps{tau_text}, "
+            self._emit(f"step {rec['step']}: {backoffs} loss-scale back-offs in the last {len(recent)} steps"
+                       f"{tau_text}, "
                        f"and the largest logit{' (bound s = 1/tau)' if rec['max_logit_is_bound'] else ''} "
                        f"{rec['max_logit']:.4g} is at {100.0 * rec['max_logit'] / limit:.3g}% of {name}'s range "
                        f"({limit:.6g}): the pattern that precedes the fp16 temperature collapse. Remedies: "

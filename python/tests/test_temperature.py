@@ -283,7 +283,8 @@ def test_the_collapse_example_runs(tmp_path):
     require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
     example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python", "collapse.py")
     out = subprocess.run([sys.executable, example, "--steps", "8", "--eval-every", "4", "--warmup", "2",
-                          "--runs", "fp16_guard,fp16_fused,bf16", "--seeds", "3", "--out", str(tmp_path)],
+                          "--runs", "fp16_guard,fp16_fused,bf16", "--seeds", "3", "--jobs", "1",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["fp16_guard"], ["fp16_fused"],
