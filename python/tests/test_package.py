@@ -46,3 +46,16 @@ def test_every_public_name_has_a_docstring():
                         if not (value.__doc__ or "").strip():
                             missing.append(f"{module.__name__}.{name}.{attr}")
     assert not missing, f"public names without a docstring: {missing}"
+
+
+def test_the_python_reference_is_current(tmp_path):
+    # docs/api/python.md is generated from the docstrings: a changed docstring or signature needs
+    # `.venv-torch/bin/python scripts/python_api.py`.
+    import subprocess
+    import sys
+
+    fresh = tmp_path / "python.md"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "python_api.py"), str(fresh)], check=True,
+                   capture_output=True)
+    with open(os.path.join(ROOT, "docs", "api", "python.md")) as f:
+        assert fresh.read_text() == f.read(), "docs/api/python.md is stale: run scripts/python_api.py"
