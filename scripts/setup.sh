@@ -25,7 +25,9 @@ demo_packages=(build-essential cmake libgtest-dev libbenchmark-dev gnuplot-nox)
 #                    and torch.compile's generated C++ compile against it) and ninja (the on-first-use build)
 #                    and torch.compile's C++ code generation (inductor) compile against
 #   libopenmpi-dev, openmpi-bin     the MPI tests
-test_packages=("${demo_packages[@]}" clang libopenblas-dev python3-venv python3-dev ninja-build libopenmpi-dev openmpi-bin)
+#   doxygen          the C++ API reference and its check (scripts/api_reference.sh, ctest docs.api_reference)
+test_packages=("${demo_packages[@]}" clang libopenblas-dev python3-venv python3-dev ninja-build libopenmpi-dev openmpi-bin
+  doxygen)
 
 case "${1:-}" in
   demo) wanted=("${demo_packages[@]}") ;;

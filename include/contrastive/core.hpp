@@ -31,16 +31,19 @@ namespace contrastive
 /// `first_nonfinite` orders the flags as a step record does (logits, loss, dQ, dK, d loss / d log s).
 struct core_values
 {
-  float loss = 0.0f;
-  float max_logit = 0.0f;
-  float grad_logit_scale = 0.0f;
-  float grad_logit_bias = 0.0f; ///< d(loss)/d b, divided by the loss scale (sigmoid objective; 0 otherwise)
-  bool logits_nonfinite = false;
-  bool dq_nonfinite = false;
-  bool dk_nonfinite = false;
+  float loss = 0.0f;             ///< the loss, unscaled
+  float max_logit = 0.0f;        ///< largest logit (materialized: its element-type value; sigmoid: of z = S + b)
+  float grad_logit_scale = 0.0f; ///< d(loss)/d(log s), divided by the loss scale
+  float grad_logit_bias = 0.0f;  ///< d(loss)/d b, divided by the loss scale (sigmoid objective; 0 otherwise)
+  bool logits_nonfinite = false; ///< a logit is +-inf or NaN
+  bool dq_nonfinite = false;     ///< dQ (scaled, in Element) holds a non-finite value
+  bool dk_nonfinite = false;     ///< dK (scaled, in Element) holds a non-finite value
+  /// The first non-finite site of the pass (none: every value finite).
   nonfinite_site first_nonfinite = nonfinite_site::none;
 };
 
+/// The policy-free host call (see the file comment): loss and gradients at the logit scale, logit bias and loss
+/// scale each call gives; it keeps no temperature, scaler or step record.
 template <class Element,
           class Algorithm = algorithm::fused,
           class Gemm = gemm::builtin,
@@ -52,8 +55,11 @@ class core : public step::front<step::driver<Element, Algorithm, Gemm, Comm>>
   using base::driver_;
 
 public:
+  /// The element type of q, k, dq and dk (float, __half or __nv_bfloat16).
   using element_type = Element;
+  /// The algorithm tag (algorithm::fused, materialized or chunked).
   using algorithm_type = Algorithm;
+  /// The inputs of one call, in Element.
   using problem_type = problem<Element>;
 
   /// One process (Comm = comm::self).

@@ -18,6 +18,7 @@
 
 namespace contrastive
 {
+/// One process's training step on the host: `basic_loss` over distributed::comm::self (see the file comment).
 template <class Element,
           class Temperature = temperature::learnable,
           class Scaler = scaler::static_scale,

@@ -22,8 +22,8 @@ namespace contrastive
 /// least one row block.
 struct chunk_options
 {
-  std::size_t rows = 0;
-  std::size_t budget_bytes = 0;
+  std::size_t rows = 0;         ///< query rows per chunk; 0: sized from budget_bytes
+  std::size_t budget_bytes = 0; ///< bytes of chunk buffers when rows is 0; 0 too: the default
   /// Device, 16-bit element types: compute each logits tile on tensor cores with the library's kernel and consume it
   /// in registers (forward: row and column statistics; backward: G_c) instead of a cuBLAS product written to and read
   /// back from a float chunk: 6 bytes of memory traffic per logit instead of 26, and no float chunk (about 2.1 bytes
@@ -63,14 +63,15 @@ inline std::size_t chunk_rows_for(const chunk_options& o,
 template <class T>
 struct problem
 {
-  const T* q = nullptr;
-  const T* k = nullptr;
-  std::size_t n_q = 0;
-  std::size_t n_k = 0;
-  std::size_t dim = 0;
-  /// info_nce only: positive key of each query (n_q entries in [0, n_k)); null means the diagonal p_i = i.
+  const T* q = nullptr; ///< queries, n_q x dim (device memory on the device path)
+  const T* k = nullptr; ///< keys, n_k x dim (device memory on the device path)
+  std::size_t n_q = 0;  ///< number of queries (rows of q), nonzero
+  std::size_t n_k = 0;  ///< number of keys (rows of k), nonzero; symmetric: equal to n_q
+  std::size_t dim = 0;  ///< embedding dimension (columns of q and k), nonzero
+  /// info_nce and sigmoid: positive key of each query (n_q entries in [0, n_k)); null means the diagonal p_i = i.
+  /// The symmetric objective takes the diagonal and refuses labels.
   const std::int32_t* labels = nullptr;
-  objective obj = objective::symmetric;
+  objective obj = objective::symmetric; ///< the loss taken over the logits
 };
 
 } // namespace contrastive

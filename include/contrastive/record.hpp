@@ -21,6 +21,7 @@ enum class nonfinite_site : std::int32_t
   grad_logit_bias,  ///< d(loss)/d b, the sigmoid objective's logit bias, only when it is learnable
 };
 
+/// Short name of a non-finite site, as its enumerator is spelled; "unknown" for a value outside the enumeration.
 inline const char* to_string(nonfinite_site s) noexcept
 {
   switch (s)
@@ -57,6 +58,8 @@ struct step_record
   float max_logit = 0.0f;        ///< largest logit S_ij of the step (materialized: its element-type value; sigmoid:
                                  ///< of z = S + b)
   bool skipped = false;          ///< a non-finite value was found: the temperature (and a learnable bias) did not move
+  /// Where the step's first non-finite value appeared (none: the step was finite); after `finish_step` over ranks,
+  /// the earliest site over all ranks.
   nonfinite_site first_nonfinite = nonfinite_site::none;
   bool pending = false;         ///< forward/backward done, `finish_step` not yet called
   float grad_logit_bias = 0.0f; ///< unscaled d(loss)/d b (sigmoid objective; 0 otherwise)

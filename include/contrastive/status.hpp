@@ -10,6 +10,7 @@
 
 namespace contrastive
 {
+/// Class of a host call's failure (`status::code()`); success (0) when the call succeeded.
 enum class errc
 {
   success = 0,
@@ -41,10 +42,11 @@ enum class native_api : int
 /// A failure's code in the library that reported it (api none: the failure is the library's own).
 struct native_error
 {
-  native_api api = native_api::none;
-  int code = 0;
+  native_api api = native_api::none; ///< the library that reported the failure (none: this library's own)
+  int code = 0;                      ///< that library's own code (cudaError_t, cublasStatus_t, ...); 0 for none
 };
 
+/// Short name of a native library, as its enumerator is spelled; "unknown" for a value outside the enumeration.
 inline const char* to_string(native_api a) noexcept
 {
   switch (a)
@@ -107,23 +109,29 @@ class [[nodiscard]] status
 {
 public:
   status() = default;
+  /// A failure: its class, the argument at fault (or the call that failed), what was wrong with it, and the code of
+  /// the library below when that library failed.
   status(errc code, std::string argument, std::string message, native_error native = {})
       : code_(code), argument_(std::move(argument)), message_(std::move(message)), native_(native)
   {
   }
 
+  /// True when the call succeeded (`code()` is errc::success).
   bool ok() const noexcept
   {
     return code_ == errc::success;
   }
+  /// The same as `ok()`.
   explicit operator bool() const noexcept
   {
     return ok();
   }
+  /// Class of the failure; errc::success on success.
   errc code() const noexcept
   {
     return code_;
   }
+  /// Name of the argument at fault, or of the call that failed; empty on success.
   const std::string& argument() const noexcept
   {
     return argument_;

@@ -31,6 +31,7 @@ enum class objective : std::int32_t
   sigmoid = 2,
 };
 
+/// Short name of an objective, as its enumerator is spelled; "unknown" for a value outside the enumeration.
 inline const char* to_string(objective o) noexcept
 {
   switch (o)
@@ -53,7 +54,7 @@ namespace algorithm
 /// On this path a large s overflows fp16 logits exactly as in the seed.
 struct materialized
 {
-  static constexpr const char* name = "materialized";
+  static constexpr const char* name = "materialized"; ///< its name in the bindings and in messages
   static constexpr bool element_logits = true; ///< the logits are stored in the element type (the device dispatch)
 };
 
@@ -62,8 +63,8 @@ struct materialized
 /// dQ = round_T(loss_scale * s * sum_j G_ij k_j) and dK likewise. Memory O((n_q + n_k) d).
 struct fused
 {
-  static constexpr const char* name = "fused";
-  static constexpr bool element_logits = false;
+  static constexpr const char* name = "fused";  ///< its name in the bindings and in messages
+  static constexpr bool element_logits = false; ///< logits only in float tiles, never in the element type
 };
 
 /// Row chunks of B queries against all keys: S_c = s Q_c K^T is stored for one chunk at a time (float), its row
@@ -75,16 +76,17 @@ struct fused
 /// gradient formed exactly); on the device G_c is rounded to the element type for the tensor-core products.
 struct chunked
 {
-  static constexpr const char* name = "chunked";
-  static constexpr bool element_logits = false; ///< float chunks of logits (on the device: device/chunked.cuh)
+  static constexpr const char* name = "chunked"; ///< its name in the bindings and in messages
+  static constexpr bool element_logits = false;  ///< float chunks of logits (on the device: device/chunked.cuh)
 };
 
 /// Every algorithm, in the order the bindings list them: the one table their names come from.
 template <class... A>
 struct list
 {
-  static constexpr std::size_t size = sizeof...(A);
+  static constexpr std::size_t size = sizeof...(A); ///< number of algorithms in the list
 };
+/// The library's algorithms, in the bindings' order: fused, materialized, chunked.
 using all = list<fused, materialized, chunked>;
 
 /// Whether `A` is one of `list`'s algorithms.
@@ -116,6 +118,8 @@ bool dispatch_in(list<A...>, const char* name, F&& f)
   (one(A{}), ...);
   return found;
 }
+/// `dispatch_in` over `all`: calls `f(Algorithm{})` for the library's algorithm named `name` and returns true; false
+/// when no algorithm has that name.
 template <class F>
 bool dispatch(const char* name, F&& f)
 {
@@ -144,7 +148,7 @@ namespace gemm
 /// The library's own packed, register-blocked micro-kernel (host/gemm.hpp): no dependency.
 struct builtin
 {
-  static constexpr const char* name = "builtin";
+  static constexpr const char* name = "builtin"; ///< its name in messages
 };
 
 /// A CBLAS `cblas_sgemm` (OpenBLAS, BLIS, MKL, ...) for users who already link one: include
@@ -153,7 +157,7 @@ struct builtin
 /// parallelises over its own workers and calls the BLAS from each of them.
 struct cblas
 {
-  static constexpr const char* name = "cblas";
+  static constexpr const char* name = "cblas"; ///< its name in messages
 };
 } // namespace gemm
 

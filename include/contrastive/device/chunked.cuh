@@ -65,12 +65,16 @@ namespace device
 template <class Element, class Temperature, class Scaler>
 struct loss<Element, Temperature, Scaler, algorithm::chunked>
 {
+  /// The fused device loss, whose state, upload_state, unscale_and_check and finish_step this one forwards to.
   using common = loss<Element, Temperature, Scaler, algorithm::fused>;
+  /// The same device state as the other algorithms' (device::state).
   using state_type = typename common::state_type;
   /// The workspace's sub-buffers for one problem (make_layout, layout_to_fit).
   using layout_type = chunked_phases::layout;
+  /// Element is a 16-bit type: G_c is also stored as Element for the tensor-core products.
   static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
 
+  /// A validated initial state, with a logit bias fixed at 0 (see device::loss::make_state).
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)
   {
     return common::make_state(t, s, out);
@@ -136,11 +140,14 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return chunk_rows_for(p, o, chunked_phases::use_tiles(p, o));
   }
 
+  /// The same with `tiles` (chunk_options::fused_tiles in effect) given instead of decided for the problem.
   static std::size_t chunk_rows_for(const problem<Element>& p, const chunk_options& o, bool tiles) noexcept
   {
     return chunk_rows_for(p, o, tiles, is_default(o) ? chunked_phases::device_free_bytes() : 0);
   }
 
+  /// The same at `free_bytes` of free device memory instead of the device's free memory now (read only when `o` sets
+  /// neither rows nor budget_bytes; 0, unknown: the floor).
   static std::size_t
   chunk_rows_for(const problem<Element>& p, const chunk_options& o, bool tiles, std::size_t free_bytes) noexcept
   {
@@ -376,12 +383,15 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     return detail::cuda_status(finish_step(d_state, stream), "finish_step");
   }
 
+  /// One pass over a caller gradient buffer: unscale in place and flag non-finite values (site `parameters`).
   [[nodiscard]] static cudaError_t
   unscale_and_check(float* grads, std::size_t n, state_type* d_state, cudaStream_t stream = 0)
   {
     return common::unscale_and_check(grads, n, d_state, stream);
   }
 
+  /// Step 4: scaler update, then the temperature (and a learnable logit bias) update if the step was finite;
+  /// increments the step counter.
   [[nodiscard]] static cudaError_t finish_step(state_type* d_state, cudaStream_t stream = 0)
   {
     return common::finish_step(d_state, stream);

@@ -78,6 +78,8 @@ struct given_logit_scale
 
 namespace device
 {
+/// The policy-free device call (see the file comment): loss and gradients at the logit scale, logit bias and loss
+/// scale each call gives, results in device memory; it keeps no temperature, scaler or step count.
 template <class Element, class Algorithm = algorithm::fused>
 struct core
 {

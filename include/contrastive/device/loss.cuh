@@ -51,10 +51,10 @@ namespace device
 template <class Temperature, class Scaler>
 struct state
 {
-  Temperature temperature;
-  Scaler scaler;
-  std::int64_t step;
-  step_record record;
+  Temperature temperature; ///< the temperature policy, moved by finish_step after a finite step
+  Scaler scaler;           ///< the loss scaler, updated by every finish_step
+  std::int64_t step;       ///< steps finished (finish_step calls, skipped steps included)
+  step_record record;      ///< the last step's record (pending from forward_backward to finish_step)
   /// The sigmoid objective's logit bias (z = s <q, k> + b; algorithm::chunked), fixed or learnable, moved by
   /// finish_step after a finite sigmoid step as the host loss moves it. The softmax objectives neither read nor move
   /// it (they are invariant to a bias).
@@ -62,6 +62,8 @@ struct state
   std::int32_t bias_step; ///< 1 from a sigmoid step's forward_backward to its finish_step: the bias moves then
 };
 
+/// The device training step (see the file comment): static calls over a state in device memory, for
+/// algorithm::fused and algorithm::materialized; algorithm::chunked is its specialization in device/chunked.cuh.
 template <class Element,
           class Temperature = temperature::learnable,
           class Scaler = scaler::static_scale,
@@ -76,6 +78,7 @@ struct loss
   static_assert(!std::is_same_v<Algorithm, algorithm::chunked>,
                 "algorithm::chunked on the device needs #include <contrastive/device/chunked.cuh> and cuBLAS "
                 "(CMake: link contrastive::cublas)");
+  /// The policies, step count and step record the calls read and write, in device memory.
   using state_type = state<Temperature, Scaler>;
   /// A validated initial state (copy it to device memory with upload_state), with a logit bias fixed at 0.
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)

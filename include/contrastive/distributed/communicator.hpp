@@ -44,34 +44,42 @@ namespace comm
 /// lets its code path be tested without MPI.
 struct local
 {
+  /// The communicator's name, for messages.
   static constexpr const char* name = "local";
+  /// This process's rank: always 0.
   int rank() const noexcept
   {
     return 0;
   }
+  /// The number of ranks: always 1.
   int size() const noexcept
   {
     return 1;
   }
+  /// Copies `bytes` bytes from `mine` to `all` (they may overlap); never fails.
   status allgather(const void* mine, std::size_t bytes, void* all) const
   {
     copy(all, mine, bytes);
     return {};
   }
+  /// Copies rows[0] rows of `row_bytes` bytes from `mine` to `all` (they may overlap); never fails.
   status allgatherv_rows(const void* mine, const int* rows, std::size_t row_bytes, void* all) const
   {
     copy(all, mine, static_cast<std::size_t>(rows[0]) * row_bytes);
     return {};
   }
+  /// Copies counts[0] floats from `all` to `mine` (they may overlap): the sum over one rank; never fails.
   status reduce_scatter_sum(const float* all, const int* counts, float* mine) const
   {
     copy(mine, all, static_cast<std::size_t>(counts[0]) * sizeof(float));
     return {};
   }
+  /// Nothing to send: the one rank is the root. Never fails.
   status broadcast(void*, std::size_t, int) const
   {
     return {};
   }
+  /// Nothing to reduce: the data is already the result over one rank. Never fails.
   status allreduce(float*, std::size_t, reduce_op) const
   {
     return {};
@@ -92,7 +100,7 @@ private:
 /// the distributed algorithm's copies instead.
 struct self : local
 {
-  static constexpr const char* name = "self";
+  static constexpr const char* name = "self"; ///< the communicator's name, for messages
 };
 } // namespace comm
 
@@ -117,6 +125,7 @@ struct is_communicator<C,
     : std::true_type
 {
 };
+/// Whether `C` is a communicator (`is_communicator`).
 template <class C>
 inline constexpr bool is_communicator_v = is_communicator<C>::value;
 } // namespace distributed

@@ -43,6 +43,8 @@ namespace contrastive
 {
 namespace distributed
 {
+/// The global-batch loss on the host (see the file comment): `basic_loss` over the communicator `Comm`, with the
+/// single-process loss's policies, algorithm and GEMM backend.
 template <class Element,
           class Temperature = temperature::learnable,
           class Scaler = scaler::static_scale,

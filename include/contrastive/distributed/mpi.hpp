@@ -28,10 +28,13 @@ namespace distributed
 {
 namespace comm
 {
+/// The communicator policy over MPI (see the file comment): a copyable handle on a duplicate of the caller's
+/// communicator. Collectives return errc::communication_error with MPI's message when MPI fails or the handle is
+/// invalid, and errc::size_overflow when a count exceeds MPI's int.
 class mpi
 {
 public:
-  static constexpr const char* name = "mpi";
+  static constexpr const char* name = "mpi"; ///< the communicator's name, for messages
 
   /// Duplicates `c` (collective). A failed duplication leaves the handle invalid: every call then returns
   /// errc::communication_error.
@@ -47,19 +50,23 @@ public:
     }
   }
 
+  /// This process's rank in the duplicate; 0 when the duplication failed.
   int rank() const noexcept
   {
     return h_ ? h_->rank : 0;
   }
+  /// The number of ranks in the duplicate; 1 when the duplication failed.
   int size() const noexcept
   {
     return h_ ? h_->size : 1;
   }
+  /// The duplicated MPI communicator; MPI_COMM_NULL when the duplication failed.
   MPI_Comm native() const noexcept
   {
     return h_ ? h_->comm : MPI_COMM_NULL;
   }
 
+  /// Gathers `bytes` bytes from every rank into `all` (size() blocks, rank order); at most INT_MAX bytes.
   status allgather(const void* mine, std::size_t bytes, void* all) const
   {
     if (bytes > static_cast<std::size_t>(INT_MAX))
@@ -72,6 +79,8 @@ public:
            : MPI_ERR_COMM);
   }
 
+  /// Gathers rows[r] rows of `row_bytes` bytes from every rank r into `all`, concatenated in rank order; one row and
+  /// each rank's row offset at most INT_MAX.
   status allgatherv_rows(const void* mine, const int* rows, std::size_t row_bytes, void* all) const
   {
     if (!h_)
@@ -106,12 +115,14 @@ public:
     return check("MPI_Allgatherv", e);
   }
 
+  /// Sums `all` (the sum of counts floats) over the ranks; rank r receives its counts[r] floats of the sum in `mine`.
   status reduce_scatter_sum(const float* all, const int* counts, float* mine) const
   {
     return check("MPI_Reduce_scatter",
                  h_ ? MPI_Reduce_scatter(all, mine, counts, MPI_FLOAT, MPI_SUM, h_->comm) : MPI_ERR_COMM);
   }
 
+  /// Copies `bytes` bytes of `buf` from rank `root` to every rank; at most INT_MAX bytes.
   status broadcast(void* buf, std::size_t bytes, int root) const
   {
     if (bytes > static_cast<std::size_t>(INT_MAX))
@@ -121,6 +132,7 @@ public:
     return check("MPI_Bcast", h_ ? MPI_Bcast(buf, static_cast<int>(bytes), MPI_BYTE, root, h_->comm) : MPI_ERR_COMM);
   }
 
+  /// Reduces `n` floats of `data` over the ranks in place (sum or max); at most INT_MAX floats.
   status allreduce(float* data, std::size_t n, reduce_op op) const
   {
     if (n > static_cast<std::size_t>(INT_MAX))

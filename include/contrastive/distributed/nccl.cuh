@@ -64,7 +64,9 @@ template <class Element, class Temperature = temperature::learnable, class Scale
 class device_loss
 {
 public:
+  /// The single-GPU chunked loss whose state, kernels and policy steps each rank uses.
   using single = contrastive::device::loss<Element, Temperature, Scaler, algorithm::chunked>;
+  /// The step state (policies, step record), in device memory; the same as on one GPU.
   using state_type = typename single::state_type;
 
   /// `comm` wraps this rank's ncclComm_t; `handle` is this rank's cuBLAS handle (its stream and pointer mode are
@@ -91,6 +93,8 @@ public:
     cudaFree(small_);
   }
 
+  /// A validated initial state with a logit bias fixed at 0 (see device::loss::make_state); every rank starts from the
+  /// same one.
   static status make_state(const Temperature& t, const Scaler& s, state_type& out)
   {
     return single::make_state(t, s, out);
@@ -100,14 +104,17 @@ public:
   {
     return single::make_state(t, s, b, out);
   }
+  /// Bytes of device workspace this loss holds now (grown by the steps that need more).
   std::size_t workspace_bytes() const noexcept
   {
     return ws_bytes_;
   }
+  /// Queries over all ranks in the last forward_backward's global batch; 0 before the first.
   std::size_t global_queries() const noexcept
   {
     return g_.n_q_total;
   }
+  /// Keys over all ranks in the last forward_backward's global batch; 0 before the first.
   std::size_t global_keys() const noexcept
   {
     return g_.n_k_total;
@@ -341,6 +348,7 @@ public:
     return {};
   }
 
+  /// forward_backward, then finish_step (collective); the first error is returned and the rest not run.
   status step(const problem<Element>& p,
               Element* dq,
               Element* dk,

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+/// OpenBLAS's thread-count setter, declared weak: null unless the linked CBLAS is OpenBLAS (cblas_single_threaded).
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
 namespace contrastive
@@ -42,16 +43,19 @@ struct gemm_backend_available<gemm::cblas> : std::true_type
 {
 };
 
+/// The CBLAS backend: each product one cblas_sgemm on row-major float operands (see the file comment).
 template <class T>
 struct gemm_backend<gemm::cblas, T>
 {
-  static constexpr bool is_float = std::is_same_v<T, float>;
+  static constexpr bool is_float = std::is_same_v<T, float>; ///< float operands are used in place, never copied
 
-  gemm_shape sh;
-  const float* qf = nullptr; // row-major float queries (float: the caller's q; 16-bit materialized: q_copy)
-  const float* kf = nullptr; // row-major float keys (float: the caller's k; 16-bit: k_copy)
-  const T* q = nullptr;
-  std::vector<float> k_copy, q_copy;
+  gemm_shape sh;             ///< the shape `prepare` was given
+  const float* qf = nullptr; ///< row-major float queries (float: the caller's q; 16-bit materialized: q_copy)
+  const float* kf = nullptr; ///< row-major float keys (float: the caller's k; 16-bit: k_copy)
+  const T* q = nullptr;      ///< the caller's queries, in the element type
+
+  /// 16-bit: K converted to float by `prepare` (the row-major keys kf points to); empty for float.
+  std::vector<float> k_copy, q_copy; ///< q_copy: 16-bit materialized, Q converted to float by `prepare`; else empty
 
   /// The largest dim the backend can represent: cblas_sgemm takes int dimensions and leading dimensions, and dim is
   /// one of them (and, rounded up to the kernel's NR, the accumulators' leading dimension). Rows and columns of one
@@ -70,6 +74,7 @@ struct gemm_backend<gemm::cblas, T>
     return cores == 0 ? 1 : cores;
   }
 
+  /// Floats held for the operands: none for float, else K (and, materialized, Q) converted to float.
   static detail::checked_size held_floats(const gemm_shape& s, bool materialized) noexcept
   {
     if (is_float)
@@ -79,20 +84,25 @@ struct gemm_backend<gemm::cblas, T>
     const detail::checked_size keys = detail::checked_size(s.n_k) * s.d;
     return materialized ? keys + detail::checked_size(s.n_q) * s.d : keys;
   }
+  /// Floats per worker: none for float, else one query block (block_m x d) converted to float.
   static detail::checked_size worker_floats(const gemm_shape& s, bool) noexcept
   {
     return is_float ? detail::checked_size(0) : detail::checked_size(block_m) * s.d;
   }
+  /// Sizes a worker's scratch: ws.qa holds the converted query block (16-bit only); ws.qb is not used.
   static void size_worker(const gemm_shape& s, worker_scratch& ws, bool)
   {
     ws.qa.resize(is_float ? 0 : block_m * s.d);
     std::vector<float>().swap(ws.qb);
   }
+  /// Whether the fused backward may accumulate in the caller's dq/dk: for float, at any dim.
   static constexpr bool in_place_ok(std::size_t, std::size_t) noexcept
   {
     return is_float;
   }
 
+  /// Takes this call's operands: float uses q and k in place; 16-bit converts K (and, materialized, Q) to float on
+  /// `workers` workers of `pool`.
   void prepare(thread_pool& pool, unsigned workers, const gemm_shape& s, const T* q_in, const T* k, bool materialized)
   {
     sh = s;
@@ -121,12 +131,14 @@ struct gemm_backend<gemm::cblas, T>
     }
   }
 
+  /// Frees the float copies, memory included.
   void release() noexcept
   {
     std::vector<float>().swap(k_copy);
     std::vector<float>().swap(q_copy);
   }
 
+  /// Bytes held by the float copies (their capacity).
   std::size_t bytes() const noexcept
   {
     return (k_copy.capacity() + q_copy.capacity()) * sizeof(float);
@@ -147,6 +159,7 @@ struct gemm_backend<gemm::cblas, T>
     (void)rows; // engine_state::query_block records them in ws.block_i0 / ws.block_rows
   }
 
+  /// ws.tile (rows x cols, ld block_n) = Q_blk K[j0 : j0 + cols]^T: the logits, unscaled.
   void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
   {
     cblas_sgemm(CblasRowMajor,
@@ -165,8 +178,10 @@ struct gemm_backend<gemm::cblas, T>
                 static_cast<int>(block_n));
   }
 
+  /// Nothing to pack: the products read the float keys in place.
   void key_tiles(std::size_t, std::size_t, worker_scratch&, bool) const noexcept {}
 
+  /// acc (rows x d, leading dimension ld) += G K[j0 : j0 + cols], G in ws.tile.
   void dq_product(std::size_t j0,
                   std::size_t rows,
                   std::size_t cols,
@@ -191,6 +206,7 @@ struct gemm_backend<gemm::cblas, T>
                 static_cast<int>(ld));
   }
 
+  /// acc (cols x d, leading dimension ld) += G^T Q_blk over the block's ws.block_rows rows, G in ws.tile (fused).
   void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t) const noexcept
   {
     cblas_sgemm(CblasRowMajor,
@@ -209,6 +225,8 @@ struct gemm_backend<gemm::cblas, T>
                 static_cast<int>(ld));
   }
 
+  /// acc (cols x d, leading dimension dp) += dA^T Q[i0 : i0 + rows], rows the block at i0, dA in ws.tile
+  /// (materialized).
   void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
   {
     const std::size_t rows = std::min(block_m, sh.n_q - i0);

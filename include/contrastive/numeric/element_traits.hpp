@@ -111,68 +111,88 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE std::uint16_t float_to_bf16_bits
 template <class T>
 struct element_traits;
 
+/// IEEE binary32: storage and accumulator are one type, so the conversions are exact (the identity).
 template <>
 struct element_traits<float>
 {
+  /// The storage type.
   using value_type = float;
+  /// The type's name, for messages.
   static constexpr const char* name = "float";
+  /// The largest finite value (3.40282347e38), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float max_finite() noexcept
   {
     return 3.40282347e+38f;
   }
+  /// The smallest positive normal value (2^-126), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float min_normal() noexcept
   {
     return 1.17549435e-38f;
   }
+  /// The gap between 1 and the next larger value (2^-23), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float epsilon() noexcept
   {
     return 1.19209290e-07f;
   }
+  /// `x` itself: float is its own accumulator.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE float to_float(float x) noexcept
   {
     return x;
   }
+  /// `x` itself: no rounding.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE float from_float(float x) noexcept
   {
     return x;
   }
+  /// The binary32 bit pattern of `x`.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE std::uint32_t bits(float x) noexcept
   {
     return detail::float_bits(x);
   }
+  /// Whether `x` is neither infinite nor NaN.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE bool is_finite(float x) noexcept
   {
     return (detail::float_bits(x) & 0x7f800000u) != 0x7f800000u;
   }
 };
 
+/// IEEE binary16 (`__half`): 11-bit significand, largest finite 65504; converts to float exactly, from float with
+/// round-to-nearest-even.
 template <>
 struct element_traits<__half>
 {
+  /// The storage type.
   using value_type = __half;
+  /// The type's name, for messages.
   static constexpr const char* name = "half";
+  /// The largest finite value (65504), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float max_finite() noexcept
   {
     return 65504.0f;
   }
+  /// The smallest positive normal value (2^-14), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float min_normal() noexcept
   {
     return 6.103515625e-05f; // 2^-14
   }
+  /// The gap between 1 and the next larger value (2^-10), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float epsilon() noexcept
   {
     return 9.765625e-04f; // 2^-10
   }
+  /// The binary16 bit pattern of `x`.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE std::uint16_t bits(__half x) noexcept
   {
     return static_cast<__half_raw>(x).x;
   }
+  /// The value whose binary16 bit pattern is `b` (bits' inverse).
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE __half from_bits(std::uint16_t b) noexcept
   {
     __half_raw r;
     r.x = b;
     return __half(r);
   }
+  /// `x` as a float, exactly.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE float to_float(__half x) noexcept
   {
 #if CONTRASTIVE_IN_DEVICE_CODE
@@ -181,6 +201,7 @@ struct element_traits<__half>
     return detail::half_bits_to_float(bits(x));
 #endif
   }
+  /// `x` rounded to nearest-even (overflow to +-inf, NaN kept), bit-identical on host and device.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE __half from_float(float x) noexcept
   {
 #if CONTRASTIVE_IN_DEVICE_CODE
@@ -189,39 +210,50 @@ struct element_traits<__half>
     return from_bits(detail::float_to_half_bits(x));
 #endif
   }
+  /// Whether `x` is neither infinite nor NaN.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE bool is_finite(__half x) noexcept
   {
     return (bits(x) & 0x7c00u) != 0x7c00u;
   }
 };
 
+/// bfloat16 (`__nv_bfloat16`): float's exponent range with an 8-bit significand; converts to float exactly, from
+/// float with round-to-nearest-even.
 template <>
 struct element_traits<__nv_bfloat16>
 {
+  /// The storage type.
   using value_type = __nv_bfloat16;
+  /// The type's name, for messages.
   static constexpr const char* name = "bfloat16";
+  /// The largest finite value (3.38953139e38), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float max_finite() noexcept
   {
     return 3.38953139e+38f;
   }
+  /// The smallest positive normal value (2^-126), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float min_normal() noexcept
   {
     return 1.17549435e-38f;
   }
+  /// The gap between 1 and the next larger value (2^-7), as a float.
   CONTRASTIVE_HOST_DEVICE static constexpr float epsilon() noexcept
   {
     return 7.8125e-03f; // 2^-7
   }
+  /// The bfloat16 bit pattern of `x`.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE std::uint16_t bits(__nv_bfloat16 x) noexcept
   {
     return static_cast<__nv_bfloat16_raw>(x).x;
   }
+  /// The value whose bfloat16 bit pattern is `b` (bits' inverse).
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE __nv_bfloat16 from_bits(std::uint16_t b) noexcept
   {
     __nv_bfloat16_raw r;
     r.x = b;
     return __nv_bfloat16(r);
   }
+  /// `x` as a float, exactly.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE float to_float(__nv_bfloat16 x) noexcept
   {
 #if CONTRASTIVE_IN_DEVICE_CODE
@@ -230,6 +262,7 @@ struct element_traits<__nv_bfloat16>
     return detail::bf16_bits_to_float(bits(x));
 #endif
   }
+  /// `x` rounded to nearest-even (overflow to +-inf, NaN kept), bit-identical on host and device.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE __nv_bfloat16 from_float(float x) noexcept
   {
 #if CONTRASTIVE_IN_DEVICE_CODE
@@ -238,6 +271,7 @@ struct element_traits<__nv_bfloat16>
     return from_bits(detail::float_to_bf16_bits(x));
 #endif
   }
+  /// Whether `x` is neither infinite nor NaN.
   CONTRASTIVE_HOST_DEVICE static CONTRASTIVE_FORCEINLINE bool is_finite(__nv_bfloat16 x) noexcept
   {
     return (bits(x) & 0x7f80u) != 0x7f80u;

@@ -14,12 +14,13 @@
 
 namespace contrastive
 {
+/// The logit bias b, fixed or learnable, with the optimiser that trains it; trivially copyable, saved byte for byte.
 struct logit_bias
 {
-  float value = 0.0f;
+  float value = 0.0f;       ///< b, added to every logit; finite
   std::int32_t trained = 0; ///< 1: `advance` applies the optimiser to the bias's gradient; 0: fixed
-  optimizer opt{};
-  optimizer_state state{};
+  optimizer opt{};          ///< settings of the optimiser that trains b (used only when `trained` is 1)
+  optimizer_state state{};  ///< that optimiser's moments and update count
 
   /// A bias that stays at `b`.
   static constexpr logit_bias fixed(float b) noexcept
@@ -31,6 +32,7 @@ struct logit_bias
   {
     return logit_bias{b, 1, o, optimizer_state{}};
   }
+  /// Whether `advance` trains the bias (`trained` is nonzero).
   CONTRASTIVE_HOST_DEVICE bool is_learnable() const noexcept
   {
     return trained != 0;

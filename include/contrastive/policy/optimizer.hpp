@@ -30,26 +30,29 @@ CONTRASTIVE_HOST_DEVICE inline std::int32_t saturating_increment(std::int32_t c)
 }
 } // namespace detail
 
+/// The update rule of an `optimizer` (see the file comment).
 enum class optimizer_kind : std::int32_t
 {
-  sgd = 0,
-  adam = 1,
+  sgd = 0,  ///< SGD with optional momentum
+  adam = 1, ///< Adam with bias correction
 };
 
 /// Runtime settings of the temperature optimiser. Build one with `optimizer::sgd(...)` or `optimizer::adam(...)`.
 struct optimizer
 {
-  optimizer_kind kind = optimizer_kind::adam;
-  float lr = 1e-3f;
-  float momentum = 0.0f; ///< SGD only
-  float beta1 = 0.9f;    ///< Adam only
-  float beta2 = 0.999f;  ///< Adam only
-  float eps = 1e-8f;     ///< Adam only
+  optimizer_kind kind = optimizer_kind::adam; ///< the update rule
+  float lr = 1e-3f;                           ///< learning rate, finite and >= 0
+  float momentum = 0.0f;                      ///< SGD only
+  float beta1 = 0.9f;                         ///< Adam only
+  float beta2 = 0.999f;                       ///< Adam only
+  float eps = 1e-8f;                          ///< Adam only
 
+  /// SGD with learning rate `lr` and momentum `momentum` in [0, 1) (0: plain SGD).
   static constexpr optimizer sgd(float lr, float momentum = 0.0f) noexcept
   {
     return optimizer{optimizer_kind::sgd, lr, momentum, 0.9f, 0.999f, 1e-8f};
   }
+  /// Adam with learning rate `lr`, betas in [0, 1) and `eps` > 0 (PyTorch's defaults).
   static constexpr optimizer
   adam(float lr = 1e-3f, float beta1 = 0.9f, float beta2 = 0.999f, float eps = 1e-8f) noexcept
   {
@@ -76,9 +79,9 @@ static_assert(sizeof(optimizer) == sizeof(optimizer_kind) + 5 * sizeof(float), "
 /// INT64_MAX, where Adam's bias corrections are 1).
 struct optimizer_state
 {
-  double m = 0.0;
-  double v = 0.0;
-  std::int64_t t = 0;
+  double m = 0.0;     ///< SGD's momentum buffer or Adam's first moment; finite
+  double v = 0.0;     ///< Adam's second moment, >= 0 (unused by SGD)
+  std::int64_t t = 0; ///< updates applied, >= 0
 
   /// A state some sequence of finite updates could have produced (checked by `restore`).
   CONTRASTIVE_HOST_DEVICE bool valid() const noexcept

@@ -44,7 +44,7 @@ namespace temperature
 /// (the current, learnt upper bound on theta) and `events`.
 struct range_guard : learnable
 {
-  static constexpr const char* name = "range_guard";
+  static constexpr const char* name = "range_guard"; ///< the policy's name, for messages
 
   float headroom = 16.0f;   ///< keep s <= max_finite / headroom (room for the backward's loss_scale * s * G)
   float retreat = 0.5f;     ///< theta retreat on an overflow event, in natural-log units (s shrinks by e^-0.5)
@@ -79,12 +79,15 @@ struct range_guard : learnable
   {
     return t < min_theta ? min_theta : (t > ceiling ? ceiling : t);
   }
+  /// learnable's optimiser step, then theta kept in [min_theta, ceiling].
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
   {
     learnable::advance(grad_theta);
     theta = clamp(theta);
   }
 
+  /// Called after every finished step, skipped ones included: applies the range bound for `element_max_finite` and,
+  /// when `rec` is an overflow event, the retreat (see the file comment); theta ends in [min_theta, ceiling].
   CONTRASTIVE_HOST_DEVICE void observe(const step_record& rec, float element_max_finite) noexcept
   {
     lower_ceiling(range_bound(element_max_finite));
@@ -101,6 +104,8 @@ struct range_guard : learnable
     theta = clamp(theta);
   }
 
+  /// Besides learnable's checks: headroom, retreat, scale_floor, events, the tau_max bound and the ceiling are each in
+  /// their domain.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (!(headroom >= 1.0f && headroom < 3.0e38f))

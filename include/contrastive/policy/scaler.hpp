@@ -29,19 +29,23 @@ namespace scaler
 /// One constant loss scale; 1 disables scaling. State: the scale. `update` changes nothing.
 struct static_scale
 {
-  static constexpr bool is_dynamic = false;
-  static constexpr const char* name = "static";
+  static constexpr bool is_dynamic = false;     ///< the scale never changes
+  static constexpr const char* name = "static"; ///< the policy's name, for messages
 
-  float scale = 1.0f;
+  float scale = 1.0f; ///< the loss scale; finite and > 0
 
   constexpr static_scale() = default;
+  /// A constant scale `s` (checked by `validate`, not here).
   constexpr explicit static_scale(float s) noexcept : scale(s) {}
 
+  /// The factor the backward pass multiplies gradients by: `scale`.
   CONTRASTIVE_HOST_DEVICE float loss_scale() const noexcept
   {
     return scale;
   }
+  /// Called once per step; changes nothing.
   CONTRASTIVE_HOST_DEVICE void update(bool) noexcept {}
+  /// Empty string when `scale` is finite and > 0, else what is wrong.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     return (scale > 0.0f && scale < 3.0e38f) ? "" : "loss scale must be finite and > 0";
@@ -58,22 +62,22 @@ struct static_scale
 /// run resumes bit-exactly; start a run from a finite scale > 0.
 struct dynamic
 {
-  static constexpr bool is_dynamic = true;
-  static constexpr const char* name = "dynamic";
+  static constexpr bool is_dynamic = true;       ///< the scale changes with `update`
+  static constexpr const char* name = "dynamic"; ///< the policy's name, for messages
 
-  float scale = 65536.0f;
-  std::uint32_t padding0 = 0; ///< explicit padding, always 0: no implicit padding, so save() is byte-deterministic
-  double growth_factor = 2.0;
-  double backoff_factor = 0.5;
-  std::int32_t growth_interval = 2000;
-  std::int32_t backoff_interval = 1;
+  float scale = 65536.0f;      ///< the current loss scale (fp32, as in every framework)
+  std::uint32_t padding0 = 0;  ///< explicit padding, always 0: no implicit padding, so save() is byte-deterministic
+  double growth_factor = 2.0;  ///< scale multiplier after growth_interval finite steps; > 1
+  double backoff_factor = 0.5; ///< scale multiplier after backoff_interval non-finite steps; in (0, 1)
+  std::int32_t growth_interval = 2000;     ///< consecutive finite steps per growth; >= 1
+  std::int32_t backoff_interval = 1;       ///< consecutive non-finite steps per back-off; >= 1
   float min_scale = 0.0f;                  ///< floor after a back-off; 0 = none
   float max_scale = __builtin_huge_valf(); ///< cap after a growth; inf = none
   bool refuse_nonfinite_growth = true;     ///< a growth that would overflow float is refused
   std::uint8_t padding1[3] = {0, 0, 0};    ///< explicit padding, always 0
-  std::int32_t good = 0;
-  std::int32_t bad = 0;
-  std::uint32_t padding2 = 0; ///< explicit padding, always 0
+  std::int32_t good = 0;                   ///< consecutive finite steps since the last growth or non-finite step
+  std::int32_t bad = 0;                    ///< consecutive non-finite steps since the last back-off or finite step
+  std::uint32_t padding2 = 0;              ///< explicit padding, always 0
 
   /// `torch.amp.GradScaler()` defaults: 2^16, x2 every 2000 finite steps, x0.5 on every non-finite step, no floor,
   /// growth to inf refused (aten `_amp_update_scale_`).
@@ -125,11 +129,14 @@ struct dynamic
     return d;
   }
 
+  /// The factor the backward pass multiplies gradients by: `scale`.
   CONTRASTIVE_HOST_DEVICE float loss_scale() const noexcept
   {
     return scale;
   }
 
+  /// One step of the rule in the file comment, once per step (skipped ones included): `found_inf` is the
+  /// unscale-and-check pass's verdict.
   CONTRASTIVE_HOST_DEVICE void update(bool found_inf) noexcept
   {
     if (found_inf)
@@ -167,6 +174,7 @@ struct dynamic
     padding2 = 0;
   }
 
+  /// Empty string when the settings and state are ones the rule accepts (see the struct comment), else what is wrong.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (!(scale >= 0.0f))
@@ -212,6 +220,7 @@ static_assert(sizeof(dynamic) == 3 * sizeof(float) + 2 * sizeof(double) + 4 * si
                                      3 * sizeof(std::uint8_t) + 2 * sizeof(std::uint32_t),
               "dynamic must have no padding");
 
+/// A trivially copyable type with is_dynamic, loss_scale(), update(bool) and validate(); checked by the loss.
 template <class P, class = void>
 struct is_scaler_policy : std::false_type
 {
@@ -225,6 +234,7 @@ struct is_scaler_policy<P,
     : std::bool_constant<std::is_trivially_copyable_v<P>>
 {
 };
+/// Whether `P` is a scaler policy (`is_scaler_policy`).
 template <class P>
 inline constexpr bool is_scaler_policy_v = is_scaler_policy<P>::value;
 } // namespace scaler

@@ -47,14 +47,17 @@ CONTRASTIVE_HOST_DEVICE inline float tau_of(float theta) noexcept
 template <class Policy>
 struct theta_getters
 {
+  /// theta = log(1/tau), the policy's stored state.
   CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
   {
     return static_cast<const Policy*>(this)->theta;
   }
+  /// s = exp(theta) = 1/tau, the factor of this step's logits.
   CONTRASTIVE_HOST_DEVICE float scale() const noexcept
   {
     return static_cast<float>(::exp(static_cast<double>(logit_scale())));
   }
+  /// tau = exp(-theta).
   CONTRASTIVE_HOST_DEVICE float tau() const noexcept
   {
     return tau_of(logit_scale());
@@ -98,31 +101,38 @@ CONTRASTIVE_HOST_DEVICE inline bool valid_theta_bound(float bound, float none) n
 /// tau never changes and no gradient is used. State: tau.
 struct fixed
 {
-  static constexpr bool is_learnable = false;
-  static constexpr const char* name = "fixed";
+  static constexpr bool is_learnable = false;  ///< tau is never trained
+  static constexpr const char* name = "fixed"; ///< the policy's name, for messages
 
-  float tau_value = 0.07f;
+  float tau_value = 0.07f; ///< the temperature tau, finite and > 0
 
   constexpr fixed() = default;
+  /// A temperature that stays at `tau`.
   constexpr explicit fixed(float tau) noexcept : tau_value(tau) {}
 
+  /// tau, as set.
   CONTRASTIVE_HOST_DEVICE float tau() const noexcept
   {
     return tau_value;
   }
+  /// s = 1/tau, computed in double and rounded to float once.
   CONTRASTIVE_HOST_DEVICE float scale() const noexcept
   {
     return static_cast<float>(1.0 / static_cast<double>(tau_value));
   }
+  /// theta = log(1/tau) (see `logit_scale_of`).
   CONTRASTIVE_HOST_DEVICE float logit_scale() const noexcept
   {
     return logit_scale_of(tau_value);
   }
+  /// Always false: no step's d(loss)/d(theta) is used.
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
     return false;
   }
+  /// Does nothing: tau never changes.
   CONTRASTIVE_HOST_DEVICE void advance(float) noexcept {}
+  /// "" when tau is a temperature every policy accepts (see `valid_tau`), else what is wrong.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     return valid_tau(tau_value) ? "" : "tau must be finite and > 0, with |log(1/tau)| <= 80";
@@ -133,22 +143,25 @@ struct fixed
 /// State: theta, the optimiser's moments and step count, and `steps` (finite steps applied).
 struct learnable : theta_getters<learnable>
 {
-  static constexpr bool is_learnable = true;
-  static constexpr const char* name = "learnable";
+  static constexpr bool is_learnable = true;       ///< theta is trained from d(loss)/d(theta)
+  static constexpr const char* name = "learnable"; ///< the policy's name, for messages
 
   float theta = 2.65926003693f; ///< log(1/0.07)
+  /// Settings of the optimiser that trains theta (default Adam, lr 1e-3).
   contrastive::optimizer opt = contrastive::optimizer::adam(1e-3f);
-  std::uint32_t padding = 0; ///< explicit padding before opt_state, always 0 (see the file comment)
-  optimizer_state opt_state{};
-  std::int64_t steps = 0;
+  std::uint32_t padding = 0;   ///< explicit padding before opt_state, always 0 (see the file comment)
+  optimizer_state opt_state{}; ///< the optimiser's moments and update count
+  std::int64_t steps = 0;      ///< finite steps applied (saturates at INT64_MAX)
 
   constexpr learnable() = default;
+  /// theta = log(1/initial_tau), trained by `o` (default Adam, lr 1e-3) from an empty optimiser state.
   CONTRASTIVE_HOST_DEVICE explicit learnable(float initial_tau,
                                              contrastive::optimizer o = contrastive::optimizer::adam(1e-3f)) noexcept
       : theta(logit_scale_of(initial_tau)), opt(o)
   {
   }
 
+  /// Always true: every finite step's d(loss)/d(theta) trains theta.
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
     return true;
@@ -166,6 +179,7 @@ struct learnable : theta_getters<learnable>
   {
     padding = 0;
   }
+  /// "" when theta, the optimiser's settings and state, and `steps` are each in their domain, else what is wrong.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (!valid_theta(theta))
@@ -188,12 +202,13 @@ struct learnable : theta_getters<learnable>
 /// (open_clip's default: 0 <= theta <= ln 100, i.e. 0.01 <= tau <= 1).
 struct clamped : learnable
 {
-  static constexpr const char* name = "clamped";
+  static constexpr const char* name = "clamped"; ///< the policy's name, for messages
 
   float min_theta = 0.0f;         ///< log(1/tau_max)
   float max_theta = 4.605170186f; ///< log(1/tau_min) = ln 100
 
   constexpr clamped() = default;
+  /// theta = log(1/initial_tau) clamped to [log(1/tau_max), log(1/tau_min)], then trained by `o`.
   CONTRASTIVE_HOST_DEVICE clamped(float initial_tau,
                                   float tau_min,
                                   float tau_max,
@@ -203,18 +218,22 @@ struct clamped : learnable
     theta = clamp(theta);
   }
 
+  /// `t` (a theta) kept in [min_theta, max_theta].
   CONTRASTIVE_HOST_DEVICE float clamp(float t) const noexcept
   {
     return t < min_theta ? min_theta : (t > max_theta ? max_theta : t);
   }
+  /// The lower bound on tau, exp(-max_theta) (0 when there is none).
   CONTRASTIVE_HOST_DEVICE float tau_min() const noexcept
   {
     return tau_of(max_theta);
   }
+  /// The upper bound on tau, exp(-min_theta) (inf when there is none).
   CONTRASTIVE_HOST_DEVICE float tau_max() const noexcept
   {
     return tau_of(min_theta);
   }
+  /// learnable's optimiser step, then theta clamped to [min_theta, max_theta].
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
   {
     learnable::advance(grad_theta);
@@ -241,7 +260,7 @@ struct clamped : learnable
 /// steps, so skipped steps do not bring the unfreezing closer. The optimiser's state starts at the unfreezing.
 struct freeze_then_learn : clamped
 {
-  static constexpr const char* name = "freeze_then_learn";
+  static constexpr const char* name = "freeze_then_learn"; ///< the policy's name, for messages
 
   std::int64_t unfreeze_step = 1000; ///< finite steps at the initial tau before it becomes learnable
 
@@ -261,11 +280,13 @@ struct freeze_then_learn : clamped
     theta = logit_scale_of(tau);
   }
 
+  /// Whether the frozen phase is over (`steps` >= `unfreeze_step`).
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
     return steps >= unfreeze_step;
   }
 
+  /// In the frozen phase only counts the step; after it, the optimiser step of `clamped`.
   CONTRASTIVE_HOST_DEVICE void advance(float grad_theta) noexcept
   {
     if (wants_gradient())
@@ -276,6 +297,7 @@ struct freeze_then_learn : clamped
     steps = detail::saturating_increment(steps);
   }
 
+  /// Besides clamped's checks: `unfreeze_step` >= 0.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (unfreeze_step < 0)
@@ -290,14 +312,16 @@ struct freeze_then_learn : clamped
 /// one. For a temperature that follows a schedule with no gradient, see `schedule`.
 struct scheduled : temperature::freeze_then_learn
 {
-  static constexpr const char* name = "scheduled";
+  static constexpr const char* name = "scheduled"; ///< the policy's name, for messages
 
   scheduled() = default;
+  /// The policy `f`, under the former name.
   CONTRASTIVE_HOST_DEVICE explicit scheduled(const temperature::freeze_then_learn& f) noexcept
       : temperature::freeze_then_learn(f)
   {
   }
 
+  /// `temperature::freeze_then_learn(tau, unfreeze_step, o, tau_min, tau_max)`, as a `scheduled`.
   CONTRASTIVE_HOST_DEVICE static scheduled
   freeze_then_learn(float tau,
                     std::int64_t unfreeze_step,
@@ -309,6 +333,7 @@ struct scheduled : temperature::freeze_then_learn
   }
 };
 
+/// The shape of a `schedule`: how tau goes from tau_start to tau_end.
 enum class schedule_kind : std::int32_t
 {
   linear = 1, ///< tau moves linearly from tau_start to tau_end over `duration` steps, then stays
@@ -319,17 +344,17 @@ enum class schedule_kind : std::int32_t
 /// State: theta (of the current tau) and `steps` (finite steps applied; skipped steps do not advance the schedule).
 struct schedule : theta_getters<schedule>
 {
-  static constexpr bool is_learnable = false;
-  static constexpr const char* name = "schedule";
+  static constexpr bool is_learnable = false;     ///< tau follows the step count; no gradient trains it
+  static constexpr const char* name = "schedule"; ///< the policy's name, for messages
 
-  schedule_kind kind = schedule_kind::cosine;
-  float tau_start = 0.07f;
-  float tau_end = 0.07f;
-  std::uint32_t padding0 = 0; ///< explicit padding before duration, always 0 (see the file comment)
-  std::int64_t duration = 1000;
-  float theta = 2.65926003693f; ///< log(1/tau) now: log(1/tau_start) at step 0
-  std::uint32_t padding1 = 0;   ///< explicit padding before steps, always 0
-  std::int64_t steps = 0;
+  schedule_kind kind = schedule_kind::cosine; ///< the schedule's shape
+  float tau_start = 0.07f;                    ///< tau at step 0, a temperature every policy accepts
+  float tau_end = 0.07f;                      ///< tau from step `duration` on, a temperature every policy accepts
+  std::uint32_t padding0 = 0;                 ///< explicit padding before duration, always 0 (see the file comment)
+  std::int64_t duration = 1000;               ///< finite steps from tau_start to tau_end, >= 0
+  float theta = 2.65926003693f;               ///< log(1/tau) now: log(1/tau_start) at step 0
+  std::uint32_t padding1 = 0;                 ///< explicit padding before steps, always 0
+  std::int64_t steps = 0;                     ///< finite steps applied (saturates at INT64_MAX)
 
   constexpr schedule() = default;
   /// tau from `tau_start` to `tau_end` over `duration` finite steps, then `tau_end`.
@@ -338,6 +363,7 @@ struct schedule : theta_getters<schedule>
   {
   }
 
+  /// Always false: tau depends on the step count only.
   CONTRASTIVE_HOST_DEVICE bool wants_gradient() const noexcept
   {
     return false;
@@ -349,6 +375,7 @@ struct schedule : theta_getters<schedule>
     steps = detail::saturating_increment(steps);
     theta = clamp_theta(logit_scale_of(tau_at(steps)));
   }
+  /// Zeroes both explicit padding members (`save()` calls it on the copy it returns).
   CONTRASTIVE_HOST_DEVICE void clear_padding() noexcept
   {
     padding0 = 0;
@@ -369,6 +396,7 @@ struct schedule : theta_getters<schedule>
     return static_cast<float>(static_cast<double>(tau_start) * (1.0 - f) + static_cast<double>(tau_end) * f);
   }
 
+  /// "" when both taus, `kind`, `duration`, `steps` and theta are each in their domain, else what is wrong.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (!valid_tau(tau_start) || !valid_tau(tau_end))
@@ -416,6 +444,7 @@ struct is_temperature_policy<P,
     : std::bool_constant<std::is_trivially_copyable_v<P>>
 {
 };
+/// Whether `P` meets the requirements of a temperature policy (see `is_temperature_policy`).
 template <class P>
 inline constexpr bool is_temperature_policy_v = is_temperature_policy<P>::value;
 
@@ -430,6 +459,7 @@ struct has_optimizer<P, std::void_t<decltype(std::declval<P&>().opt = std::declv
     : std::true_type
 {
 };
+/// Whether `P` trains theta with an `opt` member (see `has_optimizer`).
 template <class P>
 inline constexpr bool has_optimizer_v = has_optimizer<P>::value;
 
@@ -443,6 +473,7 @@ struct has_observe<P, std::void_t<decltype(std::declval<P&>().observe(std::declv
     : std::true_type
 {
 };
+/// Whether `P` has the optional `observe` hook (see `has_observe`).
 template <class P>
 inline constexpr bool has_observe_v = has_observe<P>::value;
 } // namespace temperature

@@ -46,6 +46,8 @@
 
 namespace contrastive
 {
+/// The stateful training step (see the file comment): temperature and loss-scaler policies, the step count and the
+/// sigmoid objective's logit bias over the step driver; one process, or the ranks of `Comm`.
 template <class Element,
           class Temperature = temperature::learnable,
           class Scaler = scaler::static_scale,
@@ -65,12 +67,19 @@ class basic_loss : public step::front<step::driver<Element, Algorithm, Gemm, Com
   using base::driver_;
 
 public:
+  /// The element type of q, k, dq and dk (float, __half or __nv_bfloat16).
   using element_type = Element;
+  /// The temperature policy.
   using temperature_type = Temperature;
+  /// The loss-scaler policy.
   using scaler_type = Scaler;
+  /// The algorithm tag (algorithm::fused, materialized or chunked).
   using algorithm_type = Algorithm;
+  /// The host GEMM core tag (gemm::builtin or gemm::cblas).
   using gemm_type = Gemm;
+  /// The communicator (distributed::comm::self for one process).
   using comm_type = Comm;
+  /// The inputs of one call, in Element (this rank's rows over ranks).
   using problem_type = problem<Element>;
 
   /// Everything a training run must save to resume bit-exactly (trivially copyable).
@@ -89,22 +98,27 @@ public:
   {
   }
 
+  /// The temperature policy as it stands: moved by each finite step's `finish_step`.
   const Temperature& temperature() const noexcept
   {
     return temperature_;
   }
+  /// The loss scaler as it stands: updated by every `finish_step`.
   const Scaler& scaler() const noexcept
   {
     return scaler_;
   }
+  /// Steps finished (`finish_step` calls that succeeded, skipped steps included), or the count restored.
   std::int64_t steps() const noexcept
   {
     return step_;
   }
+  /// The temperature the next step runs at.
   float tau() const noexcept
   {
     return temperature_.tau();
   }
+  /// The loss scale the next backward multiplies the loss by.
   float loss_scale() const noexcept
   {
     return scaler_.loss_scale();
@@ -147,6 +161,7 @@ public:
     bias_ = b;
     return {};
   }
+  /// The sigmoid objective's logit bias as it stands (value and, if learnable, optimiser state).
   const logit_bias& bias() const noexcept
   {
     return bias_;
