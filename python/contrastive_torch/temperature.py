@@ -51,8 +51,20 @@ def _f32(x):
     """x rounded to the nearest float32 (what a C++ float holds), as a Python float."""
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
+    except (OverflowError, struct.error):
         return math.copysign(math.inf, x)
+
+
+def _number(name, value):
+    """A setting as a Python float: a number (not a bool), a NumPy scalar or a one-element tensor; else TypeError."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or hasattr(value, "__float__")):
+        raise TypeError(f"{name} must be a number, got {_describe(value)}")
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise TypeError(f"{name} must be a number, got {_describe(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range
+        return math.inf if value > 0 else -math.inf
 
 
 def _logit_scale_param(value, name="logit_scale"):
@@ -102,11 +114,14 @@ def _site_name(value, name="site"):
 class _ScalerWatch:
     """What a GradScaler did in the step that just finished, read after `scaler.update()`: the scale the step used
     (the one seen at the previous read, or at construction), the scale after the update, and whether the step was
-    skipped. torch's GradScaler backs off (scale x backoff_factor < 1) on exactly the steps it skips, and at +inf skips
-    every step. At 0 it cannot back off, and it skips only a step whose scaled gradients are non-finite: it checks them
-    (0 x g: all finite) before unscaling by 1/0 = inf, so a step with a finite loss hands the optimizer NaN gradients
-    (measured on the CPU with PyTorch 2.15; the library's own step skips it). There `skipped` is None: the caller
-    decides from the loss. Disabled: 1, 1, never skipped. One `get_scale()` per read (a synchronisation on CUDA)."""
+    skipped. torch's GradScaler zeroes its growth tracker on a skipped step (and backs off) and on a growth, and counts
+    it up on every other step, so a zero tracker without a growth is a skip; that holds at a scale of 0 too, where it
+    cannot back off and skips only a step whose scaled gradients are non-finite: it checks them (0 x g: all finite)
+    before unscaling by 1/0 = inf, so a step with a finite loss hands the optimizer NaN gradients (measured on the CPU
+    with PyTorch 2.15; the library's own step skips it). A scaler without that tracker: a back-off is a skip, and at
+    scale 0 `skipped` is None (the caller decides from the loss). Disabled: 1, 1, never skipped. One `get_scale()` and
+    one tracker read per step (synchronisations on CUDA). With several optimizers under one scaler, a skip is the
+    scaler's verdict: the step is skipped for all of them."""
 
     def __init__(self, scaler):
         self.scaler = _grad_scaler(scaler)
@@ -120,6 +135,12 @@ class _ScalerWatch:
     def read(self):
         before, now = self.last, self.scale_now()
         self.last = now
+        if self.scaler is None or not self.scaler.is_enabled():
+            return before, now, False
+        tracker = getattr(self.scaler, "_growth_tracker", None)
+        if isinstance(tracker, torch.Tensor) and tracker.numel() == 1:
+            # (A growth refused because it would overflow float also zeroes the tracker; at 2^127 that reads as a skip.)
+            return before, now, int(tracker.item()) == 0 and not now > before
         if before == 0.0:
             return before, now, None
         return before, now, not math.isfinite(before) or now < before
@@ -188,16 +209,15 @@ class RangeGuard:
         self.optimizer = optimizer
         self.dtype = _range_dtype(dtype)
         self._watch = _ScalerWatch(scaler)
-        self.headroom = _f32(headroom) if isinstance(headroom, (int, float)) else headroom
-        self.retreat = _f32(retreat) if isinstance(retreat, (int, float)) else retreat
-        self.scale_floor = _f32(scale_floor) if isinstance(scale_floor, (int, float)) else scale_floor
-        if not isinstance(tau_max, (int, float)) or isinstance(tau_max, bool):
-            raise TypeError(f"tau_max must be a number, got {_describe(tau_max)}")
-        tau_max = _f32(tau_max)
-        if tau_max == math.inf:
+        self.headroom = _f32(_number("headroom", headroom))
+        self.retreat = _f32(_number("retreat", retreat))
+        self.scale_floor = _f32(_number("scale_floor", scale_floor))
+        given = _number("tau_max", tau_max)
+        tau = _f32(given)
+        if tau == math.inf:
             self.min_theta = -math.inf
-        elif tau_max > 0.0 and math.isfinite(tau_max) and abs(_f32(-math.log(tau_max))) <= THETA_LIMIT:
-            self.min_theta = _f32(-math.log(tau_max))
+        elif tau > 0.0 and math.isfinite(tau) and abs(_f32(-math.log(tau))) <= THETA_LIMIT:
+            self.min_theta = _f32(-math.log(tau))
         else:
             raise ValueError(f"tau_max must be a tau with |log(1/tau)| <= {THETA_LIMIT:g}, or inf for no bound, "
                              f"got {tau_max!r}")
@@ -214,8 +234,11 @@ class RangeGuard:
                 ("scale_floor", self.scale_floor, lambda v: 0.0 <= v < 3.0e38, "finite and >= 0")):
             if not isinstance(value, float) or not ok(value):
                 raise ValueError(f"{name} must be {domain}, got {value!r}")
-        if not (isinstance(self.events, int) and self.events >= 0):
-            raise ValueError(f"events must be an int >= 0, got {self.events!r}")
+        if isinstance(self.events, bool) or not isinstance(self.events, int) or not 0 <= self.events <= _INT32_MAX:
+            raise ValueError(f"events must be an int in [0, 2^31 - 1], got {self.events!r}")
+        if not (self.min_theta == -math.inf or abs(self.min_theta) <= THETA_LIMIT):
+            raise ValueError(f"min_theta must be log(1/tau_max) within +-{THETA_LIMIT:g}, or -inf, got "
+                             f"{self.min_theta!r}")
         if not (self.min_theta <= self.ceiling and self.ceiling >= -THETA_LIMIT):
             raise ValueError(f"ceiling must not be below log(1/tau_max) = {self.min_theta} nor below "
                              f"-{THETA_LIMIT:g}, got {self.ceiling!r}")
@@ -256,7 +279,9 @@ class RangeGuard:
         if not isinstance(skipped, bool):
             raise TypeError(f"skipped must be a bool, got {_describe(skipped)}")
         site = _site_name(site)
-        loss_scale, next_loss_scale = float(loss_scale), float(next_loss_scale)
+        # The library's step record holds the scales as floats.
+        loss_scale = _f32(_number("loss_scale", loss_scale))
+        next_loss_scale = _f32(_number("next_loss_scale", next_loss_scale))
         theta = _f32(float(self.param.detach()))
         if not skipped:
             # What the library's learnable advance does with the optimiser's result.
@@ -270,9 +295,12 @@ class RangeGuard:
             self._drop_first_moment()
             self.events = min(self.events + 1, _INT32_MAX)
         theta = self._clamp(theta)
-        self._theta = theta
-        if _f32(float(self.param.detach())) != theta or self.param.dtype != torch.float32:
-            self.param.fill_(theta)
+        value = torch.tensor(theta, dtype=self.param.dtype)
+        if float(value) > self.ceiling:  # a 16-bit parameter rounded up past the ceiling: the next value below
+            value = torch.nextafter(value, torch.tensor(-math.inf, dtype=value.dtype))
+        self._theta = _f32(float(value))
+        if _f32(float(self.param.detach())) != self._theta or self.param.dtype != torch.float32:
+            self.param.fill_(value.item())
         return event
 
     def _drop_first_moment(self):
@@ -302,13 +330,17 @@ class RangeGuard:
         saved = dict(self.__dict__)
         try:
             self.dtype = by_name[state["dtype"]]
-            for key in ("headroom", "retreat", "scale_floor", "min_theta", "ceiling", "theta", "loss_scale"):
+            for key in ("headroom", "retreat", "scale_floor", "min_theta", "ceiling", "theta", "loss_scale", "events"):
                 if not isinstance(state[key], (int, float)) or isinstance(state[key], bool):
                     raise ValueError(f"state['{key}'] must be a number, got {_describe(state[key])}")
             self.headroom, self.retreat = float(state["headroom"]), float(state["retreat"])
             self.scale_floor, self.min_theta = float(state["scale_floor"]), float(state["min_theta"])
             self.ceiling, self.events, self._theta = float(state["ceiling"]), state["events"], float(state["theta"])
             self._check_settings()
+            if not abs(self._theta) <= THETA_LIMIT:
+                raise ValueError(f"state['theta'] must be within +-{THETA_LIMIT:g}, got {state['theta']!r}")
+            if not float(state["loss_scale"]) >= 0.0:
+                raise ValueError(f"state['loss_scale'] must be >= 0, got {state['loss_scale']!r}")
             self._watch.last = float(state["loss_scale"])
         except Exception:
             self.__dict__.update(saved)
@@ -362,9 +394,11 @@ class CollapseMonitor:
     def step(self, loss=None, report=None):
         """Record the step that just finished (after `scaler.update()`); returns its record."""
         loss_scale, next_loss_scale, skipped, site = _read_step(self._watch, report, loss)
-        tau = math.exp(-float(self.logit_scale.detach())) if self.logit_scale is not None else None
+        tau = None
+        if self.logit_scale is not None:
+            tau = math.exp(min(-float(self.logit_scale.detach()), 709.0))
         bound = False
-        if report is not None and "max_logit" in report:
+        if report is not None and report.get("max_logit") is not None:
             max_logit = float(report["max_logit"])
         elif self.logit_scale is not None:
             max_logit, bound = math.exp(min(float(self.logit_scale.detach()), 709.0)), True

@@ -295,3 +295,67 @@ def test_the_collapse_example_runs(tmp_path):
             lines = f.read().splitlines()
         assert lines[0].startswith("step,loss,tau,loss_scale,skipped") and len(lines) == 9, lines
     assert (tmp_path / "index.txt").read_text().split() == ["fp16_guard-3", "fp16_fused-3", "bf16-3"]
+
+
+def test_a_guard_built_before_the_scaler_state_is_loaded():
+    # open_clip's resume order: the tools exist before scaler.load_state_dict. A finite step is still read as finite
+    # (the scaler's growth tracker says so), a skipped one as skipped.
+    theta = torch.nn.Parameter(torch.tensor(2.0))
+    opt = torch.optim.SGD([theta], lr=0.1)
+    scaler = grad_scaler()
+    guard, monitor = RangeGuard(theta, opt, scaler), CollapseMonitor(scaler, theta, warn=False)
+    scaler.load_state_dict(grad_scaler(0.5).state_dict())
+    scaler_step(scaler, theta, opt, -1.0)
+    assert not monitor.step(loss=torch.tensor(1.0))["skipped"]
+    assert guard.step(loss=torch.tensor(1.0)) is False and guard.events == 0
+    assert float(theta.detach()) == pytest.approx(2.1, rel=1e-6)
+    scaler_step(scaler, theta, opt, math.inf)
+    assert monitor.step(loss=torch.tensor(math.inf))["skipped"]
+    assert guard.step(loss=torch.tensor(math.inf)) is True
+
+
+def test_observe_rounds_the_scales_as_the_library_does(library):
+    # The library's step record holds the loss scales as floats: 1 - 1e-10 is 1 there, so no back-off and no event.
+    theta = torch.nn.Parameter(torch.tensor(3.0))
+    guard = RangeGuard(theta)
+    assert guard.observe(True, "parameters", 1.0, 1.0 - 1e-10) is False
+    c_theta, _, c_events, _ = library.range_guard_observe("float16", 16.0, 0.5, 1.0, 1.0, math.inf, 0, 0.5, 3.0, 3.0,
+                                                          True, SITES.index("parameters"), 1.0, 1.0 - 1e-10)
+    assert c_events == 0 and float(theta.detach()) == c_theta == 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_parameter_stays_under_the_ceiling(dtype):
+    for retreat in (0.3, 0.5, 0.7):
+        theta = torch.nn.Parameter(torch.tensor(20.0, dtype=dtype))
+        guard = RangeGuard(theta, retreat=retreat)
+        guard.observe(False, "none", 1.0, 1.0)
+        assert float(theta.detach()) <= guard.ceiling
+        guard.observe(True, "logits", 1.0, 0.5)
+        assert float(theta.detach()) <= guard.ceiling and theta.dtype == dtype
+
+
+def test_settings_as_numbers_and_bad_states():
+    import numpy as np
+
+    p = torch.nn.Parameter(torch.tensor(2.0))
+    assert RangeGuard(p, headroom=np.float32(16)).headroom == 16.0
+    assert RangeGuard(p, headroom=torch.tensor(8.0)).headroom == 8.0
+    with pytest.raises(TypeError, match="headroom must be a number"):
+        RangeGuard(p, headroom=True)
+    with pytest.raises(ValueError, match="retreat must be in"):
+        RangeGuard(p, retreat=10**400)
+    with pytest.raises(ValueError, match="tau_max .* got 1e-50"):
+        RangeGuard(p, tau_max=1e-50)
+    guard = RangeGuard(p)
+    with pytest.raises(TypeError, match="loss_scale must be a number"):
+        guard.observe(True, "loss", None, 1.0)
+    guard.observe(False, "none", 1.0, 1.0)
+    state = guard.state_dict()
+    for change in ({"min_theta": 90.0}, {"min_theta": math.inf}, {"theta": math.nan}, {"events": True},
+                   {"events": 2**40}, {"loss_scale": -5.0}, {"loss_scale": math.nan}):
+        with pytest.raises(ValueError):
+            guard.load_state_dict({**state, **change})
+        assert guard.state_dict() == state
+    monitor = CollapseMonitor(None, torch.nn.Parameter(torch.tensor(-800.0)), warn=False)
+    assert monitor.step(report={"max_logit": None})["tau"] == math.exp(709.0)
