@@ -14,6 +14,8 @@
 //                    logits: 8 N_q N_k D; sigmoid fused runs forward and backward in one pass: 6 N_q N_k D for either)
 //   fma_peak_frac    exec_flops / the FMA peak measured by this binary at startup
 //   cpu_busy         process CPU time / (wall time x threads) during the calls (1: every thread busy throughout)
+//   bf16_peak_frac   bfloat16 rows on the vdpbf16ps kernel (AVX512-BF16): exec_flops / the bf16 dot-product peak
+//                    (roofline/bf16_dot_peak), and bf16_peak_frac_cpu its per-CPU-second form
 //   fma_peak_frac_cpu executed FLOPs / (process CPU seconds x the FMA loop's FLOPs per CPU second): efficiency per
 //                    CPU-second the process got, robust to other processes taking cores on a shared machine
 //   bytes_per_second compulsory memory traffic of the algorithm (inputs read once, outputs written once, and for the
@@ -279,6 +281,13 @@ void run(benchmark::State& state, const std::string& key, contrastive::objective
   // The same efficiency per CPU-second the process got: exec FLOPs / (CPU seconds x the FMA loop's FLOPs per CPU
   // second). Robust to other processes taking cores away (not to them sharing caches and memory bandwidth).
   state.counters["fma_peak_frac_cpu"] = w.exec_flops * calls / (cpu_seconds * roof.fma_flops_per_cpu);
+  // bfloat16 on the vdpbf16ps kernel (every product of the built-in backend): the same against the bf16 peak.
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && std::is_same_v<Gemm, contrastive::gemm::builtin> &&
+                contrastive::host::bf16_dot)
+  {
+    state.counters["bf16_peak_frac"] = exec_rate / roof.bf16_flops;
+    state.counters["bf16_peak_frac_cpu"] = w.exec_flops * calls / (cpu_seconds * roof.bf16_flops_per_cpu);
+  }
   state.counters["bytes_per_second"] = bytes_rate;
   state.counters["bw_peak_frac"] = bytes_rate / roof.copy_bytes;
   state.counters["mem_call"] = Counter(static_cast<double>(fx.mem_call), Counter::kDefaults, Counter::kIs1024);

@@ -6,11 +6,12 @@
 //                     [--contrastive_threads=T] [Google Benchmark flags...]
 //
 // The roofline is also registered as benchmarks (roofline/...), so it appears in every report beside the results and
-// in the JSON context (fma_peak_gflops, copy_peak_gbytes_per_s). The device suite is its own binary,
-// contrastive_device_bench (device_loss.cu; see docs/performance.md).
+// in the JSON context (fma_peak_gflops, copy_peak_gbytes_per_s, bf16_dot_peak_gflops). The device suite is its own
+// binary, contrastive_device_bench (device_loss.cu; see docs/performance.md).
 
 #include "support.hpp"
 
+#include <contrastive/host/gemm.hpp>
 #include <contrastive/host/thread_pool.hpp>
 #if defined(CONTRASTIVE_BENCH_CBLAS)
 #include <contrastive/host/cblas_gemm.hpp>
@@ -53,6 +54,22 @@ void register_roofline(unsigned threads)
                                  state.counters["flops"] = flops;
                                })
       ->Iterations(1);
+  if (contrastive::host::bf16_dot)
+  {
+    benchmark::RegisterBenchmark("roofline/bf16_dot_peak",
+                                 [threads](benchmark::State& state)
+                                 {
+                                   fma_rate r{};
+                                   for (auto _ : state)
+                                   {
+                                     r = measure_bf16_dot_flops(threads, 0.1);
+                                   }
+                                   state.counters["flops"] = r.flops;
+                                   state.counters["flops_per_cpu"] = r.flops_per_cpu;
+                                   state.counters["threads"] = threads;
+                                 })
+        ->Iterations(1);
+  }
   const std::size_t copy_bytes = run_config().copy_mib << 20;
   benchmark::RegisterBenchmark("roofline/memcpy",
                                [threads, copy_bytes](benchmark::State& state)
@@ -107,6 +124,11 @@ int main(int argc, char** argv)
   benchmark::AddCustomContext("fma_peak_gflops_per_cpu_second", buf);
   std::snprintf(buf, sizeof buf, "%.2f", roof.copy_bytes * 1e-9);
   benchmark::AddCustomContext("copy_peak_gbytes_per_s", buf);
+  std::snprintf(buf, sizeof buf, "%.1f", roof.bf16_flops * 1e-9);
+  benchmark::AddCustomContext("bf16_dot_peak_gflops", contrastive::host::bf16_dot ? buf : "none (no AVX512-BF16)");
+  benchmark::AddCustomContext("host_kernel",
+                              std::string(contrastive::host::kernel_isa) +
+                                  ", bfloat16 dot products: " + contrastive::host::bf16_kernel_isa);
   benchmark::AddCustomContext("contrastive_threads", std::to_string(threads));
   benchmark::AddCustomContext("contrastive_config", cfg.describe());
 

@@ -515,6 +515,49 @@ float fma_chains(std::size_t blocks, float seed)
   return t;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool have_bf16_dot = true;
+/// The same chains on vdpbf16ps (16 lanes x 2 bfloat16 products per instruction, float accumulation).
+float bf16_dot_chains(std::size_t blocks, float seed)
+{
+  __m512 acc[accumulators];
+  for (int i = 0; i < accumulators; ++i)
+  {
+    acc[i] = _mm512_set1_ps(seed + 0.001f * static_cast<float>(i));
+  }
+  const __m512bh m = (__m512bh)_mm512_set1_epi32(0x3f803f80); // (1, 1)
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x358637bd); // (~1e-6, ~1e-6)
+  for (std::size_t b = 0; b < blocks; ++b)
+  {
+    for (std::size_t s = 0; s < inner; ++s)
+    {
+      for (int i = 0; i < accumulators; ++i)
+      {
+        acc[i] = _mm512_dpbf16_ps(acc[i], m, a);
+      }
+    }
+    __asm__ volatile("" : "+m"(acc));
+  }
+  float t = 0.0f;
+  for (int i = 0; i < accumulators; ++i)
+  {
+    float lane[16];
+    _mm512_storeu_ps(lane, acc[i]);
+    for (float x : lane)
+    {
+      t += x;
+    }
+  }
+  return t;
+}
+#else
+constexpr bool have_bf16_dot = false;
+float bf16_dot_chains(std::size_t, float)
+{
+  return 0.0f;
+}
+#endif
+
 /// Runs `body(worker)` on `threads` threads started together; returns the wall time of the slowest.
 template <class F>
 double timed_parallel(unsigned threads, F&& body)
@@ -558,12 +601,16 @@ double thread_cpu_seconds() noexcept
 }
 } // namespace
 
-fma_rate measure_fma_flops(unsigned threads, double seconds)
+namespace
+{
+/// `chains(blocks, seed)` on `threads` threads for about `seconds`, `flops_per_step` FLOPs per accumulator step.
+template <class Chains>
+fma_rate measure_chains(unsigned threads, double seconds, Chains chains, double flops_per_step)
 {
   threads = std::max(1u, threads);
   // Calibrate the block count on one thread so that a trial lasts about `seconds`.
   const auto t0 = std::chrono::steady_clock::now();
-  g_sink = fma_chains(4, 1.0f);
+  g_sink = chains(4, 1.0f);
   const double t_block = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 4.0;
   const std::size_t blocks = std::max<std::size_t>(1, static_cast<std::size_t>(seconds / std::max(t_block, 1e-9)));
   std::vector<float> sinks(threads, 0.0f);
@@ -572,20 +619,35 @@ fma_rate measure_fma_flops(unsigned threads, double seconds)
                                   [&](unsigned w)
                                   {
                                     const double c0 = thread_cpu_seconds();
-                                    sinks[w] = fma_chains(blocks, 1.0f + static_cast<float>(w));
+                                    sinks[w] = chains(blocks, 1.0f + static_cast<float>(w));
                                     cpu[w] = thread_cpu_seconds() - c0;
                                   });
   for (float s : sinks)
   {
     g_sink = g_sink + s;
   }
-  const double per_thread = 2.0 * lanes * accumulators * static_cast<double>(inner) * static_cast<double>(blocks);
+  const double per_thread = flops_per_step * accumulators * static_cast<double>(inner) * static_cast<double>(blocks);
   fma_rate r{per_thread * threads / t, 0.0};
   for (double c : cpu)
   {
     r.flops_per_cpu += per_thread / c / threads;
   }
   return r;
+}
+} // namespace
+
+fma_rate measure_fma_flops(unsigned threads, double seconds)
+{
+  return measure_chains(threads, seconds, fma_chains, 2.0 * lanes);
+}
+
+fma_rate measure_bf16_dot_flops(unsigned threads, double seconds)
+{
+  if (!have_bf16_dot)
+  {
+    return fma_rate{0.0, 0.0};
+  }
+  return measure_chains(threads, seconds, bf16_dot_chains, 4.0 * 16);
 }
 
 double measure_copy_bytes(unsigned threads, std::size_t bytes, double seconds)
@@ -620,6 +682,9 @@ roofline measure_roofline(unsigned threads, double seconds_per_trial, int trials
     r.fma_flops = std::max(r.fma_flops, all.flops);
     r.fma_flops_per_cpu = std::max(r.fma_flops_per_cpu, all.flops_per_cpu);
     r.fma_flops_1thread = std::max(r.fma_flops_1thread, measure_fma_flops(1, seconds_per_trial / 2).flops);
+    const fma_rate bf16 = measure_bf16_dot_flops(threads, seconds_per_trial);
+    r.bf16_flops = std::max(r.bf16_flops, bf16.flops);
+    r.bf16_flops_per_cpu = std::max(r.bf16_flops_per_cpu, bf16.flops_per_cpu);
   }
   r.copy_bytes = measure_copy_bytes(threads, copy_bytes, seconds_per_trial * trials);
   return r;

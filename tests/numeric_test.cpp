@@ -230,16 +230,24 @@ TEST(HostIsa, KernelIsTheConfiguredOne)
 {
   namespace h = contrastive::host;
   const std::string isa = CONTRASTIVE_TEST_HOST_ISA;
-  std::printf("host kernel: %s, MR x NR = %d x %d, block_m %zu, block_n %zu (CONTRASTIVE_HOST_ISA=%s)\n",
+  std::printf("host kernel: %s, bfloat16 dot products: %s, MR x NR = %d x %d, block_m %zu, block_n %zu "
+              "(CONTRASTIVE_HOST_ISA=%s)\n",
               h::kernel_isa,
+              h::bf16_kernel_isa,
               h::kernel_mr,
               h::kernel_nr,
               h::block_m,
               h::block_n,
               isa.c_str());
-  if (isa == "avx512")
+  if (isa == "avx512bf16")
   {
     EXPECT_STREQ(h::kernel_isa, "avx512");
+    EXPECT_TRUE(h::bf16_dot);
+  }
+  else if (isa == "avx512")
+  {
+    EXPECT_STREQ(h::kernel_isa, "avx512");
+    EXPECT_FALSE(h::bf16_dot);
   }
   else if (isa == "avx2")
   {
@@ -248,6 +256,10 @@ TEST(HostIsa, KernelIsTheConfiguredOne)
   else if (isa == "portable")
   {
     EXPECT_STREQ(h::kernel_isa, "generic");
+  }
+  if (isa == "avx2" || isa == "portable")
+  {
+    EXPECT_FALSE(h::bf16_dot);
   }
   EXPECT_EQ(h::block_m % h::kernel_mr, 0u);
   EXPECT_EQ(h::block_n % h::kernel_nr, 0u);
@@ -343,4 +355,118 @@ TEST(SigmoidMath, Log1pUnitAndTermsMatchFloat64)
   EXPECT_EQ(contrastive::sigmoid_negative(-INFINITY).grad, 0.0f);
   EXPECT_TRUE(std::isinf(contrastive::sigmoid_negative(INFINITY).loss));
   EXPECT_TRUE(std::isnan(contrastive::sigmoid_negative(NAN).loss));
+}
+
+namespace
+{
+// The bfloat16 pair packers and dot-product kernel (host/gemm.hpp, host/operands.hpp) against a float64 product of
+// the same bfloat16 values: every product of two bfloat16 values is exact in float, so the only error is the float
+// additions, at most (chain + 1) rounding steps of 2^-24 relative to sum |a b|, where a chain is kernel_kc products
+// (two additions per pair step) and the slices add one step each.
+void check_bf16_product(std::size_t m, std::size_t n, std::size_t k, std::uint32_t seed)
+{
+  namespace h = contrastive::host;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-20, 20);
+  std::vector<__nv_bfloat16> a(m * k), b(n * k);
+  for (auto* v : {&a, &b})
+  {
+    for (auto& x : *v)
+    {
+      x = __float2bfloat16_rn(std::ldexp(normal(rng), exponent(rng)));
+    }
+  }
+  const std::size_t m_pad = h::round_up(m, h::kernel_mr), n_pad = h::round_up(n, h::kernel_nr);
+  const std::size_t kc = h::round_up(k, 2);
+  std::vector<std::uint16_t> ap(m_pad * kc, 0xffff), bp(n_pad * kc, 0xffff); // poisoned: every slot is written
+  h::pack_row_pairs<h::kernel_mr>(a.data(), k, 0, m, m_pad, ap.data());
+  h::pack_row_pairs<h::kernel_nr>(b.data(), k, 0, n, n_pad, bp.data());
+  std::vector<float> c(m_pad * n_pad, std::numeric_limits<float>::quiet_NaN());
+  h::gemm_packed(m_pad, n_pad, kc, ap.data(), bp.data(), kc * h::kernel_nr, c.data(), n_pad, false);
+  const double steps = 2.0 * static_cast<double>(h::kernel_kc) + static_cast<double>(kc / h::kernel_kc + 2);
+  for (std::size_t i = 0; i < m_pad; ++i)
+  {
+    for (std::size_t j = 0; j < n_pad; ++j)
+    {
+      double ref = 0.0, mag = 0.0;
+      for (std::size_t p = 0; i < m && j < n && p < k; ++p)
+      {
+        const double x = static_cast<double>(__bfloat162float(a[i * k + p])) * __bfloat162float(b[j * k + p]);
+        ref += x;
+        mag += std::fabs(x);
+      }
+      const double got = c[i * n_pad + j];
+      ASSERT_LE(std::fabs(got - ref), steps * std::ldexp(1.0, -24) * mag)
+          << "C[" << i << "][" << j << "] of " << m << " x " << n << " x " << k;
+    }
+  }
+}
+} // namespace
+
+TEST(Bf16Dot, PackedProductMatchesFloat64)
+{
+  if (!contrastive::host::bf16_dot)
+  {
+    GTEST_SKIP() << "this build does not target AVX512-BF16 (bfloat16 runs on the float kernel)";
+  }
+  std::uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  for (std::size_t k : {1u, 2u, 7u, 64u, 129u, 512u, 515u})
+  {
+    check_bf16_product(13, 45, k, seed++);
+    check_bf16_product(contrastive::host::kernel_mr, contrastive::host::kernel_nr, k, seed++);
+  }
+}
+
+// G rounded to bfloat16 into the pair layouts (pack_a_pairs, pack_a_transposed_pairs): the bits of the scalar
+// round-to-nearest-even conversion, zeros in the padding.
+TEST(Bf16Dot, FloatPackersRoundToNearestEven)
+{
+  namespace h = contrastive::host;
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int t = 0; t < 200000; ++t)
+  {
+    const std::uint32_t x = t < 4 ? std::uint32_t{0x7f800001u} + static_cast<std::uint32_t>(t) * 0x1000u : bits(rng);
+    float f;
+    std::memcpy(&f, &x, sizeof f);
+    ASSERT_EQ(h::bf16_round_bits(f), contrastive::detail::float_to_bf16_bits(f)) << std::hex << x;
+  }
+  const std::size_t rows = 11, cols = 13, ld = 16, k_rows = 12;
+  std::vector<float> tile(k_rows * ld);
+  std::normal_distribution<float> normal;
+  for (auto& x : tile)
+  {
+    x = normal(rng);
+  }
+  const std::size_t m_pad = h::round_up(rows, h::kernel_mr);
+  std::vector<std::uint16_t> a(m_pad * h::round_up(cols, 2), 0xffff);
+  const std::size_t kc = h::pack_a_pairs(tile.data(), ld, rows, m_pad, cols, a.data());
+  ASSERT_EQ(kc, h::round_up(cols, 2));
+  for (std::size_t r = 0; r < m_pad; ++r)
+  {
+    for (std::size_t p = 0; p < kc; ++p)
+    {
+      const std::uint16_t want = r < rows && p < cols ? h::bf16_round_bits(tile[r * ld + p]) : 0;
+      ASSERT_EQ(a[(r / h::kernel_mr) * h::kernel_mr * kc + (p & ~std::size_t(1)) * h::kernel_mr +
+                  2 * (r % h::kernel_mr) + (p & 1)],
+                want)
+          << r << ", " << p;
+    }
+  }
+  const std::size_t c_pad = h::round_up(cols, h::kernel_mr);
+  std::vector<std::uint16_t> t(c_pad * k_rows, 0xffff);
+  h::pack_a_transposed_pairs(tile.data(), ld, cols, c_pad, k_rows, t.data());
+  for (std::size_t c = 0; c < c_pad; ++c)
+  {
+    for (std::size_t p = 0; p < k_rows; ++p)
+    {
+      const std::uint16_t want = c < cols ? h::bf16_round_bits(tile[p * ld + c]) : 0;
+      ASSERT_EQ(t[(c / h::kernel_mr) * h::kernel_mr * k_rows + (p & ~std::size_t(1)) * h::kernel_mr +
+                  2 * (c % h::kernel_mr) + (p & 1)],
+                want)
+          << c << ", " << p;
+    }
+  }
 }

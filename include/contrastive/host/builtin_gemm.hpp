@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -45,7 +46,9 @@ struct worker_scratch
   std::vector<float> kl;      // fused: up to key_run tiles as b_panels over d [cols / NR][d][NR]  (S = Q K^T)
   std::vector<float> col_max; // nk_pad column running max (symmetric forward)
   std::vector<float> col_sum; // nk_pad column running sum
-  std::size_t block_i0 = 0;   // the row block prepared by the last query_block
+  // The same operands in the bfloat16 pair layouts of host/gemm.hpp (builtin backend, bfloat16, where bf16_dot):
+  std::vector<std::uint16_t> qa16, qb16, ga16, gt16, kt16, kl16;
+  std::size_t block_i0 = 0; // the row block prepared by the last query_block
   std::size_t block_rows = 0;
   std::size_t keys_j0 = 0; // fused: the first key in kl (kl holds keys [keys_j0, keys_j0 + keys_cols))
   std::size_t keys_cols = 0;
@@ -54,7 +57,9 @@ struct worker_scratch
   {
     return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
             panel.capacity() + kt.capacity() + kl.capacity() + col_max.capacity() + col_sum.capacity()) *
-           sizeof(float);
+               sizeof(float) +
+           (qa16.capacity() + qb16.capacity() + ga16.capacity() + gt16.capacity() + kt16.capacity() + kl16.capacity()) *
+               sizeof(std::uint16_t);
   }
 };
 
@@ -86,6 +91,24 @@ struct gemm_backend<gemm::builtin, T>
   std::vector<float> k_logit; // materialized, chunked: K as b_panels over d [nk_pad / NR][d][NR]  (S = Q K^T)
   std::vector<float> k_rows;  // materialized: K as b_panels over keys [dp / NR][nk_pad][NR]     (dQ = dA K)
   std::vector<float> q_rows;  // materialized: Q as b_panels over queries [dp / NR][nq_pad][NR]  (dK = dA^T Q)
+  // bfloat16 where bf16_dot: the same three in the pair layouts (16-bit), and every product on the bf16 kernel.
+  std::vector<std::uint16_t> k_logit16, k_rows16, q_rows16;
+
+  /// Whether this backend runs its products on the bfloat16 dot-product kernel: T is bfloat16 and the code targets
+  /// AVX512-BF16. The logits' product then has the float kernel's numerics (exact products, another summation order,
+  /// subnormals flushed); the backward's G is rounded to bfloat16 before its two products (the materialized
+  /// algorithm's dA already is; the fused and chunked ones' is float: docs/algorithms.md gives the measured effect).
+  static constexpr bool pairs = bf16_dot && std::is_same_v<T, __nv_bfloat16>;
+  /// The reduction length of the logits' product: d, or d rounded up to whole pairs.
+  static constexpr std::size_t logit_k(std::size_t d) noexcept
+  {
+    return pairs ? round_up(d, 2) : d;
+  }
+  /// Floats' worth of n 16-bit values (n even).
+  static detail::checked_size halves(detail::checked_size n) noexcept
+  {
+    return detail::checked_size(n.value / 2 + n.value % 2, n.overflow);
+  }
 
   /// The largest dim the backend can represent (the packed kernel indexes with size_t: no limit of its own).
   static constexpr std::size_t max_dim = static_cast<std::size_t>(-1) / 2;
@@ -105,23 +128,38 @@ struct gemm_backend<gemm::builtin, T>
     {
       return detail::checked_size(0);
     }
-    return detail::checked_size(s.nk_pad) * s.d + (detail::checked_size(s.nk_pad) + s.nq_pad) * s.dp;
+    const detail::checked_size n =
+        detail::checked_size(s.nk_pad) * logit_k(s.d) + (detail::checked_size(s.nk_pad) + s.nq_pad) * s.dp;
+    return pairs ? halves(n) : n;
   }
-  /// Floats per worker: the query block in two layouts, a partial-panel buffer and (fused) the packed key tiles:
-  /// key_run tiles for the logits, one for dQ.
+  /// Floats per worker: the query block in two layouts, the packed G and G^T, a partial-panel buffer and (fused) the
+  /// packed key tiles: key_run tiles for the logits, one for dQ. (16-bit where `pairs`, the partial panel float.)
   static detail::checked_size worker_floats(const gemm_shape& s, bool materialized) noexcept
   {
-    const detail::checked_size f =
-        detail::checked_size(block_m) * s.d + detail::checked_size(block_m + kernel_mr) * s.dp;
-    return materialized ? f : f + detail::checked_size(block_n) * s.dp + detail::checked_size(key_run) * s.d;
+    const std::size_t dk = logit_k(s.d);
+    detail::checked_size n = detail::checked_size(block_m) * dk + detail::checked_size(block_m) * s.dp +
+                             detail::checked_size(2 * block_m * block_n);
+    if (!materialized)
+    {
+      n = n + detail::checked_size(block_n) * s.dp + detail::checked_size(key_run) * dk;
+    }
+    return (pairs ? halves(n) : n) + detail::checked_size(kernel_mr) * s.dp;
   }
   static void size_worker(const gemm_shape& s, worker_scratch& ws, bool materialized)
   {
-    ws.qa.resize(block_m * s.d);
-    ws.qb.resize(block_m * s.dp);
+    const std::size_t dk = logit_k(s.d);
+    auto size = [&](auto& as_float, auto& as_pairs, std::size_t n)
+    {
+      as_float.resize(pairs ? 0 : n);
+      as_pairs.resize(pairs ? n : 0);
+    };
+    size(ws.qa, ws.qa16, block_m * dk);
+    size(ws.qb, ws.qb16, block_m * s.dp);
+    size(ws.ga, ws.ga16, block_m * block_n);
+    size(ws.gt, ws.gt16, block_m * block_n);
+    size(ws.kt, ws.kt16, materialized ? 0 : block_n * s.dp);
+    size(ws.kl, ws.kl16, materialized ? 0 : key_run * dk);
     ws.panel.resize(kernel_mr * s.dp);
-    ws.kt.resize(materialized ? 0 : block_n * s.dp);
-    ws.kl.resize(materialized ? 0 : key_run * s.d);
     ws.keys_j0 = ws.keys_cols = 0;
   }
   /// Whether the fused backward may accumulate in the caller's float dq/dk: the products write NR-wide column
@@ -141,26 +179,56 @@ struct gemm_backend<gemm::builtin, T>
       release(); // fused packs its key tiles when it uses them
       return;
     }
-    k_logit.resize(s.nk_pad * s.d);
-    k_rows.resize(s.nk_pad * s.dp);
-    q_rows.resize(s.nq_pad * s.dp);
-    for_each_panel(pool,
-                   workers,
-                   s.nk_pad,
-                   s.n_k,
-                   [&](std::size_t r0, std::size_t rows)
-                   {
-                     pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
-                     pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
-                   });
-    for_each_panel(pool,
-                   workers,
-                   s.nq_pad,
-                   s.n_q,
-                   [&](std::size_t r0, std::size_t rows)
-                   {
-                     pack_rows_over_rows(q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, q_rows.data() + r0 * kernel_nr);
-                   });
+    if constexpr (pairs)
+    {
+      const std::size_t dk = logit_k(s.d);
+      k_logit16.resize(s.nk_pad * dk);
+      k_rows16.resize(s.nk_pad * s.dp);
+      q_rows16.resize(s.nq_pad * s.dp);
+      for_each_panel(pool,
+                     workers,
+                     s.nk_pad,
+                     s.n_k,
+                     [&](std::size_t r0, std::size_t rows)
+                     {
+                       pack_row_pairs<kernel_nr>(k, s.d, r0, rows, kernel_nr, k_logit16.data() + r0 * dk);
+                       pack_rows_over_rows_pairs(
+                           k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows16.data() + r0 * kernel_nr);
+                     });
+      for_each_panel(pool,
+                     workers,
+                     s.nq_pad,
+                     s.n_q,
+                     [&](std::size_t r0, std::size_t rows)
+                     {
+                       pack_rows_over_rows_pairs(
+                           q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, q_rows16.data() + r0 * kernel_nr);
+                     });
+      return;
+    }
+    else
+    {
+      k_logit.resize(s.nk_pad * s.d);
+      k_rows.resize(s.nk_pad * s.dp);
+      q_rows.resize(s.nq_pad * s.dp);
+      for_each_panel(pool,
+                     workers,
+                     s.nk_pad,
+                     s.n_k,
+                     [&](std::size_t r0, std::size_t rows)
+                     {
+                       pack_rows_over_dim(k, s.d, r0, rows, kernel_nr, k_logit.data() + r0 * s.d);
+                       pack_rows_over_rows(k, s.d, s.dp, r0, rows, kernel_nr, s.nk_pad, k_rows.data() + r0 * kernel_nr);
+                     });
+      for_each_panel(pool,
+                     workers,
+                     s.nq_pad,
+                     s.n_q,
+                     [&](std::size_t r0, std::size_t rows)
+                     {
+                       pack_rows_over_rows(q, s.d, s.dp, r0, rows, kernel_nr, s.nq_pad, q_rows.data() + r0 * kernel_nr);
+                     });
+    }
   }
 
   /// f(r0, rows) for each kernel_nr-row panel of n_pad rows, over the pool: the panel's first row and how many of
@@ -183,15 +251,28 @@ struct gemm_backend<gemm::builtin, T>
     std::vector<float>().swap(k_logit);
     std::vector<float>().swap(k_rows);
     std::vector<float>().swap(q_rows);
+    std::vector<std::uint16_t>().swap(k_logit16);
+    std::vector<std::uint16_t>().swap(k_rows16);
+    std::vector<std::uint16_t>().swap(q_rows16);
   }
 
   std::size_t bytes() const noexcept
   {
-    return (k_logit.capacity() + k_rows.capacity() + q_rows.capacity()) * sizeof(float);
+    return (k_logit.capacity() + k_rows.capacity() + q_rows.capacity()) * sizeof(float) +
+           (k_logit16.capacity() + k_rows16.capacity() + q_rows16.capacity()) * sizeof(std::uint16_t);
   }
 
   void query_block(std::size_t i0, std::size_t rows, worker_scratch& ws, bool for_dk) const
   {
+    if constexpr (pairs)
+    {
+      pack_row_pairs<kernel_mr>(q, sh.d, i0, rows, block_m, ws.qa16.data());
+      if (for_dk)
+      {
+        pack_rows_over_rows_pairs(q, sh.d, sh.dp, i0, rows, block_m, block_m, ws.qb16.data());
+      }
+      return;
+    }
     pack_rows_as_a(q, sh.d, i0, rows, block_m, ws.qa.data());
     if (for_dk)
     {
@@ -212,6 +293,22 @@ struct gemm_backend<gemm::builtin, T>
 
   void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
   {
+    if constexpr (pairs)
+    {
+      const std::size_t dk = logit_k(sh.d);
+      const std::uint16_t* b =
+          !k_logit16.empty() ? k_logit16.data() + j0 * dk : ws.kl16.data() + (j0 - ws.keys_j0) * dk;
+      gemm_packed(round_up(rows, kernel_mr),
+                  round_up(cols, kernel_nr),
+                  dk,
+                  ws.qa16.data(),
+                  b,
+                  dk * kernel_nr,
+                  ws.tile.data(),
+                  block_n,
+                  false);
+      return;
+    }
     gemm_packed(round_up(rows, kernel_mr),
                 round_up(cols, kernel_nr),
                 sh.d,
@@ -227,6 +324,17 @@ struct gemm_backend<gemm::builtin, T>
   /// ws.kl and, `for_dq` (cols <= block_n), as the B operand of dQ = G K_tile into ws.kt.
   void key_tiles(std::size_t j0, std::size_t cols, worker_scratch& ws, bool for_dq) const
   {
+    if constexpr (pairs)
+    {
+      pack_row_pairs<kernel_nr>(k_src, sh.d, j0, cols, round_up(cols, kernel_nr), ws.kl16.data());
+      ws.keys_j0 = j0;
+      ws.keys_cols = cols;
+      if (for_dq)
+      {
+        pack_rows_over_rows_pairs(k_src, sh.d, sh.dp, j0, cols, block_n, block_n, ws.kt16.data());
+      }
+      return;
+    }
     pack_rows_over_dim(k_src, sh.d, j0, cols, round_up(cols, kernel_nr), ws.kl.data());
     ws.keys_j0 = j0;
     ws.keys_cols = cols;
@@ -247,6 +355,15 @@ struct gemm_backend<gemm::builtin, T>
                   std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(rows, kernel_mr);
+    if constexpr (pairs)
+    {
+      const std::size_t kc = pack_a_pairs(ws.tile.data(), block_n, m_pad, m_pad, cols, ws.ga16.data());
+      const bool whole = !k_rows16.empty();
+      const std::uint16_t* b = whole ? k_rows16.data() + j0 * kernel_nr : ws.kt16.data();
+      const std::size_t stride = (whole ? sh.nk_pad : block_n) * kernel_nr;
+      exact_rows(rows, width, kc, ws.ga16.data(), b, stride, acc, ld, ws);
+      return;
+    }
     pack_a(ws.tile.data(), block_n, m_pad, m_pad, cols, ws.ga.data());
     const bool whole = !k_rows.empty();
     const float* b = whole ? k_rows.data() + j0 * kernel_nr : ws.kt.data();
@@ -259,17 +376,24 @@ struct gemm_backend<gemm::builtin, T>
   void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
+    if constexpr (pairs)
+    {
+      pack_a_transposed_pairs(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt16.data());
+      exact_rows(cols, width, block_m, ws.gt16.data(), ws.qb16.data(), block_m * kernel_nr, acc, ld, ws);
+      return;
+    }
     pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
     exact_rows(cols, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, ws);
   }
 
   /// C rows [0, rows) (ld ldc, `width` columns) += A B, A as a_panels with kc steps: whole MR panels straight into
   /// C, a partial last panel through ws.panel (loaded from C first, so each element's summation order is the same).
+  template <class E>
   static void exact_rows(std::size_t rows,
                          std::size_t width,
                          std::size_t kc,
-                         const float* a,
-                         const float* b,
+                         const E* a,
+                         const E* b,
                          std::size_t b_stride,
                          float* c,
                          std::size_t ldc,
@@ -303,6 +427,20 @@ struct gemm_backend<gemm::builtin, T>
   void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
+    if constexpr (pairs)
+    {
+      pack_a_transposed_pairs(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt16.data());
+      gemm_packed(m_pad,
+                  sh.dp,
+                  block_m,
+                  ws.gt16.data(),
+                  q_rows16.data() + i0 * kernel_nr,
+                  sh.nq_pad * kernel_nr,
+                  acc,
+                  sh.dp,
+                  true);
+      return;
+    }
     pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
     gemm_packed(
         m_pad, sh.dp, block_m, ws.gt.data(), q_rows.data() + i0 * kernel_nr, sh.nq_pad * kernel_nr, acc, sh.dp, true);

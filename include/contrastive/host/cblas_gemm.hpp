@@ -94,6 +94,8 @@ struct gemm_backend<gemm::cblas, T>
   {
     ws.qa.resize(is_float ? 0 : block_m * s.d);
     std::vector<float>().swap(ws.qb);
+    std::vector<float>().swap(ws.ga); // G goes to the BLAS from ws.tile: no packed copies
+    std::vector<float>().swap(ws.gt);
   }
   /// Whether the fused backward may accumulate in the caller's dq/dk: for float, at any dim.
   static constexpr bool in_place_ok(std::size_t, std::size_t) noexcept

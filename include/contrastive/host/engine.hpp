@@ -97,14 +97,14 @@ public:
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
-  ///   keys        builtin: nk_pad d (K packed for S = Q K^T) except fused (no copy: its tiles are packed into
+  ///   keys        builtin: nk_pad d (K packed for S = Q K^T; 16-bit on the bf16 dot kernel) except fused (no copy: its tiles are packed into
   ///               scratch); cblas: n_k d for 16-bit, 0 for float
   ///   statistics  5 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, log_sum; column lse, loss,
   ///                                                  shift, log_sum
-  ///   scratch     W (query block and key tiles [builtin block_m d + (block_m + MR) dp, fused + block_n dp +
-  ///               key_run d;
-  ///               cblas 16-bit block_m d]
-  ///               + 3 block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
+  ///   scratch     W (query block, G, G^T and key tiles [builtin block_m d + block_m dp + 2 block_m block_n,
+  ///               fused + block_n dp + key_run d, halved for bfloat16 on the bf16 dot kernel (16-bit panels, d
+  ///               rounded up to even), + MR dp; cblas 16-bit block_m d]
+  ///               + block_m block_n [+ max(block_m, block_n) dp materialized] [+ 2 nk_pad symmetric])
   ///   fused       (n_q + nk_pad) dp                  dQ, dK accumulators, unless float dq/dk can accumulate in place
   ///                                                  (builtin: d % NR == 0; cblas: always; never for the sigmoid
   ///                                                  objective, whose forward accumulates them)
@@ -130,7 +130,7 @@ public:
     const checked_size f = sizeof(float);
     const bool sym = p.obj == objective::symmetric;
     const checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
-    checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(3 * block_m * block_n);
+    checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(block_m * block_n);
     if (materialized)
     {
       per_worker = per_worker + checked_size(std::max(block_m, block_n)) * dp; // the dQ / dK block accumulator
@@ -255,8 +255,6 @@ public:
     {
       backend::size_worker(sh, ws, materialized);
       ws.tile.resize(block_m * block_n);
-      ws.ga.resize(block_m * block_n);
-      ws.gt.resize(block_m * block_n);
       ws.acc.resize(materialized ? std::max(block_m, block_n) * s.dp : 0);
       ws.col_max.resize(sym && !chunked ? s.nk_pad : 0);
       ws.col_sum.resize(sym && !chunked ? s.nk_pad : 0);

@@ -25,7 +25,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace contrastive
 {
@@ -149,29 +154,109 @@ micro_kernel(std::size_t kc, const float* a, const float* b, float* c, std::size
 #endif
 } // namespace kernel
 
+/// The bfloat16 dot-product kernel (AVX512-BF16, `vdpbf16ps`): where the compiler targets it (`-march` on a CPU
+/// with avx512_bf16, or CONTRASTIVE_HOST_ISA=avx512bf16), every product whose operands are both bfloat16 runs on
+/// it. One instruction multiplies 16 pairs of bfloat16 and adds both products into 16 float lanes: twice the
+/// multiply-adds of a float FMA. A product of two bfloat16 values is exact in float, so only the summation order
+/// differs from the float kernel on converted operands (and subnormal inputs and results are flushed to zero, as the
+/// instruction does).
+///
+/// Pair layouts (16-bit, K interleaved in pairs; kc even, an odd K padded with a zero step):
+///   a_pairs  [rows_pad / MR][kc / 2][MR][2]   step p of row i: the 32-bit word (x[i][2p], x[i][2p + 1])
+///   b_pairs  [cols_pad / NR][kc / 2][NR][2]
+/// Offsets in elements are those of the float layouts (panel ic starts at ic * kc, slice p0 at p0 * MR), so
+/// gemm_packed works on either.
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+inline constexpr bool bf16_dot = true;
+inline constexpr const char* bf16_kernel_isa = "avx512_bf16";
+#else
+inline constexpr bool bf16_dot = false;
+inline constexpr const char* bf16_kernel_isa = "none";
+#endif
+
+/// The bfloat16 bits of a float, rounded to nearest even (a NaN stays a NaN); branch-free so that loops over it
+/// vectorise.
+CONTRASTIVE_FORCEINLINE std::uint16_t bf16_round_bits(float f) noexcept
+{
+  std::uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet = (x >> 16) | 0x40u;
+  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+namespace kernel
+{
+/// C[MR x NR] (ld ldc) = or += sum over kc / 2 pair steps of a[p][0..MR) (pairs) times b[p][0..NR) (pairs); the same
+/// two-level summation as the float micro_kernel (registers from zero, C added once).
+CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
+                                          const std::uint16_t* __restrict a,
+                                          const std::uint16_t* __restrict b,
+                                          float* __restrict c,
+                                          std::size_t ldc,
+                                          bool accumulate) noexcept
+{
+  static_assert(kernel_nr == 2 * vector_floats, "two B vectors of 16 pairs per step");
+  __m512 acc[kernel_mr][2];
+  for (int i = 0; i < kernel_mr; ++i)
+  {
+    acc[i][0] = _mm512_setzero_ps();
+    acc[i][1] = _mm512_setzero_ps();
+  }
+  for (std::size_t p = 0; p < kc; p += 2)
+  {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 2 * vector_floats);
+    for (int i = 0; i < kernel_mr; ++i)
+    {
+      std::int32_t word;
+      std::memcpy(&word, a + 2 * i, sizeof word);
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(word);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+    }
+    a += 2 * kernel_mr;
+    b += 2 * kernel_nr;
+  }
+  for (int i = 0; i < kernel_mr; ++i)
+  {
+    for (int v = 0; v < 2; ++v)
+    {
+      float* ci = c + i * ldc + v * vector_floats;
+      _mm512_storeu_ps(ci, accumulate ? _mm512_add_ps(_mm512_loadu_ps(ci), acc[i][v]) : acc[i][v]);
+    }
+  }
+}
+} // namespace kernel
+#endif
+
 /// Products per micro-kernel call: a longer reduction is summed in slices of kernel_kc, each added to C once (see
 /// micro_kernel), so no rounding chain is longer than kernel_kc + the number of slices. Loading and storing C once
 /// per slice costs ~MR NR / (kernel_kc (MR + NR)) of the products' memory traffic (~2% on AVX-512).
 inline constexpr std::size_t kernel_kc = 128;
+static_assert(kernel_kc % 2 == 0, "slices of the pair layouts hold whole pairs");
 
 /// C (m_pad x n_pad, ld ldc; m_pad, n_pad multiples of MR, NR) (+)= A B with A as a_panels [m_pad/MR][kc][MR] and B as
-/// b_panels whose panel c starts at b + c * b_panel_stride and holds [kc][NR].
-inline void gemm_packed(std::size_t m_pad,
-                        std::size_t n_pad,
-                        std::size_t kc,
-                        const float* a,
-                        const float* b,
-                        std::size_t b_panel_stride,
-                        float* c,
-                        std::size_t ldc,
-                        bool accumulate) noexcept
+/// b_panels whose panel c starts at b + c * b_panel_stride and holds [kc][NR] (E = float), or the pair layouts
+/// (E = std::uint16_t, bfloat16 bits, kc even; only where bf16_dot). Strides and offsets count elements.
+template <class E>
+void gemm_packed(std::size_t m_pad,
+                 std::size_t n_pad,
+                 std::size_t kc,
+                 const E* a,
+                 const E* b,
+                 std::size_t b_panel_stride,
+                 float* c,
+                 std::size_t ldc,
+                 bool accumulate) noexcept
 {
   for (std::size_t jc = 0; jc < n_pad; jc += kernel_nr)
   {
-    const float* bp = b + (jc / kernel_nr) * b_panel_stride;
+    const E* bp = b + (jc / kernel_nr) * b_panel_stride;
     for (std::size_t ic = 0; ic < m_pad; ic += kernel_mr)
     {
-      const float* ap = a + ic * kc;
+      const E* ap = a + ic * kc;
       float* cp = c + ic * ldc + jc;
       for (std::size_t p0 = 0; p0 < kc || p0 == 0; p0 += kernel_kc)
       {
@@ -222,6 +307,68 @@ pack_a_transposed(const float* src, std::size_t ld, std::size_t cols, std::size_
       {
         const std::size_t c = c0 + static_cast<std::size_t>(j);
         panel[p * kernel_mr + j] = c < cols ? src[p * ld + c] : 0.0f;
+      }
+    }
+  }
+}
+
+/// pack_a into the pair layout: rows [0, rows) of a float row-major matrix (ld ld, k columns used) rounded to
+/// bfloat16 as a_pairs [rows_pad/MR][kc/2][MR][2], kc = round_up(k, 2), zero beyond rows and k. Returns kc.
+inline std::size_t pack_a_pairs(
+    const float* src, std::size_t ld, std::size_t rows, std::size_t rows_pad, std::size_t k, std::uint16_t* dst)
+{
+  const std::size_t kc = round_up(k, 2);
+  for (std::size_t r0 = 0; r0 < rows_pad; r0 += kernel_mr)
+  {
+    std::uint16_t* panel = dst + r0 * kc;
+    for (int i = 0; i < kernel_mr; ++i)
+    {
+      const std::size_t r = r0 + static_cast<std::size_t>(i);
+      std::uint16_t* out = panel + 2 * i;
+      if (r >= rows)
+      {
+        for (std::size_t p = 0; p < kc; p += 2)
+        {
+          out[p * kernel_mr] = 0;
+          out[p * kernel_mr + 1] = 0;
+        }
+        continue;
+      }
+      const float* x = src + r * ld;
+      std::size_t p = 0;
+      for (; p + 2 <= k; p += 2)
+      {
+        out[p * kernel_mr] = bf16_round_bits(x[p]);
+        out[p * kernel_mr + 1] = bf16_round_bits(x[p + 1]);
+      }
+      if (p < k)
+      {
+        out[p * kernel_mr] = bf16_round_bits(x[p]);
+        out[p * kernel_mr + 1] = 0;
+      }
+    }
+  }
+  return kc;
+}
+
+/// pack_a_transposed into the pair layout: columns [0, cols) of a float row-major matrix (ld ld, k rows used, k
+/// even) rounded to bfloat16 as a_pairs of its transpose [cols_pad/MR][k/2][MR][2], zero beyond cols.
+inline void pack_a_transposed_pairs(
+    const float* src, std::size_t ld, std::size_t cols, std::size_t cols_pad, std::size_t k, std::uint16_t* dst)
+{
+  for (std::size_t c0 = 0; c0 < cols_pad; c0 += kernel_mr)
+  {
+    std::uint16_t* panel = dst + c0 * k;
+    const std::size_t have = c0 < cols ? std::min<std::size_t>(kernel_mr, cols - c0) : 0;
+    for (std::size_t p = 0; p < k; p += 2)
+    {
+      const float* x0 = src + p * ld + c0;
+      const float* x1 = x0 + ld;
+      std::uint16_t* out = panel + p * kernel_mr;
+      for (std::size_t j = 0; j < static_cast<std::size_t>(kernel_mr); ++j)
+      {
+        out[2 * j] = j < have ? bf16_round_bits(x0[j]) : std::uint16_t(0);
+        out[2 * j + 1] = j < have ? bf16_round_bits(x1[j]) : std::uint16_t(0);
       }
     }
   }

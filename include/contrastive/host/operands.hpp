@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__F16C__)
@@ -286,6 +287,81 @@ void pack_rows_over_rows(const T* src,
           const std::size_t col = c + static_cast<std::size_t>(jj);
           out[jj] = col < have ? x[col] : 0.0f;
         }
+      }
+    }
+  }
+}
+
+/// The bfloat16 bits of element i of a bfloat16 array.
+CONTRASTIVE_FORCEINLINE std::uint16_t bf16_bits_at(const __nv_bfloat16* src, std::size_t i) noexcept
+{
+  std::uint16_t b;
+  std::memcpy(&b, src + i, sizeof b);
+  return b;
+}
+
+/// pack_row_panels in the pair layout of host/gemm.hpp, straight from bfloat16 rows (no conversion): rows
+/// [r0, r0 + rows) of src as [rows_pad / Width][kc / 2][Width][2], kc = round_up(d, 2), zero beyond rows and d.
+template <int Width>
+void pack_row_pairs(
+    const __nv_bfloat16* src, std::size_t d, std::size_t r0, std::size_t rows, std::size_t rows_pad, std::uint16_t* dst)
+{
+  const std::size_t kc = round_up(d, 2);
+  for (std::size_t c = 0; c < rows_pad; c += Width)
+  {
+    std::uint16_t* panel = dst + c * kc;
+    for (int jj = 0; jj < Width; ++jj)
+    {
+      const std::size_t r = c + static_cast<std::size_t>(jj);
+      std::uint16_t* out = panel + 2 * jj;
+      if (r >= rows)
+      {
+        for (std::size_t p = 0; p < kc; p += 2)
+        {
+          out[p * Width] = 0;
+          out[p * Width + 1] = 0;
+        }
+        continue;
+      }
+      const __nv_bfloat16* row = src + (r0 + r) * d;
+      std::size_t p = 0;
+      for (; p + 2 <= d; p += 2)
+      {
+        out[p * Width] = bf16_bits_at(row, p);
+        out[p * Width + 1] = bf16_bits_at(row, p + 1);
+      }
+      if (p < d)
+      {
+        out[p * Width] = bf16_bits_at(row, p);
+        out[p * Width + 1] = 0;
+      }
+    }
+  }
+}
+
+/// pack_rows_over_rows in the pair layout, from bfloat16 rows: the B operand of a product over rows (dQ = G K,
+/// dK = G^T Q) as [dp / NR][ld_rows / 2][NR][2] (panel stride ld_rows * NR elements; rows_pad and ld_rows even),
+/// rows beyond `rows` and columns beyond d zero.
+inline void pack_rows_over_rows_pairs(const __nv_bfloat16* src,
+                                      std::size_t d,
+                                      std::size_t dp,
+                                      std::size_t r0,
+                                      std::size_t rows,
+                                      std::size_t rows_pad,
+                                      std::size_t ld_rows,
+                                      std::uint16_t* dst)
+{
+  for (std::size_t r = 0; r < rows_pad; ++r)
+  {
+    const std::size_t step = (r & ~std::size_t(1)) * kernel_nr + (r & 1);
+    const __nv_bfloat16* row = r < rows ? src + (r0 + r) * d : src;
+    for (std::size_t c0 = 0; c0 < dp; c0 += kernel_nr)
+    {
+      std::uint16_t* out = dst + c0 * ld_rows + step;
+      const std::size_t have = r < rows && c0 < d ? std::min<std::size_t>(kernel_nr, d - c0) : 0;
+      for (std::size_t jj = 0; jj < static_cast<std::size_t>(kernel_nr); ++jj)
+      {
+        out[2 * jj] = jj < have ? bf16_bits_at(row, c0 + jj) : std::uint16_t(0);
       }
     }
   }
