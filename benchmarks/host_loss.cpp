@@ -159,6 +159,10 @@ struct fixture : fixture_base
     {
       (void)loss.set_logit_bias(contrastive::logit_bias::fixed(-10.0f));
     }
+    if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::automatic>)
+    {
+      (void)loss.set_memory_budget(run_config().budget_mib << 20);
+    }
     const auto seed = static_cast<std::uint32_t>(0x5eed0000u + n * 7 + d);
     q = contrastive_test::random_rows<T>(n, d, seed);
     k = contrastive_test::random_rows<T>(n, d, seed + 1);
@@ -267,7 +271,18 @@ void run(benchmark::State& state, const std::string& key, contrastive::objective
   }
 
   fx.mem_call = std::max(fx.mem_call, heap::peak() > fx.heap_baseline ? heap::peak() - fx.heap_baseline : 0);
-  const work_model w = model<T, Algorithm>(n, n, d, ps, obj);
+  work_model w = model<T, Algorithm>(n, n, d, ps, obj);
+  if constexpr (std::is_same_v<Algorithm, contrastive::algorithm::automatic>)
+  {
+    // The work of the algorithm it chose (the label names it; "materialized" 1 or 0 as a counter).
+    const bool m = std::string(fx.loss.algorithm_used()) == "materialized";
+    w = m ? model<T, contrastive::algorithm::materialized>(n, n, d, ps, obj)
+          : model<T, contrastive::algorithm::fused>(n, n, d, ps, obj);
+    state.SetLabel(fx.loss.algorithm_used());
+    state.counters["materialized"] = m ? 1.0 : 0.0;
+    state.counters["budget"] = benchmark::Counter(
+        static_cast<double>(fx.loss.memory_budget()), benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
+  }
   using benchmark::Counter;
   const double calls = static_cast<double>(state.iterations());
   const double exec_rate = w.exec_flops * calls / seconds;
@@ -335,6 +350,11 @@ void register_type(contrastive::objective obj, pass ps, std::size_t n, std::size
   register_one<T, contrastive::algorithm::materialized>(obj, ps, n, d);
   register_one<T, contrastive::algorithm::fused>(obj, ps, n, d);
   register_one<T, contrastive::algorithm::chunked>(obj, ps, n, d);
+  if (obj != contrastive::objective::sigmoid)
+  {
+    // Materialized where it fits the budget (--contrastive_budget_mib, default the library's), else fused.
+    register_one<T, contrastive::algorithm::automatic>(obj, ps, n, d);
+  }
 }
 } // namespace
 

@@ -304,6 +304,10 @@ bool set_field(config& c, const std::string& name, const char* value, bool& know
   {
     return parse_size(value, c.copy_mib);
   }
+  if (name == "budget_mib")
+  {
+    return parse_size(value, c.budget_mib);
+  }
   if (name == "threads")
   {
     const bool ok = parse_size(value, z);
@@ -330,7 +334,8 @@ const char* const field_names[] = {"max_n",
                                    "threads",
                                    "mem_cap_gib",
                                    "roofline_seconds",
-                                   "copy_mib"};
+                                   "copy_mib",
+                                   "budget_mib"};
 } // namespace
 
 std::string config::parse(int& argc, char** argv)
@@ -393,7 +398,8 @@ std::string config::describe() const
   std::snprintf(
       buf,
       sizeof buf,
-      "max_n=%zu max_d=%zu mem_cap=%s threads=%u warmup_max_n=%zu single_shot_n=%zu single_rep_n=%zu copy_mib=%zu",
+      "max_n=%zu max_d=%zu mem_cap=%s threads=%u warmup_max_n=%zu single_shot_n=%zu single_rep_n=%zu copy_mib=%zu "
+      "budget_mib=%zu",
       max_n,
       max_d,
       format_bytes(static_cast<double>(mem_cap_bytes())).c_str(),
@@ -401,7 +407,8 @@ std::string config::describe() const
       warmup_max_n,
       single_shot_n,
       single_rep_n,
-      copy_mib);
+      copy_mib,
+      budget_mib);
   return buf;
 }
 

@@ -29,6 +29,7 @@ struct config
   std::size_t single_rep_n = 65536;  ///< N >= this: also exactly one repetition (ignores --benchmark_repetitions)
   double roofline_seconds = 0.15;    ///< duration of one trial of each startup roofline measurement
   std::size_t copy_mib = 512;        ///< size of each buffer of the memcpy measurement (beyond the caches)
+  std::size_t budget_mib = 0;        ///< algorithm::automatic rows: its memory budget (0: the library's default)
 
   /// Reads the environment, then the flags, removing the latter from argv. Returns an error message or "".
   std::string parse(int& argc, char** argv);

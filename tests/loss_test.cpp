@@ -476,3 +476,81 @@ TEST(FloatAccuracy, GradientsAtLogitScale100AreAsCloseToFloat64AsPyTorchs)
   check_float_accuracy_at_scale_100<cl::algorithm::fused>(512, 18);
   check_float_accuracy_at_scale_100<cl::algorithm::chunked>(512, 18);
 }
+
+namespace
+{
+// algorithm::automatic against the two algorithms it chooses between, for element type T: within the budget it is
+// materialized bit for bit (loss, gradients, bytes held), below it fused; half is fused at any budget.
+template <class T>
+void check_automatic(std::uint32_t seed)
+{
+  using fixed = cl::temperature::fixed;
+  using automatic = cl::loss<T, fixed, cl::scaler::static_scale, cl::algorithm::automatic>;
+  const std::size_t n = 150, dim = 41;
+  const auto q = ct::random_rows<T>(n, dim, seed), k = ct::random_rows<T>(n, dim, seed + 1);
+  const cl::problem<T> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  auto run = [&](auto& l, std::vector<T>& dq, std::vector<T>& dk)
+  {
+    cl::step_record rec;
+    const T poison = cl::element_traits<T>::from_float(std::numeric_limits<float>::quiet_NaN());
+    dq.assign(n * dim, poison);
+    dk.assign(n * dim, poison);
+    EXPECT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+    return rec.loss;
+  };
+  automatic a(fixed(0.05f), cl::scaler::static_scale(4.0f), 2);
+  EXPECT_STREQ(a.algorithm_used(), "none");
+  EXPECT_GT(a.memory_budget(), 0u);
+  const bool half = std::is_same_v<T, __half>;
+  for (const bool fits : {true, false})
+  {
+    ASSERT_TRUE(a.set_memory_budget(fits ? std::size_t(1) << 40 : std::size_t(1)).ok());
+    EXPECT_EQ(a.materializes(p), fits && !half);
+    std::vector<T> dq, dk, dq_ref, dk_ref;
+    const double value = run(a, dq, dk);
+    const bool materialized = fits && !half;
+    EXPECT_STREQ(a.algorithm_used(), materialized ? "materialized" : "fused");
+    double ref = 0.0;
+    std::size_t ref_bytes = 0;
+    if (materialized)
+    {
+      cl::loss<T, fixed, cl::scaler::static_scale, cl::algorithm::materialized> m(
+          fixed(0.05f), cl::scaler::static_scale(4.0f), 2);
+      ref = run(m, dq_ref, dk_ref);
+      ref_bytes = m.bytes_held();
+    }
+    else
+    {
+      cl::loss<T, fixed, cl::scaler::static_scale, cl::algorithm::fused> f(
+          fixed(0.05f), cl::scaler::static_scale(4.0f), 2);
+      ref = run(f, dq_ref, dk_ref);
+      ref_bytes = f.bytes_held();
+    }
+    EXPECT_EQ(value, ref);
+    EXPECT_EQ(0, std::memcmp(dq.data(), dq_ref.data(), dq.size() * sizeof(T)));
+    EXPECT_EQ(0, std::memcmp(dk.data(), dk_ref.data(), dk.size() * sizeof(T)));
+    EXPECT_EQ(a.bytes_held(), ref_bytes);
+  }
+  // The default budget (0) is a quarter of the available memory: a problem of a few hundred KiB fits it.
+  ASSERT_TRUE(a.set_memory_budget(0).ok());
+  EXPECT_EQ(a.materializes(p), !half);
+}
+} // namespace
+
+TEST(AutomaticAlgorithm, MaterializedWithinTheBudgetFusedBeyondItHalfAlwaysFused)
+{
+  const std::uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  check_automatic<float>(seed);
+  check_automatic<__nv_bfloat16>(seed + 2);
+  check_automatic<__half>(seed + 4);
+}
+
+TEST(AutomaticAlgorithm, OtherAlgorithmsRefuseABudget)
+{
+  cl::loss<float, cl::temperature::fixed> fused(cl::temperature::fixed(0.1f));
+  const cl::status st = fused.set_memory_budget(1 << 20);
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument);
+  EXPECT_EQ(st.argument(), std::string("budget"));
+  EXPECT_FALSE(fused.materializes(cl::problem<float>{}));
+}

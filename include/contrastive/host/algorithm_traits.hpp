@@ -42,5 +42,11 @@ struct algorithm_traits<algorithm::chunked>
   static constexpr bool whole_products = true;
   static constexpr bool chunks = true;
 };
+/// algorithm::automatic resolves to fused or materialized per call (host::engine); neither chunks.
+template <>
+struct algorithm_traits<algorithm::automatic>
+{
+  static constexpr bool chunks = false;
+};
 } // namespace host
 } // namespace contrastive

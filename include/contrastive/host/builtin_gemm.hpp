@@ -148,10 +148,21 @@ struct gemm_backend<gemm::builtin, T>
   static void size_worker(const gemm_shape& s, worker_scratch& ws, bool materialized)
   {
     const std::size_t dk = logit_k(s.d);
+    auto fit = [](auto& v, std::size_t n)
+    {
+      if (n == 0)
+      {
+        std::remove_reference_t<decltype(v)>().swap(v); // released, not only emptied (another algorithm ran before)
+      }
+      else
+      {
+        v.resize(n);
+      }
+    };
     auto size = [&](auto& as_float, auto& as_pairs, std::size_t n)
     {
-      as_float.resize(pairs ? 0 : n);
-      as_pairs.resize(pairs ? n : 0);
+      fit(as_float, pairs ? 0 : n);
+      fit(as_pairs, pairs ? n : 0);
     };
     size(ws.qa, ws.qa16, block_m * dk);
     size(ws.qb, ws.qb16, block_m * s.dp);

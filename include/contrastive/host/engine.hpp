@@ -94,6 +94,40 @@ public:
     return static_cast<unsigned>(std::min<std::size_t>(w, backend::max_workers()));
   }
 
+  /// algorithm::automatic: the budget its choice compares materialized's bytes with; 0 (the default): a quarter of
+  /// the memory available at each call (default_memory_budget).
+  void set_memory_budget(std::size_t bytes) noexcept
+  {
+    memory_budget_ = bytes;
+  }
+  /// The budget algorithm::automatic uses now: the one set, else a quarter of the available memory.
+  std::size_t memory_budget() const noexcept
+  {
+    return memory_budget_ != 0 ? memory_budget_ : default_memory_budget();
+  }
+  /// algorithm::automatic's choice for `p`: whether materialized (its buffers within memory_budget()), else fused.
+  /// Never for __half (float16 logits overflow at large logit scales).
+  template <class Problem>
+  bool materializes(const Problem& p, bool outputs_known = false) const noexcept
+  {
+    if constexpr (std::is_same_v<T, __half>)
+    {
+      (void)p;
+      (void)outputs_known;
+      return false;
+    }
+    else
+    {
+      const detail::checked_size b = bytes_for<algorithm::materialized>(p, outputs_known);
+      return b.ok() && b.value <= memory_budget();
+    }
+  }
+  /// The algorithm the last `prepare` ran: Algorithm's, or automatic's choice.
+  const char* algorithm_used() const noexcept
+  {
+    return used_;
+  }
+
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
@@ -116,6 +150,21 @@ public:
   /// fused accumulators can be the caller's float outputs.
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for(const Problem& p, bool outputs_known = false) const noexcept
+  {
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return materializes(p, outputs_known) ? bytes_for<algorithm::materialized>(p, outputs_known)
+                                            : bytes_for<algorithm::fused>(p, outputs_known);
+    }
+    else
+    {
+      return bytes_for_algorithm<Algorithm>(p, outputs_known);
+    }
+  }
+
+  /// bytes_for of a concrete algorithm (fused, materialized, chunked).
+  template <class Algorithm, class Problem>
+  detail::checked_size bytes_for_algorithm(const Problem& p, bool outputs_known) const noexcept
   {
     using detail::checked_size;
     constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
@@ -180,6 +229,31 @@ public:
   /// then accumulates in them where the element type is float and the GEMM allows it (as the softmax backward does).
   template <class Algorithm, class Problem>
   void prepare(const Problem& p, T* dq = nullptr, T* dk = nullptr)
+  {
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      materialized_ = materializes(p, dq != nullptr && dk != nullptr);
+      if (materialized_)
+      {
+        prepare<algorithm::materialized>(p, dq, dk);
+      }
+      else
+      {
+        prepare<algorithm::fused>(p, dq, dk);
+      }
+      return;
+    }
+    else
+    {
+      used_ = Algorithm::name;
+      materialized_ = std::is_same_v<Algorithm, algorithm::materialized>;
+      prepare_algorithm<Algorithm>(p, dq, dk);
+    }
+  }
+
+  /// prepare of a concrete algorithm (fused, materialized, chunked).
+  template <class Algorithm, class Problem>
+  void prepare_algorithm(const Problem& p, T* dq, T* dk)
   {
     engine_state<T, Gemm>& s = st_;
     s.q = p.q;
@@ -255,7 +329,14 @@ public:
     {
       backend::size_worker(sh, ws, materialized);
       ws.tile.resize(block_m * block_n);
-      ws.acc.resize(materialized ? std::max(block_m, block_n) * s.dp : 0);
+      if (materialized)
+      {
+        ws.acc.resize(std::max(block_m, block_n) * s.dp);
+      }
+      else
+      {
+        free(ws.acc); // released, not only emptied (algorithm::automatic may have run materialized before)
+      }
       ws.col_max.resize(sym && !chunked ? s.nk_pad : 0);
       ws.col_sum.resize(sym && !chunked ? s.nk_pad : 0);
     }
@@ -280,15 +361,31 @@ public:
   template <class Algorithm>
   row_pass forward_rows(float scale, float bias = 0.0f)
   {
-    st_.bias = st_.sigmoid() ? bias : 0.0f;
-    return algorithm_impl<Algorithm>::forward_rows(st_, scale);
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return materialized_ ? forward_rows<algorithm::materialized>(scale, bias)
+                           : forward_rows<algorithm::fused>(scale, bias);
+    }
+    else
+    {
+      st_.bias = st_.sigmoid() ? bias : 0.0f;
+      return algorithm_impl<Algorithm>::forward_rows(st_, scale);
+    }
   }
 
   /// Symmetric objective, after `forward_rows`: column j's negatives over this engine's rows.
   template <class Algorithm>
   online_lse column_partial(std::size_t j) const noexcept
   {
-    return st_.template column_partial<Algorithm>(j);
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return materialized_ ? st_.template column_partial<algorithm::materialized>(j)
+                           : st_.template column_partial<algorithm::fused>(j);
+    }
+    else
+    {
+      return st_.template column_partial<Algorithm>(j);
+    }
   }
   /// Row i's positive logit (after `forward_rows`): column i's positive, for the symmetric objective.
   float positive(std::size_t i) const noexcept
@@ -309,7 +406,15 @@ public:
   backward_result backward(float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
   {
     static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, float>, "gradients are written in T or in float");
-    return algorithm_impl<Algorithm>::backward(st_, loss_scale, gc, dq, dk);
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return materialized_ ? algorithm_impl<algorithm::materialized>::backward(st_, loss_scale, gc, dq, dk)
+                           : algorithm_impl<algorithm::fused>::backward(st_, loss_scale, gc, dq, dk);
+    }
+    else
+    {
+      return algorithm_impl<Algorithm>::backward(st_, loss_scale, gc, dq, dk);
+    }
   }
 
   /// The finished row (and column) log-sum-exps of the last forward.
@@ -393,6 +498,9 @@ private:
   }
 
   engine_state<T, Gemm> st_;
+  std::size_t memory_budget_ = 0;    // algorithm::automatic's budget; 0: default_memory_budget() at each call
+  bool materialized_ = false;        // algorithm::automatic: the last prepare chose materialized
+  const char* used_ = "none";        // the algorithm the last prepare ran
 };
 } // namespace host
 } // namespace contrastive

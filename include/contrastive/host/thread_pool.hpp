@@ -9,12 +9,18 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <thread>
 #include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 namespace contrastive
 {
@@ -29,6 +35,45 @@ inline unsigned default_threads() noexcept
 {
   const unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1u : n;
+}
+
+/// Bytes of memory the operating system reports available to a new allocation now: Linux's MemAvailable (free memory
+/// plus what the page cache would give back), else free physical pages (sysconf), else 0 (unknown).
+inline std::size_t available_memory_bytes() noexcept
+{
+#if defined(__linux__)
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r"))
+  {
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f) != nullptr)
+    {
+      found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    }
+    std::fclose(f);
+    if (found)
+    {
+      return static_cast<std::size_t>(kib) * 1024u;
+    }
+  }
+#endif
+#if defined(_SC_AVPHYS_PAGES) && defined(_SC_PAGESIZE)
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0)
+  {
+    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+#endif
+  return 0;
+}
+
+/// algorithm::automatic's default budget: a quarter of available_memory_bytes() (the rest stays for the model's
+/// activations and the framework), or 1 GiB when the system does not say.
+inline std::size_t default_memory_budget() noexcept
+{
+  const std::size_t a = available_memory_bytes();
+  return a == 0 ? (std::size_t(1) << 30) : a / 4;
 }
 
 /// Fork-join pool. `run(workers, fn)` calls fn(w) for w in [0, workers) concurrently, worker 0 on the calling thread,

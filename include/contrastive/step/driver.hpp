@@ -65,8 +65,12 @@ template <class Element, class Algorithm, class Gemm, class Comm>
 class driver
 {
   static_assert(is_element_type_v<Element>, "Element must be float, __half or __nv_bfloat16");
-  static_assert(is_algorithm_v<Algorithm>,
-                "Algorithm must be algorithm::fused, algorithm::materialized or algorithm::chunked");
+  static_assert(is_algorithm_v<Algorithm> || std::is_same_v<Algorithm, algorithm::automatic>,
+                "Algorithm must be algorithm::fused, algorithm::materialized, algorithm::chunked or "
+                "algorithm::automatic");
+  static_assert(!std::is_same_v<Algorithm, algorithm::automatic> || distributed::is_single_process_v<Comm>,
+                "algorithm::automatic decides per process from its own memory: a distributed loss needs one algorithm "
+                "on every rank (choose fused, materialized or chunked)");
   static_assert(is_gemm_v<Gemm>, "Gemm must be gemm::builtin or gemm::cblas");
   static_assert(distributed::is_communicator_v<Comm>,
                 "Comm must be a communicator (distributed::comm::self, comm::local, or comm::mpi from "
@@ -104,6 +108,44 @@ public:
       engine_.set_chunk(o);
       return {};
     }
+  }
+  /// algorithm::automatic only: the memory budget its choice compares materialized's bytes with (0: a quarter of the
+  /// memory available at each call). Other algorithms refuse it (invalid_argument "budget").
+  status set_memory_budget(std::size_t bytes)
+  {
+    if constexpr (!std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      (void)bytes;
+      return {errc::invalid_argument, "budget", "a memory budget applies to algorithm::automatic only"};
+    }
+    else
+    {
+      engine_.set_memory_budget(bytes);
+      return {};
+    }
+  }
+  /// The budget algorithm::automatic uses now (the one set, else a quarter of the available memory).
+  std::size_t memory_budget() const noexcept
+  {
+    return engine_.memory_budget();
+  }
+  /// Whether algorithm::automatic would choose materialized for `p` now (false for every other algorithm).
+  bool materializes(const problem_type& p) const noexcept
+  {
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return engine_.materializes(p, true);
+    }
+    else
+    {
+      (void)p;
+      return false;
+    }
+  }
+  /// The algorithm the last call ran ("none" before the first): Algorithm's name, or automatic's choice.
+  const char* algorithm_used() const noexcept
+  {
+    return engine_.algorithm_used();
   }
   /// algorithm::chunked: rows per chunk this rank's rows use (one process: against the problem's keys; ranks: against
   /// the global key count of the last agreed forward, or the problem's before any).

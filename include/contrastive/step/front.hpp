@@ -41,6 +41,28 @@ public:
   {
     return driver_.set_chunk(o);
   }
+  /// algorithm::automatic only: the memory budget in bytes its per-call choice compares materialized's buffers with (0,
+  /// the default: a quarter of the memory available at each call). Other algorithms refuse it (invalid_argument
+  /// "budget").
+  status set_memory_budget(std::size_t bytes)
+  {
+    return driver_.set_memory_budget(bytes);
+  }
+  /// The budget algorithm::automatic uses now.
+  std::size_t memory_budget() const noexcept
+  {
+    return driver_.memory_budget();
+  }
+  /// algorithm::automatic: whether a call on `p` now would run materialized (false for the other algorithms).
+  bool materializes(const problem_type& p) const noexcept
+  {
+    return driver_.materializes(p);
+  }
+  /// The algorithm the last call ran: the configured one, or algorithm::automatic's choice ("none" before any call).
+  const char* algorithm_used() const noexcept
+  {
+    return driver_.algorithm_used();
+  }
   /// algorithm::chunked: rows per chunk a problem would use (a multiple of the row block, at most all rows).
   std::size_t chunk_rows_for(const problem_type& p) const noexcept
   {
