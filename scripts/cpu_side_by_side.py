@@ -4,13 +4,16 @@
 
     .venv-torch/bin/python scripts/cpu_side_by_side.py [--bench build/benchmarks/contrastive_bench] [--n 4096 8192]
         [--d 512] [--threads 0] [--rounds 3] [--dtypes float half bfloat16] [--objective symmetric|sigmoid]
+        [--torch-dtypes float bfloat16] [--algorithms materialized fused automatic]
 
 --objective sigmoid puts the library's sigmoid objective beside open_clip's own SigLipLoss (from the open-clip-torch
 package, not a copy) at SigLIP's initialisation (t = 10, b = -10): logits = t img @ txt.T + b, -logsigmoid(labels *
 logits).sum() / N, backward() to img, txt, t and b.
 
 PyTorch (the Python running this script: the venv of scripts/setup.sh test) runs the loss as the issue describes open_clip's ClipLoss:
-logits = s * img @ txt.T, cross-entropy over rows and over columns (logits.T), backward() to img, txt and s. Each
+logits = s * img @ txt.T, cross-entropy over rows and over columns (logits.T), backward() to img, txt and s; its
+bfloat16 row (--torch-dtypes) takes bfloat16 features and forms the logits in bfloat16 (oneDNN's bf16 matmul, on the
+CPU's bf16 dot-product instructions where it has them), cross-entropy in float32, as autocast does. Each
 PyTorch measurement runs in a fresh subprocess: time per step (median of several steps after a warm-up) and memory as
 the process's resident high-water mark (VmHWM) during the steps minus the mark after the inputs exist. The library is
 timed by contrastive_bench (Google Benchmark, manual time per call) for the same shape; its memory is `mem_call`, the
@@ -33,10 +36,11 @@ import os, sys, time, statistics
 import torch
 import torch.nn.functional as F
 n, d, threads, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dtype = getattr(torch, sys.argv[6])
 torch.set_num_threads(threads)
 g = torch.Generator().manual_seed(0)
-img = F.normalize(torch.randn(n, d, generator=g), dim=1).requires_grad_()
-txt = F.normalize(torch.randn(n, d, generator=g), dim=1).requires_grad_()
+img = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).requires_grad_()
+txt = F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype).requires_grad_()
 logit_scale = torch.tensor(1.0 / 0.07).log().requires_grad_()
 labels = torch.arange(n)
 objective = sys.argv[5]
@@ -59,7 +63,7 @@ def step():
         logit_bias.grad = None
         loss = siglip(img, txt, logit_scale.exp(), logit_bias)
     else:
-        logits = logit_scale.exp() * img @ txt.t()
+        logits = (logit_scale.exp() * img @ txt.t()).float()
         loss = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels))
     loss.backward()
     return loss
@@ -92,9 +96,12 @@ def cpu_description():
     return model, isa, os.cpu_count()
 
 
-def run_torch(n, d, threads, steps, objective):
-    out = subprocess.run([sys.executable, "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps), objective],
-                         check=True, capture_output=True, text=True).stdout.split()
+TORCH_DTYPES = {"float": "float32", "bfloat16": "bfloat16", "half": "float16"}
+
+
+def run_torch(n, d, threads, steps, objective, dtype="float"):
+    out = subprocess.run([sys.executable, "-c", TORCH_CHILD, str(n), str(d), str(threads), str(steps), objective,
+                          TORCH_DTYPES[dtype]], check=True, capture_output=True, text=True).stdout.split()
     return float(out[0]), int(out[1]), out[2]
 
 
@@ -133,6 +140,9 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.5, help="Google Benchmark min time per library run (s)")
     ap.add_argument("--dtypes", nargs="+", default=["float", "half", "bfloat16"])
     ap.add_argument("--algorithms", nargs="+", default=["materialized", "fused"])
+    ap.add_argument("--torch-dtypes", nargs="+", default=["float"], choices=["float", "bfloat16"],
+                    help="PyTorch rows; a library row is compared with the PyTorch row of its dtype where there is "
+                         "one, else with float's")
     ap.add_argument("--objective", choices=["symmetric", "sigmoid"], default="symmetric")
     args = ap.parse_args()
 
@@ -142,12 +152,14 @@ def main():
           f"rounds: {args.rounds} (medians); objective: {args.objective}", flush=True)
     rows = []
     for n in args.n:
-        torch_t, torch_m, lib = [], [], {}
+        torch_runs, lib = {}, {}
         version = "?"
         for r in range(args.rounds):
-            t, m, version = run_torch(n, args.d, threads, args.torch_steps, args.objective)
-            torch_t.append(t)
-            torch_m.append(m)
+            for td in args.torch_dtypes:
+                t, m, version = run_torch(n, args.d, threads, args.torch_steps, args.objective, td)
+                torch_runs.setdefault(td, ([], []))
+                torch_runs[td][0].append(t)
+                torch_runs[td][1].append(m)
             for dtype in args.dtypes:
                 for algo in args.algorithms:
                     t_l, m_l, _ = run_library(args.bench, n, args.d, dtype, algo, args.threads, args.min_time,
@@ -156,24 +168,28 @@ def main():
                     lib[(dtype, algo)][0].append(t_l)
                     lib[(dtype, algo)][1].append(m_l)
             print(f"  N = {n}: round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        tt, tm = statistics.median(torch_t), statistics.median(torch_m)
         baseline = "open_clip SigLipLoss" if args.objective == "sigmoid" else "ClipLoss"
-        rows.append((n, f"PyTorch {version} {baseline} (float)", tt, tm, 1.0, 1.0))
+        medians = {}
+        for td, (ts, ms) in torch_runs.items():
+            medians[td] = (statistics.median(ts), statistics.median(ms))
+            rows.append((n, f"PyTorch {version} {baseline} ({td})", medians[td][0], medians[td][1], 1.0, 1.0, td))
         float_fused = None
         for (dtype, algo), (ts, ms) in lib.items():
             t, m = statistics.median(ts), statistics.median(ms)
             if dtype == "float" and algo == "fused":
                 float_fused = t
-            rows.append((n, f"contrastive {dtype} {algo}", t, m, t / tt, m / tm if tm else float("nan")))
+            against = dtype if dtype in medians else ("float" if "float" in medians else next(iter(medians)))
+            tt, tm = medians[against]
+            rows.append((n, f"contrastive {dtype} {algo}", t, m, t / tt, m / tm if tm else float("nan"), against))
         if float_fused:
             for (dtype, algo), (ts, _) in lib.items():
                 if algo == "fused" and dtype != "float":
                     print(f"  N = {n}: {dtype} fused / float fused = {statistics.median(ts) / float_fused:.3f}")
     print()
-    print("| N | implementation | time / step | memory / step | time vs PyTorch | memory vs PyTorch |")
-    print("|---|---|---|---|---|---|")
-    for n, what, t, m, rt, rm in rows:
-        print(f"| {n} | {what} | {t * 1e3:.0f} ms | {m / 2**20:.1f} MiB | {rt:.2f}x | {rm * 100:.1f}% |")
+    print("| N | implementation | time / step | memory / step | time vs PyTorch | memory vs PyTorch | vs |")
+    print("|---|---|---|---|---|---|---|")
+    for n, what, t, m, rt, rm, against in rows:
+        print(f"| {n} | {what} | {t * 1e3:.0f} ms | {m / 2**20:.1f} MiB | {rt:.2f}x | {rm * 100:.1f}% | {against} |")
 
 
 if __name__ == "__main__":

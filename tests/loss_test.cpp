@@ -554,3 +554,61 @@ TEST(AutomaticAlgorithm, OtherAlgorithmsRefuseABudget)
   EXPECT_EQ(st.argument(), std::string("budget"));
   EXPECT_FALSE(fused.materializes(cl::problem<float>{}));
 }
+
+namespace
+{
+// Every algorithm at shapes whose products span several micro-kernel slices (dim > 2 kernel_kc, odd) and key tiles
+// (n_k > block_n, not a multiple of it), row blocks with a partial last panel, and labels against a queue: the
+// logits' reduction and both backward products run over more than one slice and tile, on whichever kernel this
+// build has (for bfloat16 on an AVX512-BF16 build: the vdpbf16ps kernel, its pair panels and the odd-dim padding).
+template <class T, class Algo>
+void check_long_products(std::uint32_t seed)
+{
+  using tol = ct::tolerance<T, Algo>;
+  namespace h = cl::host;
+  struct case_t
+  {
+    std::size_t n_q, n_k, dim;
+    cl::objective obj;
+  };
+  const case_t cases[] = {
+      {h::block_n + 45, h::block_n + 45, 2 * h::kernel_kc + 3, cl::objective::symmetric},
+      {h::kernel_mr + 1, 2 * h::block_n + 1, h::kernel_kc + 1, cl::objective::info_nce},
+      {1, 3, 2 * h::kernel_kc + 1, cl::objective::info_nce},
+  };
+  for (const case_t& c : cases)
+  {
+    SCOPED_TRACE(std::string(cl::element_traits<T>::name) + " " + Algo::name + " n_q " + std::to_string(c.n_q) +
+                 " n_k " + std::to_string(c.n_k) + " dim " + std::to_string(c.dim) + " seed " + std::to_string(seed));
+    const auto q = ct::random_rows<T>(c.n_q, c.dim, seed++), k = ct::random_rows<T>(c.n_k, c.dim, seed++);
+    const auto labels = ct::random_labels(c.n_q, c.n_k, seed++);
+    const std::int32_t* lab = c.obj == cl::objective::info_nce ? labels.data() : nullptr;
+    const cl::problem<T> p{q.data(), k.data(), c.n_q, c.n_k, c.dim, lab, c.obj};
+    cl::loss<T, cl::temperature::fixed, cl::scaler::static_scale, Algo> l(cl::temperature::fixed(1.0f / 20.0f),
+                                                                          cl::scaler::static_scale(8.0f));
+    const auto ref = ct::compute_reference(ct::to_double(q), ct::to_double(k), c.n_q, c.n_k, c.dim, lab, c.obj, 20.0);
+    const T poison = cl::element_traits<T>::from_float(std::numeric_limits<float>::quiet_NaN());
+    std::vector<T> dq(c.n_q * c.dim, poison), dk(c.n_k * c.dim, poison);
+    cl::step_record rec;
+    const cl::status st = l.step(p, dq.data(), dk.data(), rec);
+    ASSERT_TRUE(st.ok()) << st.message();
+    ASSERT_EQ(rec.first_nonfinite, cl::nonfinite_site::none);
+    EXPECT_NEAR(rec.loss, ref.loss, tol::loss(ref.max_abs_logit));
+    EXPECT_LE(ct::max_rel_error(dq, ref.dq, 1.0 / 8.0), tol::grad(ref.max_abs_logit));
+    EXPECT_LE(ct::max_rel_error(dk, ref.dk, 1.0 / 8.0), tol::grad(ref.max_abs_logit));
+  }
+}
+} // namespace
+
+TEST(LongProducts, EveryAlgorithmAndElementTypeMatchesFloat64)
+{
+  const std::uint32_t seed = std::random_device{}();
+  std::printf(
+      "seed %u, host kernel %s, bfloat16 dot products %s\n", seed, cl::host::kernel_isa, cl::host::bf16_kernel_isa);
+  check_long_products<__nv_bfloat16, cl::algorithm::fused>(seed);
+  check_long_products<__nv_bfloat16, cl::algorithm::materialized>(seed + 10);
+  check_long_products<__nv_bfloat16, cl::algorithm::chunked>(seed + 20);
+  check_long_products<__half, cl::algorithm::fused>(seed + 30);
+  check_long_products<float, cl::algorithm::fused>(seed + 40);
+  check_long_products<float, cl::algorithm::materialized>(seed + 50);
+}

@@ -28,6 +28,23 @@ def algorithm(value, allow_none=False):
     return value
 
 
+def resolve_algorithm(value, device):
+    """The softmax objectives' algorithm: None is 'automatic' on the CPU (the library's algorithm::automatic:
+    'materialized' where its buffers fit the memory budget, else 'fused'; float16 always 'fused') and 'fused' on
+    CUDA."""
+    value = algorithm(value, allow_none=True)
+    if value is None:
+        return "automatic" if device.type == "cpu" else "fused"
+    return value
+
+
+def memory_budget(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"bytes: must be an int >= 0 (0: a quarter of the available memory at each call), "
+                         f"got {value!r}")
+    return value
+
+
 def sigmoid_algorithm(algorithm, device):
     """SigLIP's algorithm: None is 'fused' on the CPU and 'chunked' on CUDA, the one device algorithm of this loss."""
     if device.type == "cuda":

@@ -36,6 +36,31 @@ class Pool:
 
 pool = Pool()
 
+# algorithm::automatic's budget in bytes for every host engine (0: a quarter of the memory available at each call).
+_budget = 0
+# The algorithm the calling thread's last host step ran (read into `report` by functional).
+_last = threading.local()
+
+
+def set_memory_budget(bytes=0):
+    """The memory budget of algorithm=None on CPU tensors (the library's algorithm::automatic): a call runs
+    'materialized' (the n x n logits in the features' dtype: 6 n^2 d flops, the fastest host path) when its buffers fit
+    `bytes`, else 'fused' (8 n^2 d flops, memory O(n d) at any batch). 0, the default: a quarter of the memory the
+    operating system reports available at each call. float16 is always 'fused' (its logits overflow at large scales)."""
+    global _budget
+    from . import _checks
+    _budget = _checks.memory_budget(bytes)
+
+
+def memory_budget():
+    """The budget set by set_memory_budget (0: the default, a quarter of the available memory at each call)."""
+    return _budget
+
+
+def last_algorithm():
+    """The algorithm the calling thread's last CPU step ran ('fused', 'materialized', ...; None before any)."""
+    return getattr(_last, "algorithm", None)
+
 
 def step(q, k, scale, bias, labels32, objective, algorithm, threads, grads, loss_scale=1.0):
     """One host forward (and, when `grads`, backward at `loss_scale`): (loss, dq, dk, d loss/d log s, d loss/d b,
@@ -44,6 +69,8 @@ def step(q, k, scale, bias, labels32, objective, algorithm, threads, grads, loss
     key = (DTYPE_NAMES[q.dtype], algorithm, threads)
     handle = pool.take(key)
     try:
+        if algorithm == "automatic":
+            handle.set_memory_budget(_budget)
         if objective == "sigmoid":
             value, _tau = handle.forward_sigmoid(q, k, scale, bias, labels32)
         else:
@@ -55,6 +82,7 @@ def step(q, k, scale, bias, labels32, objective, algorithm, threads, grads, loss
             else:
                 dq, dk, dlogs = handle.backward(loss_scale)
         site, max_logit = handle.diagnosis()
+        _last.algorithm = handle.algorithm_used()
     finally:
         pool.give(key, handle)
     return value, dq, dk, dlogs, dbias, max_logit, NONFINITE_SITES.index(site)

@@ -12,14 +12,17 @@ and logit_bias. Features are 2-D (batch x dim), contiguous, float32, bfloat16 or
 tensors its device step; eager and torch.compile calls run the same operators (contrastive_torch._ops).
 
 Common keyword arguments:
-    algorithm  'fused' (never the n x n logits; the default, but for SigLIP on CUDA), 'materialized' (the logits in
-               the features' dtype: fastest on the host when they fit), 'chunked' (row chunks; cuBLAS products on
-               GPUs, the one device algorithm of the sigmoid loss)
+    algorithm  None (the default): on CPU tensors 'materialized' where its buffers fit the memory budget
+               (contrastive_torch.set_memory_budget; default a quarter of the available memory), else 'fused';
+               float16 always 'fused'; on CUDA tensors and over a group 'fused'; SigLIP: 'fused' on the CPU,
+               'chunked' on CUDA. Or one of 'fused' (never the n x n logits: 8 n^2 d flops, memory O(n d)),
+               'materialized' (the logits in the features' dtype: 6 n^2 d flops, the fastest host path where they
+               fit), 'chunked' (row chunks; cuBLAS products on GPUs, the one device algorithm of the sigmoid loss)
     threads    host threads (0: all cores)
     fused_tiles  CUDA, 'chunked', 16-bit features: tensor-core logits tiles consumed in registers
     report     a dict to fill with the step's diagnosis: 'loss', 'max_logit', 'first_nonfinite_code' (tensors; no
-               synchronisation), and on the CPU 'first_nonfinite' (a NONFINITE_SITES name). Not filled while
-               torch.compile traces.
+               synchronisation), and on the CPU 'first_nonfinite' (a NONFINITE_SITES name) and 'algorithm' (the one
+               the step ran). Not filled while torch.compile traces.
 
 clip_loss and siglip_loss take `group` (a torch.distributed ProcessGroup): every rank of the group calls with its own
 rows and gets the loss of the global batch (see contrastive_torch._distributed for the exchanges and the gradient
@@ -30,6 +33,7 @@ import torch
 
 from . import _checks, _distributed
 from ._extension import require_custom_ops
+from . import _host
 from ._host import NONFINITE_SITES
 
 __all__ = ["clip_loss", "siglip_loss", "info_nce_loss", "NONFINITE_SITES"]
@@ -53,6 +57,7 @@ def _fill(report, out, q):
     report.update({"loss": loss.detach(), "max_logit": max_logit.detach(), "first_nonfinite_code": site})
     if q.device.type == "cpu":
         report["first_nonfinite"] = NONFINITE_SITES[int(site)]
+        report["algorithm"] = _host.last_algorithm()
 
 
 def _softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report):
@@ -88,10 +93,10 @@ def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, thr
     if group is not None:  # every argument is checked there, agreed between the ranks
         return _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None, algorithm,
                                         threads, fused_tiles, _checks.group(group), grad_ranks, exchange, report)
-    algorithm = _checks.algorithm(algorithm, allow_none=True) or "fused"
     _checks.threads(threads)
     _checks.boolean("fused_tiles", fused_tiles)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
+    algorithm = _checks.resolve_algorithm(algorithm, image_features.device)
     return _softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles, report)
 
 
@@ -99,10 +104,10 @@ def info_nce_loss(query, keys, logit_scale, labels=None, *, algorithm=None, thre
                   report=None):
     """One-directional InfoNCE: mean_i CE(s q_i . K^T, labels[i]). Keys may outnumber queries (a MoCo queue);
     labels=None means the diagonal (needs n_q <= n_k); labels: int64 or int32, one per query, in [0, n_k)."""
-    algorithm = _checks.algorithm(algorithm, allow_none=True) or "fused"
     _checks.threads(threads)
     _checks.boolean("fused_tiles", fused_tiles)
     _checks.feature_pair(query, keys, ("query", "keys"))
+    algorithm = _checks.resolve_algorithm(algorithm, query.device)
     return _softmax(query, keys, logit_scale, labels, False, algorithm, threads, fused_tiles, report)
 
 

@@ -10,8 +10,8 @@ from ._host import NONFINITE_SITES
 
 class StepReport(dict):
     """A loss call's diagnosis: 'loss', 'max_logit', 'first_nonfinite_code' (tensors on the features' device, read
-    without synchronising), and 'first_nonfinite', the site's name (NONFINITE_SITES), read from the code when asked
-    (one synchronisation on CUDA)."""
+    without synchronising), 'first_nonfinite', the site's name (NONFINITE_SITES), read from the code when asked
+    (one synchronisation on CUDA), and on CPU tensors 'algorithm', the one the call ran."""
 
     def __missing__(self, key):
         if key == "first_nonfinite" and "first_nonfinite_code" in self:
@@ -77,7 +77,7 @@ class ClipLoss(_Loss):
     same call.
 
         loss_fn = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
-                           use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, group=None,
+                           use_horovod=False, *, algorithm=None, threads=0, fused_tiles=False, group=None,
                            exchange=None)
         loss = loss_fn(image_features, text_features, logit_scale)      # logit_scale = model.logit_scale.exp()
 
@@ -90,7 +90,7 @@ class ClipLoss(_Loss):
     on every rank. The loss is float32, or the features' dtype for 16-bit features outside autocast (open_clip's)."""
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
-                 use_horovod=False, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False, group=None,
+                 use_horovod=False, *, algorithm=None, threads=0, fused_tiles=False, custom_ops=False, group=None,
                  exchange=None):
         super().__init__(algorithm, threads, fused_tiles, custom_ops)
         self.local_loss = _checks.flag("local_loss", local_loss)
@@ -173,7 +173,7 @@ class InfoNCELoss(_Loss):
     """One-directional InfoNCE (functional.info_nce_loss): mean_i CE(s q_i . K^T, labels[i]); keys may outnumber
     queries (a MoCo queue); labels=None means the diagonal (needs n_q <= n_k)."""
 
-    def __init__(self, *, algorithm="fused", threads=0, fused_tiles=False, custom_ops=False):
+    def __init__(self, *, algorithm=None, threads=0, fused_tiles=False, custom_ops=False):
         super().__init__(algorithm, threads, fused_tiles, custom_ops)
 
     def forward(self, query, keys, logit_scale, labels=None):

@@ -55,7 +55,7 @@ def test_report_and_last_step():
     q, k = unit(12, 8, 1), unit(12, 8, 2)
     report = {}
     loss = CF.clip_loss(q, k, 10.0, report=report)
-    assert set(report) == {"loss", "max_logit", "first_nonfinite_code", "first_nonfinite"}
+    assert set(report) == {"loss", "max_logit", "first_nonfinite_code", "first_nonfinite", "algorithm"}
     assert torch.equal(report["loss"], loss) and report["first_nonfinite"] == "none"
     assert float(report["max_logit"]) == pytest.approx(float((q @ k.T).max() * 10.0), rel=1e-5)
     big = {}
@@ -151,3 +151,41 @@ def test_no_gradients_wanted_and_a_retained_graph(monkeypatch):
     once = a.grad.clone()
     loss.backward()
     assert torch.equal(a.grad, 2 * once)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_algorithm_none_is_materialized_within_the_budget_else_fused(seed, dtype):
+    """algorithm=None on CPU tensors: the library's algorithm::automatic, bit for bit the algorithm it names in the
+    report (materialized within the memory budget, fused beyond it; float16 always fused), modules alike."""
+    q, k = unit(70, 24, seed, dtype), unit(70, 24, seed + 1, dtype)
+    keys = unit(90, 24, seed + 2, dtype)
+    labels = torch.randint(0, 90, (70,), generator=torch.Generator().manual_seed(seed))
+    try:
+        for budget in (0, 1 << 40, 1):
+            ct.set_memory_budget(budget)
+            assert ct.memory_budget() == budget
+            want = "fused" if budget == 1 or dtype == torch.float16 else "materialized"
+            calls = [(lambda *a, **kw: CF.clip_loss(*a, **kw), (q, k, 14.0)),
+                     (lambda *a, **kw: CF.info_nce_loss(*a, **kw), (q, keys, 14.0, labels))]
+            for fn, inputs in calls:
+                report = {}
+                got = grads(lambda *a: fn(*a, report=report), *inputs)
+                assert report["algorithm"] == want, (budget, dtype)
+                ref = grads(lambda *a: fn(*a, algorithm=want), *inputs)
+                for a, w in zip(got, ref):
+                    assert torch.equal(a, w), f"seed {seed}, budget {budget}"
+            module = ct.ClipLoss()
+            assert module.algorithm is None
+            module(q, k, torch.tensor(14.0))
+            assert module.last_step["algorithm"] == want
+    finally:
+        ct.set_memory_budget(0)
+
+
+def test_memory_budget_errors():
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="bytes"):
+            ct.set_memory_budget(bad)
+    assert ct.memory_budget() == 0
+    with pytest.raises(ValueError, match="algorithm"):
+        CF.clip_loss(unit(4, 8, 1), unit(4, 8, 2), 10.0, algorithm="automatic")

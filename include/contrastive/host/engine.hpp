@@ -131,8 +131,8 @@ public:
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
   /// In floats unless said otherwise, with dp = d rounded up to NR, nq_pad / nk_pad = n_q / n_k rounded up to the
   /// row block / key tile, W workers:
-  ///   keys        builtin: nk_pad d (K packed for S = Q K^T; 16-bit on the bf16 dot kernel) except fused (no copy: its tiles are packed into
-  ///               scratch); cblas: n_k d for 16-bit, 0 for float
+  ///   keys        builtin: nk_pad d (K packed for S = Q K^T; 16-bit on the bf16 dot kernel) except fused (no
+  ///               copy: its tiles are packed into scratch); cblas: n_k d for 16-bit, 0 for float
   ///   statistics  5 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, log_sum; column lse, loss,
   ///                                                  shift, log_sum
   ///   scratch     W (query block, G, G^T and key tiles [builtin block_m d + block_m dp + 2 block_m block_n,
@@ -498,9 +498,9 @@ private:
   }
 
   engine_state<T, Gemm> st_;
-  std::size_t memory_budget_ = 0;    // algorithm::automatic's budget; 0: default_memory_budget() at each call
-  bool materialized_ = false;        // algorithm::automatic: the last prepare chose materialized
-  const char* used_ = "none";        // the algorithm the last prepare ran
+  std::size_t memory_budget_ = 0; // algorithm::automatic's budget; 0: default_memory_budget() at each call
+  bool materialized_ = false;     // algorithm::automatic: the last prepare chose materialized
+  const char* used_ = "none";     // the algorithm the last prepare ran
 };
 } // namespace host
 } // namespace contrastive

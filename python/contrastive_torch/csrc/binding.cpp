@@ -53,6 +53,10 @@ public:
   /// {dq, dk, d(loss_scale loss)/d log s, d(loss_scale loss)/d b} of the last forward.
   virtual std::vector<torch::Tensor> backward(double loss_scale) = 0;
   virtual std::size_t bytes_held() const = 0;
+  /// algorithm::automatic: its memory budget (0: a quarter of the available memory at each call); the algorithm the
+  /// last call ran.
+  virtual void set_memory_budget(std::size_t bytes) = 0;
+  virtual std::string algorithm_used() const = 0;
   /// {first non-finite site of the last forward + backward ("none", "logits", ...), largest logit}.
   virtual std::pair<std::string, double> diagnosis() const = 0;
 };
@@ -113,6 +117,22 @@ public:
     return core_.bytes_held();
   }
 
+  void set_memory_budget(std::size_t bytes) override
+  {
+    if constexpr (std::is_same_v<Algorithm, cl::algorithm::automatic>)
+    {
+      (void)core_.set_memory_budget(bytes);
+    }
+    else
+    {
+      (void)bytes;
+    }
+  }
+  std::string algorithm_used() const override
+  {
+    return core_.algorithm_used();
+  }
+
   std::pair<std::string, double> diagnosis() const override
   {
     return {cl::to_string(core_.diagnose()), static_cast<double>(core_.last_forward().max_logit)};
@@ -129,6 +149,14 @@ template <class T, class... Comm>
 std::unique_ptr<handle_base> make_for(const std::string& algorithm, unsigned threads, Comm... comm)
 {
   std::unique_ptr<handle_base> h;
+  if constexpr (sizeof...(Comm) == 0)
+  {
+    // One process only: ranks need one algorithm each (the Python layer resolves None to fused there).
+    if (algorithm == "automatic")
+    {
+      return std::make_unique<handle<T, cl::algorithm::automatic>>(threads);
+    }
+  }
   const bool known =
       cl::algorithm::dispatch(algorithm.c_str(),
                               [&](auto tag)
@@ -232,6 +260,23 @@ public:
   std::int64_t bytes_held() const
   {
     return static_cast<std::int64_t>(impl_->bytes_held());
+  }
+
+  /// algorithm "automatic": the budget its choice compares materialized's bytes with (0: a quarter of the memory
+  /// available at each call).
+  void set_memory_budget(std::int64_t bytes)
+  {
+    if (bytes < 0)
+    {
+      throw std::invalid_argument("contrastive: budget: must be >= 0 bytes (0: the default), got " +
+                                  std::to_string(bytes));
+    }
+    impl_->set_memory_budget(static_cast<std::size_t>(bytes));
+  }
+  /// The algorithm the last call ran ("none" before the first).
+  std::string algorithm_used() const
+  {
+    return impl_->algorithm_used();
   }
 
   std::pair<std::string, double> diagnosis() const
@@ -439,6 +484,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("bytes_held", &Loss::bytes_held)
       .def("diagnosis", &Loss::diagnosis)
+      .def("set_memory_budget", &Loss::set_memory_budget, pybind11::arg("bytes"))
+      .def("algorithm_used", &Loss::algorithm_used)
 #if CONTRASTIVE_TORCH_DISTRIBUTED
       .def(pybind11::init<const std::string&,
                           const std::string&,
