@@ -83,7 +83,8 @@ struct chunked
 /// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget, else
 /// `fused`. Materialized executes 6 n_q n_k d flops to fused's 8 and is the faster host algorithm wherever its n_q n_k
 /// logits fit; fused needs O((n_q + n_k) d) memory at any batch. The budget is a quarter of the memory the operating
-/// system reports available at the call (Linux: MemAvailable), or what `set_memory_budget` sets. For __half it is
+/// system reports available at the call (Linux: MemAvailable within the cgroup's limit; what the loss holds already
+/// counts as available to it), or what `set_memory_budget` sets. For __half it is
 /// always fused: materialized float16 logits overflow at large logit scales (the seed's failure). `algorithm_used()`
 /// of the loss names the algorithm the last call ran. Not one of `all`: the bindings and the device take a concrete
 /// algorithm.

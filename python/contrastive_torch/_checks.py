@@ -39,9 +39,9 @@ def resolve_algorithm(value, device):
 
 
 def memory_budget(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"bytes: must be an int >= 0 (0: a quarter of the available memory at each call), "
-                         f"got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**63:
+        raise ValueError(f"bytes: must be an int in [0, 2**63) (0: a quarter of the available memory at each "
+                         f"call), got {value!r}")
     return value
 
 

@@ -103,7 +103,7 @@ public:
   /// The budget algorithm::automatic uses now: the one set, else a quarter of the available memory.
   std::size_t memory_budget() const noexcept
   {
-    return memory_budget_ != 0 ? memory_budget_ : default_memory_budget();
+    return memory_budget_ != 0 ? memory_budget_ : default_memory_budget(bytes_held());
   }
   /// algorithm::automatic's choice for `p`: whether materialized (its buffers within memory_budget()), else fused.
   /// Never for __half (float16 logits overflow at large logit scales).
@@ -122,10 +122,20 @@ public:
       return b.ok() && b.value <= memory_budget();
     }
   }
-  /// The algorithm the last `prepare` ran: Algorithm's, or automatic's choice.
+  /// The algorithm the last `prepare` ran: Algorithm's, or automatic's choice ("none" before one, or after one that
+  /// failed).
   const char* algorithm_used() const noexcept
   {
     return used_;
+  }
+  /// algorithm::automatic: decides for `p` now (materializes) and keeps the decision for the next
+  /// `prepare<automatic>`, so that a caller's `bytes_for` of the chosen algorithm and the prepare agree; returns it.
+  template <class Problem>
+  bool decide(const Problem& p, bool outputs_known) noexcept
+  {
+    const bool m = materializes(p, outputs_known);
+    decided_ = m ? 1 : 0;
+    return m;
   }
 
   /// Bytes `prepare<Algorithm>(p)` holds, computed without wrapping (flagged when a product overflows size_t).
@@ -232,8 +242,9 @@ public:
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      materialized_ = materializes(p, dq != nullptr && dk != nullptr);
-      if (materialized_)
+      const bool m = decided_ >= 0 ? decided_ == 1 : materializes(p, dq != nullptr && dk != nullptr);
+      decided_ = -1;
+      if (m)
       {
         prepare<algorithm::materialized>(p, dq, dk);
       }
@@ -245,9 +256,10 @@ public:
     }
     else
     {
+      used_ = "none"; // until this prepare has succeeded (it may throw std::bad_alloc)
+      prepare_algorithm<Algorithm>(p, dq, dk);
       used_ = Algorithm::name;
       materialized_ = std::is_same_v<Algorithm, algorithm::materialized>;
-      prepare_algorithm<Algorithm>(p, dq, dk);
     }
   }
 
@@ -501,6 +513,7 @@ private:
   std::size_t memory_budget_ = 0; // algorithm::automatic's budget; 0: default_memory_budget() at each call
   bool materialized_ = false;     // algorithm::automatic: the last prepare chose materialized
   const char* used_ = "none";     // the algorithm the last prepare ran
+  int decided_ = -1;              // algorithm::automatic: `decide`'s choice for the next prepare (1 materialized)
 };
 } // namespace host
 } // namespace contrastive

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -37,11 +38,63 @@ inline unsigned default_threads() noexcept
   return n == 0 ? 1u : n;
 }
 
+/// The first unsigned number in the file at `path` (false when it is missing, unreadable or holds none, e.g. "max").
+inline bool read_file_number(const char* path, unsigned long long& value) noexcept
+{
+  std::FILE* f = std::fopen(path, "r");
+  if (f == nullptr)
+  {
+    return false;
+  }
+  const bool ok = std::fscanf(f, "%llu", &value) == 1;
+  std::fclose(f);
+  return ok;
+}
+
 /// Bytes of memory the operating system reports available to a new allocation now: Linux's MemAvailable (free memory
-/// plus what the page cache would give back), else free physical pages (sysconf), else 0 (unknown).
+/// plus what the page cache would give back), lowered to what the process's control group still allows (cgroup v2
+/// memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes: a container's limit), else free
+/// physical pages (sysconf), else 0 (unknown).
 inline std::size_t available_memory_bytes() noexcept
 {
 #if defined(__linux__)
+  // The process's control group (/proc/self/cgroup: "0::<path>" for v2, "<n>:memory:<path>" for v1), its limit and
+  // usage, else those at the hierarchy's root (a container's own view).
+  std::string v2 = "/sys/fs/cgroup", v1 = "/sys/fs/cgroup/memory";
+  if (std::FILE* f = std::fopen("/proc/self/cgroup", "r"))
+  {
+    char line[512];
+    while (std::fgets(line, sizeof line, f) != nullptr)
+    {
+      std::string l(line);
+      while (!l.empty() && (l.back() == '\n' || l.back() == '\r'))
+      {
+        l.pop_back();
+      }
+      if (l.rfind("0::", 0) == 0 && l.size() > 4)
+      {
+        v2 += l.substr(3);
+      }
+      const std::size_t at = l.find(":memory:");
+      if (at != std::string::npos && l.size() > at + 9)
+      {
+        v1 += l.substr(at + 8);
+      }
+    }
+    std::fclose(f);
+  }
+  std::size_t cgroup_room = static_cast<std::size_t>(-1);
+  for (const std::string& dir : {v2, std::string("/sys/fs/cgroup"), v1, std::string("/sys/fs/cgroup/memory")})
+  {
+    const bool is_v1 = dir.compare(0, 21, "/sys/fs/cgroup/memory") == 0;
+    unsigned long long limit = 0, used = 0;
+    if (read_file_number((dir + (is_v1 ? "/memory.limit_in_bytes" : "/memory.max")).c_str(), limit) &&
+        read_file_number((dir + (is_v1 ? "/memory.usage_in_bytes" : "/memory.current")).c_str(), used))
+    {
+      // v1's "no limit" is a huge number, v2's the word "max" (not read): either leaves the room unbounded.
+      cgroup_room = std::min(cgroup_room, static_cast<std::size_t>(limit > used ? limit - used : 0));
+    }
+  }
   if (std::FILE* f = std::fopen("/proc/meminfo", "r"))
   {
     char line[256];
@@ -54,7 +107,7 @@ inline std::size_t available_memory_bytes() noexcept
     std::fclose(f);
     if (found)
     {
-      return static_cast<std::size_t>(kib) * 1024u;
+      return std::min(static_cast<std::size_t>(kib) * 1024u, cgroup_room);
     }
   }
 #endif
@@ -68,12 +121,14 @@ inline std::size_t available_memory_bytes() noexcept
   return 0;
 }
 
-/// algorithm::automatic's default budget: a quarter of available_memory_bytes() (the rest stays for the model's
-/// activations and the framework), or 1 GiB when the system does not say.
-inline std::size_t default_memory_budget() noexcept
+/// algorithm::automatic's default budget: a quarter of available_memory_bytes() plus `held`, the bytes the caller's
+/// engine holds already (no longer available, but its to reuse: without them a choice that fits would not fit on the
+/// next call, and the algorithm would alternate), or 1 GiB when the system does not say. The rest stays for the
+/// model's activations and the framework.
+inline std::size_t default_memory_budget(std::size_t held = 0) noexcept
 {
   const std::size_t a = available_memory_bytes();
-  return a == 0 ? (std::size_t(1) << 30) : a / 4;
+  return a == 0 ? (std::size_t(1) << 30) : a / 4 + held / 4;
 }
 
 /// Fork-join pool. `run(workers, fn)` calls fn(w) for w in [0, workers) concurrently, worker 0 on the calling thread,

@@ -266,7 +266,17 @@ public:
         single ? p
                : problem_type{p.q, ranks_.k_all.data(), p.n_q, batch_.n_k_total, p.dim, ranks_.labels.data(), p.obj};
     const bool outputs = single && need_grads;
-    const std::size_t bytes = engine_.template bytes_for<Algorithm>(block, outputs).value;
+    std::size_t bytes = 0;
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      // Decided once: the bytes a refusal quotes are those of the algorithm the prepare runs.
+      bytes = engine_.decide(block, outputs) ? engine_.template bytes_for<algorithm::materialized>(block, outputs).value
+                                             : engine_.template bytes_for<algorithm::fused>(block, outputs).value;
+    }
+    else
+    {
+      bytes = engine_.template bytes_for<Algorithm>(block, outputs).value;
+    }
     status prepared =
         needs(guarded(
                   [&]
