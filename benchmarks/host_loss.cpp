@@ -14,8 +14,9 @@
 //                    logits: 8 N_q N_k D; sigmoid fused runs forward and backward in one pass: 6 N_q N_k D for either)
 //   fma_peak_frac    exec_flops / the FMA peak measured by this binary at startup
 //   cpu_busy         process CPU time / (wall time x threads) during the calls (1: every thread busy throughout)
-//   bf16_peak_frac   bfloat16 rows on the vdpbf16ps kernel (AVX512-BF16): exec_flops / the bf16 dot-product peak
-//                    (roofline/bf16_dot_peak), and bf16_peak_frac_cpu its per-CPU-second form
+//   bf16_peak_frac   bfloat16 rows on the bf16 kernel (vdpbf16ps, or AMX tiles where active: the context's
+//                    host_kernel says which): exec_flops / that instruction's peak (roofline/bf16_dot_peak), and
+//                    bf16_peak_frac_cpu its per-CPU-second form
 //   fma_peak_frac_cpu executed FLOPs / (process CPU seconds x the FMA loop's FLOPs per CPU second): efficiency per
 //                    CPU-second the process got, robust to other processes taking cores on a shared machine
 //   bytes_per_second compulsory memory traffic of the algorithm (inputs read once, outputs written once, and for the

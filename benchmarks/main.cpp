@@ -128,7 +128,7 @@ int main(int argc, char** argv)
   benchmark::AddCustomContext("bf16_dot_peak_gflops", contrastive::host::bf16_dot ? buf : "none (no AVX512-BF16)");
   benchmark::AddCustomContext("host_kernel",
                               std::string(contrastive::host::kernel_isa) +
-                                  ", bfloat16 dot products: " + contrastive::host::bf16_kernel_isa);
+                                  ", bfloat16 dot products: " + contrastive::host::bf16_kernel());
   benchmark::AddCustomContext("contrastive_threads", std::to_string(threads));
   benchmark::AddCustomContext("contrastive_config", cfg.describe());
 

@@ -1,6 +1,8 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 #include "support.hpp"
 
+#include <contrastive/host/amx.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -565,6 +567,48 @@ float bf16_dot_chains(std::size_t, float)
 }
 #endif
 
+#if CONTRASTIVE_AMX_COMPILED
+/// The same chains on the AMX tiles (tdpbf16ps: 16 x 16 results of 16 bfloat16 pairs each), where amx::active():
+/// four C tiles, so that consecutive instructions are independent; one step is one instruction.
+CONTRASTIVE_AMX_TARGET float amx_dot_chains(std::size_t blocks, float seed)
+{
+  namespace amx = contrastive::host::amx;
+  const amx::tile_config cfg = amx::block_config();
+  _tile_loadconfig(&cfg);
+  alignas(64) std::uint32_t ab[16 * 16];
+  alignas(64) float c[16 * 16];
+  std::fill(ab, ab + 16 * 16, 0x358637bdu); // (~1e-6, ~1e-6)
+  std::fill(c, c + 16 * 16, seed);
+  _tile_loadd(0, c, 64);
+  _tile_loadd(1, c, 64);
+  _tile_loadd(2, c, 64);
+  _tile_loadd(3, c, 64);
+  _tile_loadd(4, ab, 64);
+  _tile_loadd(6, ab, 64);
+  static_assert(accumulators % 4 == 0, "four tiles per round");
+  for (std::size_t b = 0; b < blocks; ++b)
+  {
+    for (std::size_t s = 0; s < inner; ++s)
+    {
+      for (int i = 0; i < accumulators; i += 4)
+      {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+  }
+  float t = 0.0f;
+  _tile_stored(0, c, 64);
+  t += c[0];
+  _tile_stored(3, c, 64);
+  t += c[255];
+  _tile_release();
+  return t;
+}
+#endif
+
 /// Runs `body(worker)` on `threads` threads started together; returns the wall time of the slowest.
 template <class F>
 double timed_parallel(unsigned threads, F&& body)
@@ -654,6 +698,12 @@ fma_rate measure_bf16_dot_flops(unsigned threads, double seconds)
   {
     return fma_rate{0.0, 0.0};
   }
+#if CONTRASTIVE_AMX_COMPILED
+  if (contrastive::host::amx::active())
+  {
+    return measure_chains(threads, seconds, amx_dot_chains, 4.0 * 16 * 16 * 16);
+  }
+#endif
   return measure_chains(threads, seconds, bf16_dot_chains, 4.0 * 16);
 }
 

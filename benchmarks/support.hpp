@@ -48,7 +48,8 @@ struct roofline
   double fma_flops_1thread = 0.0;  ///< the same loop on one thread, alone
   double fma_flops_per_cpu = 0.0;  ///< FLOPs per second of thread CPU time in the `threads`-thread loop (per core)
   double copy_bytes = 0.0;         ///< bytes/s of a large multi-threaded memcpy, counting read + write (2x the size)
-  double bf16_flops = 0.0;         ///< FLOP/s of a vdpbf16ps-bound loop (4 flops per lane), 0 without AVX512-BF16
+  double bf16_flops = 0.0;         ///< FLOP/s of the bf16 kernel's instruction: a vdpbf16ps-bound loop (4 flops per
+                                   ///< lane), or a tdpbf16ps-bound one where AMX is active; 0 without AVX512-BF16
   double bf16_flops_per_cpu = 0.0; ///< its FLOPs per second of thread CPU time
 };
 
@@ -60,8 +61,8 @@ struct fma_rate
 };
 /// FMA-bound loop: `threads` threads, each with 16 independent vector accumulators, for about `seconds`.
 fma_rate measure_fma_flops(unsigned threads, double seconds);
-/// The same loop on the bfloat16 dot-product instruction (AVX512-BF16 `vdpbf16ps`: 16 lanes x 2 products and 2 adds);
-/// zero where this binary does not target it.
+/// The same loop on the instruction the bfloat16 products run on: AVX512-BF16 `vdpbf16ps` (16 lanes x 2 products and 2
+/// adds), or AMX `tdpbf16ps` (16 x 16 results of 16 pairs) where amx::active(); zero where this binary has neither.
 fma_rate measure_bf16_dot_flops(unsigned threads, double seconds);
 /// memcpy of `bytes` split across `threads` threads, repeated for about `seconds`. Returns bytes/s (read + write).
 double measure_copy_bytes(unsigned threads, std::size_t bytes, double seconds);

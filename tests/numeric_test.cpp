@@ -230,10 +230,11 @@ TEST(HostIsa, KernelIsTheConfiguredOne)
 {
   namespace h = contrastive::host;
   const std::string isa = CONTRASTIVE_TEST_HOST_ISA;
-  std::printf("host kernel: %s, bfloat16 dot products: %s, MR x NR = %d x %d, block_m %zu, block_n %zu "
+  std::printf("host kernel: %s, bfloat16 dot products: %s (%s), MR x NR = %d x %d, block_m %zu, block_n %zu "
               "(CONTRASTIVE_HOST_ISA=%s)\n",
               h::kernel_isa,
-              h::bf16_kernel_isa,
+              h::bf16_kernel(),
+              h::amx::describe(h::amx::status()),
               h::kernel_mr,
               h::kernel_nr,
               h::block_m,
@@ -422,6 +423,182 @@ TEST(Bf16Dot, PackedProductMatchesFloat64)
     check_bf16_product(contrastive::host::kernel_mr, contrastive::host::kernel_nr, k, seed++);
   }
 }
+
+#if CONTRASTIVE_AMX_COMPILED
+namespace
+{
+// The AMX driver (host/amx.hpp) over the pair layouts on tiles `Tiles`, against a float64 product of the same
+// bfloat16 values plus C's prior value: products are exact in float, so the error is the float additions, at most
+// (chain + 1) rounding steps of 2^-24 relative to |C0| + sum |a b|, where a chain is one instruction's tile_pairs
+// products, the even + odd sum and one addition into C per tile step (and C's own value when accumulating).
+template <class Tiles>
+std::vector<float> check_amx_product(std::size_t m, std::size_t n, std::size_t k, bool accumulate, std::uint32_t seed)
+{
+  namespace h = contrastive::host;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-20, 20);
+  std::vector<__nv_bfloat16> a(m * k), b(n * k);
+  for (auto* v : {&a, &b})
+  {
+    for (auto& x : *v)
+    {
+      x = __float2bfloat16_rn(std::ldexp(normal(rng), exponent(rng)));
+    }
+  }
+  const std::size_t m_pad = h::round_up(m, h::kernel_mr), n_pad = h::round_up(n, h::kernel_nr);
+  const std::size_t kc = h::round_up(k, 2);
+  std::vector<std::uint16_t> ap(m_pad * kc, 0xffff), bp(n_pad * kc, 0xffff); // poisoned: every slot is written
+  h::pack_row_pairs<h::kernel_mr>(a.data(), k, 0, m, m_pad, ap.data());
+  h::pack_row_pairs<h::kernel_nr>(b.data(), k, 0, n, n_pad, bp.data());
+  std::vector<float> c0(m_pad * n_pad, std::numeric_limits<float>::quiet_NaN());
+  if (accumulate)
+  {
+    for (auto& x : c0)
+    {
+      x = std::ldexp(normal(rng), exponent(rng));
+    }
+  }
+  std::vector<float> c = c0;
+  Tiles tiles;
+  h::amx::gemm_pairs(tiles, m_pad, n_pad, kc, ap.data(), bp.data(), kc * h::kernel_nr, c.data(), n_pad, accumulate);
+  const std::size_t kp = kc / 2;
+  const std::size_t tile_steps = (kp + h::amx::tile_pairs - 1) / h::amx::tile_pairs;
+  const double steps =
+      static_cast<double>(h::amx::tile_pairs + 2 + tile_steps + kp / h::amx::a_block_pairs + (accumulate ? 2 : 1));
+  for (std::size_t i = 0; i < m_pad; ++i)
+  {
+    for (std::size_t j = 0; j < n_pad; ++j)
+    {
+      double ref = accumulate ? static_cast<double>(c0[i * n_pad + j]) : 0.0;
+      double mag = std::fabs(ref);
+      for (std::size_t p = 0; i < m && j < n && p < k; ++p)
+      {
+        const double x = static_cast<double>(__bfloat162float(a[i * k + p])) * __bfloat162float(b[j * k + p]);
+        ref += x;
+        mag += std::fabs(x);
+      }
+      const double got = c[i * n_pad + j];
+      EXPECT_LE(std::fabs(got - ref), steps * std::ldexp(1.0, -24) * mag)
+          << "C[" << i << "][" << j << "] of " << m << " x " << n << " x " << k << (accumulate ? ", accumulated" : "");
+      if (std::fabs(got - ref) > steps * std::ldexp(1.0, -24) * mag)
+      {
+        return c;
+      }
+    }
+  }
+  return c;
+}
+
+// Shapes that cover every edge of the driver: a row block of 8, 16, 24 or 32 rows (partial ones staged), a pair count
+// that is not a multiple of a tile step (the B tail copied), more than a_block_pairs pairs (A copied in parts), k odd,
+// k = 0, several column blocks.
+struct amx_shape
+{
+  std::size_t m, n, k;
+};
+const amx_shape amx_shapes[] = {{1, 1, 1},
+                                {8, 32, 2},
+                                {16, 33, 31},
+                                {24, 64, 32},
+                                {32, 32, 64},
+                                {40, 96, 33},
+                                {72, 40, 2 * (256 + 16 + 5) + 1},
+                                {33, 65, 1024},
+                                {9, 17, 0}};
+} // namespace
+
+// The tile driver's layout logic on the SDM's operation, on every build that carries it.
+TEST(AmxTiles, EmulatedProductMatchesFloat64)
+{
+  std::uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  for (const amx_shape& s : amx_shapes)
+  {
+    for (bool accumulate : {false, true})
+    {
+      check_amx_product<contrastive::host::amx::emulated_tiles>(s.m, s.n, s.k, accumulate, seed++);
+    }
+  }
+}
+
+// A row's sum does not depend on where the row sits: rows computed in a whole 32-row block and the same rows computed
+// alone (a partial, staged block) are equal bit for bit, as exact_rows in the builtin backend assumes.
+TEST(AmxTiles, PartialBlocksSumLikeWholeOnes)
+{
+  namespace h = contrastive::host;
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<std::uint32_t> bits(0, 0xffff);
+  const std::size_t m_pad = 40, n_pad = 64, kc = 2 * 300;
+  std::vector<std::uint16_t> ap(m_pad * kc), bp(n_pad * kc);
+  for (auto* v : {&ap, &bp})
+  {
+    for (auto& x : *v)
+    {
+      x = static_cast<std::uint16_t>(bits(rng) & 0xbfffu); // finite: exponent below 0xff
+    }
+  }
+  for (bool accumulate : {false, true})
+  {
+    std::vector<float> whole(m_pad * n_pad, 0.5f), part(h::kernel_mr * n_pad, 0.5f);
+    h::amx::emulated_tiles tiles;
+    h::amx::gemm_pairs(
+        tiles, m_pad, n_pad, kc, ap.data(), bp.data(), kc * h::kernel_nr, whole.data(), n_pad, accumulate);
+    for (std::size_t r0 : {std::size_t{0}, std::size_t{16}, std::size_t{32}})
+    {
+      std::fill(part.begin(), part.end(), 0.5f);
+      h::amx::gemm_pairs(tiles,
+                         h::kernel_mr,
+                         n_pad,
+                         kc,
+                         ap.data() + r0 * kc,
+                         bp.data(),
+                         kc * h::kernel_nr,
+                         part.data(),
+                         n_pad,
+                         accumulate);
+      for (std::size_t i = 0; i < part.size(); ++i)
+      {
+        ASSERT_EQ(bits_of(part[i]), bits_of(whole[r0 * n_pad + i]))
+            << "row " << r0 + i / n_pad << ", column " << i % n_pad;
+      }
+    }
+  }
+}
+
+// The real tiles, where the CPU and the OS have them (skipped, with the reason, elsewhere): the same bound, and the
+// builds's bfloat16 products (gemm_packed) run on them.
+TEST(AmxTiles, HardwareProductMatchesFloat64)
+{
+  namespace h = contrastive::host;
+  if (!h::amx::active())
+  {
+    GTEST_SKIP() << h::amx::describe(h::amx::status());
+  }
+  std::uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::size_t differ = 0, total = 0;
+  for (const amx_shape& s : amx_shapes)
+  {
+    for (bool accumulate : {false, true})
+    {
+      const auto hw = check_amx_product<h::amx::hardware_tiles>(s.m, s.n, s.k, accumulate, seed);
+      const auto em = check_amx_product<h::amx::emulated_tiles>(s.m, s.n, s.k, accumulate, seed);
+      ++seed;
+      for (std::size_t i = 0; i < hw.size() && i < em.size(); ++i)
+      {
+        differ += bits_of(hw[i]) != bits_of(em[i]);
+      }
+      total += hw.size();
+    }
+  }
+  std::printf("hardware tiles differ from the SDM's operation in %zu of %zu results\n", differ, total);
+  if (h::bf16_dot)
+  {
+    EXPECT_STREQ(h::bf16_kernel(), "amx_bf16");
+  }
+}
+#endif
 
 // G rounded to bfloat16 into the pair layouts (pack_a_pairs, pack_a_transposed_pairs): the bits of the scalar
 // round-to-nearest-even conversion, zeros in the padding.

@@ -22,11 +22,13 @@
 ///   task's block of Q both ways.
 
 #include <contrastive/detail/config.hpp>
+#include <contrastive/host/amx.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -174,6 +176,13 @@ inline constexpr bool bf16_dot = false;
 inline constexpr const char* bf16_kernel_isa = "none";
 #endif
 
+/// The kernel the bfloat16 products run on in this process: "amx_bf16" where the build has the bf16 kernel and
+/// amx::active() (AMX-BF16 tiles, checked at run time), else bf16_kernel_isa.
+inline const char* bf16_kernel() noexcept
+{
+  return bf16_dot && amx::active() ? "amx_bf16" : bf16_kernel_isa;
+}
+
 /// The bfloat16 bits of a float, rounded to nearest even (a NaN stays a NaN); branch-free so that loops over it
 /// vectorise.
 CONTRASTIVE_FORCEINLINE std::uint16_t bf16_round_bits(float f) noexcept
@@ -251,6 +260,19 @@ void gemm_packed(std::size_t m_pad,
                  std::size_t ldc,
                  bool accumulate) noexcept
 {
+#if CONTRASTIVE_AMX_COMPILED
+  if constexpr (std::is_same_v<E, std::uint16_t>)
+  {
+    static_assert(kernel_mr == static_cast<int>(amx::a_panel_rows) && kernel_nr == static_cast<int>(amx::block_cols),
+                  "the tiles read the AVX-512 pair layouts");
+    if (amx::active())
+    {
+      amx::hardware_tiles tiles;
+      amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate);
+      return;
+    }
+  }
+#endif
   for (std::size_t jc = 0; jc < n_pad; jc += kernel_nr)
   {
     const E* bp = b + (jc / kernel_nr) * b_panel_stride;
