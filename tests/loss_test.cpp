@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -604,11 +605,30 @@ TEST(LongProducts, EveryAlgorithmAndElementTypeMatchesFloat64)
 {
   const std::uint32_t seed = std::random_device{}();
   std::printf(
-      "seed %u, host kernel %s, bfloat16 dot products %s\n", seed, cl::host::kernel_isa, cl::host::bf16_kernel_isa);
+      "seed %u, host kernel %s, bfloat16 dot products %s\n", seed, cl::host::kernel_isa, cl::host::bf16_kernel());
   check_long_products<__nv_bfloat16, cl::algorithm::fused>(seed);
   check_long_products<__nv_bfloat16, cl::algorithm::materialized>(seed + 10);
   check_long_products<__nv_bfloat16, cl::algorithm::chunked>(seed + 20);
   check_long_products<__half, cl::algorithm::fused>(seed + 30);
   check_long_products<float, cl::algorithm::fused>(seed + 40);
   check_long_products<float, cl::algorithm::materialized>(seed + 50);
+}
+
+// The ctest entry loss.amx_emulated runs the bfloat16 tests of this file with CONTRASTIVE_HOST_AMX=emulate: every
+// product then goes through the AMX tile driver (on its C++ model of the instruction), so the driver is tested inside
+// the whole loss, at every call site's strides, on machines without AMX. This test makes sure the mode took effect.
+TEST(AmxEmulation, EveryBfloat16ProductRunsOnTheTileDriverWhereAsked)
+{
+  namespace h = cl::host;
+  const char* env = std::getenv("CONTRASTIVE_HOST_AMX");
+  if (env == nullptr || std::string(env) != "emulate")
+  {
+    GTEST_SKIP() << "CONTRASTIVE_HOST_AMX=emulate is not set (ctest's loss.amx_emulated sets it)";
+  }
+  if (!h::bf16_dot || !h::amx::compiled)
+  {
+    GTEST_SKIP() << "this build has no bfloat16 kernel or no tile driver: " << h::amx::describe(h::amx::status());
+  }
+  EXPECT_EQ(h::amx::status(), h::amx::state::emulated);
+  EXPECT_STREQ(h::bf16_kernel(), "amx_bf16 (emulated)");
 }

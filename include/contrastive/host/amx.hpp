@@ -24,7 +24,9 @@
 /// `emulated_tiles` executes the same driver in plain C++ following the SDM's operation, so the layout logic is tested
 /// on every AVX-512 build; `hardware_tiles` runs only where `active()` (CPUID, XCR0, and Linux's arch_prctl
 /// permission for XTILEDATA) says so. CONTRASTIVE_HOST_AMX=0 in the environment turns the tiles off for the process
-/// (read once); defining CONTRASTIVE_NO_AMX removes them at compile time.
+/// (read once), CONTRASTIVE_HOST_AMX=emulate runs every bfloat16 product of the process through the driver on
+/// `emulated_tiles` (slow: for tests of the whole loss where no AMX exists); defining CONTRASTIVE_NO_AMX removes the
+/// tiles at compile time.
 
 #include <contrastive/detail/config.hpp>
 
@@ -68,6 +70,7 @@ inline constexpr std::size_t a_panel_rows = 8;    ///< rows of an a_pairs panel 
 enum class state
 {
   active,
+  emulated,
   not_compiled,
   disabled_by_environment,
   cpu_lacks_amx_bf16,
@@ -81,6 +84,8 @@ inline const char* describe(state s) noexcept
   {
   case state::active:
     return "AMX-BF16 tiles active";
+  case state::emulated:
+    return "CONTRASTIVE_HOST_AMX=emulate: the tile driver on a plain C++ model of the instruction (slow; for tests)";
   case state::not_compiled:
     return "this build carries no AMX path (needs x86-64 Linux, an AVX-512 target and GCC >= 11 or clang >= 12)";
   case state::disabled_by_environment:
@@ -102,6 +107,10 @@ inline state probe() noexcept
   if (env != nullptr && std::strcmp(env, "0") == 0)
   {
     return state::disabled_by_environment;
+  }
+  if (env != nullptr && std::strcmp(env, "emulate") == 0)
+  {
+    return state::emulated;
   }
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0)
@@ -146,6 +155,7 @@ inline state status() noexcept
   return s;
 }
 
+/// Whether the hardware tiles run (not the emulation).
 inline bool active() noexcept
 {
   return status() == state::active;

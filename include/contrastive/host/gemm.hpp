@@ -177,10 +177,23 @@ inline constexpr const char* bf16_kernel_isa = "none";
 #endif
 
 /// The kernel the bfloat16 products run on in this process: "amx_bf16" where the build has the bf16 kernel and
-/// amx::active() (AMX-BF16 tiles, checked at run time), else bf16_kernel_isa.
+/// amx::active() (AMX-BF16 tiles, checked at run time), "amx_bf16 (emulated)" under CONTRASTIVE_HOST_AMX=emulate,
+/// else bf16_kernel_isa.
 inline const char* bf16_kernel() noexcept
 {
-  return bf16_dot && amx::active() ? "amx_bf16" : bf16_kernel_isa;
+  if (!bf16_dot)
+  {
+    return bf16_kernel_isa;
+  }
+  switch (amx::status())
+  {
+  case amx::state::active:
+    return "amx_bf16";
+  case amx::state::emulated:
+    return "amx_bf16 (emulated)";
+  default:
+    return bf16_kernel_isa;
+  }
 }
 
 /// The bfloat16 bits of a float, rounded to nearest even (a NaN stays a NaN); branch-free so that loops over it
@@ -265,9 +278,16 @@ void gemm_packed(std::size_t m_pad,
   {
     static_assert(kernel_mr == static_cast<int>(amx::a_panel_rows) && kernel_nr == static_cast<int>(amx::block_cols),
                   "the tiles read the AVX-512 pair layouts");
-    if (amx::active())
+    const amx::state tiles_state = amx::status();
+    if (tiles_state == amx::state::active)
     {
       amx::hardware_tiles tiles;
+      amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate);
+      return;
+    }
+    if (tiles_state == amx::state::emulated)
+    {
+      amx::emulated_tiles tiles;
       amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate);
       return;
     }
