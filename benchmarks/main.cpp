@@ -6,7 +6,9 @@
 //                     [--contrastive_threads=T] [Google Benchmark flags...]
 //
 // The roofline is also registered as benchmarks (roofline/...), so it appears in every report beside the results and
-// in the JSON context (fma_peak_gflops, copy_peak_gbytes_per_s, bf16_dot_peak_gflops). The device suite is its own
+// in the JSON context (fma_peak_gflops, copy_peak_gbytes_per_s, bf16_dot_peak_gflops). On builds with the bfloat16
+// kernel, kernel/bf16_product/... times one thread's packed bfloat16 product on whichever kernel runs (vdpbf16ps or
+// AMX tiles: host_kernel in the context) and the AMX driver's own copies with no-op tiles. The device suite is its own
 // binary, contrastive_device_bench (device_loss.cu; see docs/performance.md).
 
 #include "support.hpp"
@@ -19,8 +21,11 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace contrastive_bench
 {
@@ -87,6 +92,98 @@ void register_roofline(unsigned threads)
                                })
       ->Iterations(1);
 }
+
+#if CONTRASTIVE_AMX_COMPILED
+/// Tiles that do nothing but touch what they are given: the tile driver's own work (A copied into tile rows, partial
+/// blocks staged), so that kernel/bf16_product's tile rows can be read against it.
+struct no_op_tiles
+{
+  float sink = 0.0f;
+  void configure() noexcept {}
+  void release() noexcept {}
+  void zero_c(int) noexcept {}
+  void load_c(int, const float* p, std::size_t) noexcept
+  {
+    sink += p[0];
+  }
+  void store_c(int, float* p, std::size_t) noexcept
+  {
+    p[0] = sink;
+  }
+  void load_a(int, const std::uint32_t* p, std::size_t) noexcept
+  {
+    sink += static_cast<float>(p[0] & 1u);
+  }
+  void load_b(int, const std::uint32_t* p, std::size_t) noexcept
+  {
+    sink += static_cast<float>(p[0] & 1u);
+  }
+  void dot() noexcept {}
+};
+#endif
+
+/// One thread's bfloat16 product C (M x N) = A (M x K) B on packed operands (host/gemm.hpp's gemm_packed: the shapes of
+/// the loss's logit tile, dQ and dK products), on whichever kernel this process runs (host_kernel in the context), and
+/// where the build carries the AMX driver, the driver with no-op tiles (`tile_driver_copies`: its overhead).
+void register_bf16_products()
+{
+  if (!contrastive::host::bf16_dot)
+  {
+    return;
+  }
+  namespace h = contrastive::host;
+  struct shape
+  {
+    std::int64_t m, n, k;
+  };
+  for (const shape s : {shape{64, 256, 512}, shape{64, 512, 256}, shape{256, 512, 64}})
+  {
+    for (const bool copies_only : {false, true})
+    {
+      if (copies_only && !h::amx::compiled)
+      {
+        continue;
+      }
+      const std::string name = std::string("kernel/bf16_product/") + (copies_only ? "tile_driver_copies" : "kernel");
+      benchmark::RegisterBenchmark(
+          name.c_str(),
+          [s, copies_only](benchmark::State& state)
+          {
+            const auto m = static_cast<std::size_t>(s.m), n = static_cast<std::size_t>(s.n),
+                       k = static_cast<std::size_t>(s.k);
+            std::vector<std::uint16_t> a(m * k, 0x3f80), b(n * k, 0x3f80); // ones: finite, exact sums
+            std::vector<float> c(m * n);
+            for (auto _ : state)
+            {
+#if CONTRASTIVE_AMX_COMPILED
+              if (copies_only)
+              {
+                no_op_tiles t;
+                h::amx::gemm_pairs(t, m, n, k, a.data(), b.data(), k * h::kernel_nr, c.data(), n, false);
+                benchmark::DoNotOptimize(t.sink);
+                continue;
+              }
+#endif
+              h::gemm_packed(m, n, k, a.data(), b.data(), k * h::kernel_nr, c.data(), n, false);
+              benchmark::DoNotOptimize(c.data());
+              benchmark::ClobberMemory();
+            }
+            const double flops = 2.0 * static_cast<double>(m * n * k);
+            state.counters["flops"] =
+                benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+            const double peak_1thread = machine_roofline().bf16_flops_per_cpu; // one core's rate
+            if (!copies_only && peak_1thread > 0.0)
+            {
+              state.counters["bf16_peak_frac_1thread"] = benchmark::Counter(
+                  flops / peak_1thread, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+            }
+          })
+          ->ArgNames({"M", "N", "K"})
+          ->Args({s.m, s.n, s.k})
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
+}
 } // namespace
 } // namespace contrastive_bench
 
@@ -133,6 +230,7 @@ int main(int argc, char** argv)
   benchmark::AddCustomContext("contrastive_config", cfg.describe());
 
   register_roofline(threads);
+  register_bf16_products();
   register_host_benchmarks();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
