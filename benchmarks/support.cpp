@@ -573,12 +573,12 @@ float bf16_dot_chains(std::size_t, float)
 CONTRASTIVE_AMX_TARGET float amx_dot_chains(std::size_t blocks, float seed)
 {
   namespace amx = contrastive::host::amx;
-  const amx::tile_config cfg = amx::block_config();
-  _tile_loadconfig(&cfg);
+  amx::load_config(amx::block_tile_config);
   alignas(64) std::uint32_t ab[16 * 16];
   alignas(64) float c[16 * 16];
   std::fill(ab, ab + 16 * 16, 0x358637bdu); // (~1e-6, ~1e-6)
   std::fill(c, c + 16 * 16, seed);
+  __asm__ volatile("" : : : "memory"); // GCC's _tile_loadd declares no memory read
   _tile_loadd(0, c, 64);
   _tile_loadd(1, c, 64);
   _tile_loadd(2, c, 64);

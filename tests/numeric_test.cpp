@@ -575,6 +575,15 @@ TEST(AmxTiles, HardwareProductMatchesFloat64)
   {
     GTEST_SKIP() << h::amx::describe(h::amx::status());
   }
+  {
+    // The configuration in force is all 64 bytes of the one the driver loads (a compiler that dropped its stores would
+    // leave tiles of 0 rows).
+    h::amx::hardware_tiles t;
+    t.configure();
+    const h::amx::tile_config in_force = h::amx::stored_config();
+    t.release();
+    EXPECT_EQ(std::memcmp(&in_force, &h::amx::block_tile_config, sizeof in_force), 0);
+  }
   std::uint32_t seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   std::size_t differ = 0, total = 0;

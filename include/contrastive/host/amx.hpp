@@ -23,10 +23,15 @@
 ///
 /// `emulated_tiles` executes the same driver in plain C++ following the SDM's operation, so the layout logic is tested
 /// on every AVX-512 build; `hardware_tiles` runs only where `active()` (CPUID, XCR0, and Linux's arch_prctl
-/// permission for XTILEDATA) says so. CONTRASTIVE_HOST_AMX=0 in the environment turns the tiles off for the process
-/// (read once), CONTRASTIVE_HOST_AMX=emulate runs every bfloat16 product of the process through the driver on
-/// `emulated_tiles` (slow: for tests of the whole loss where no AMX exists); defining CONTRASTIVE_NO_AMX removes the
-/// tiles at compile time.
+/// permission for XTILEDATA) says so. CONTRASTIVE_HOST_AMX=0 in the environment (or any value but 1 or emulate) turns
+/// the tiles off for the process (read once); CONTRASTIVE_HOST_AMX=emulate runs every bfloat16 product of the process
+/// through the driver on `emulated_tiles` (slow: for tests of the whole loss where no AMX exists); defining
+/// CONTRASTIVE_NO_AMX removes the tiles at compile time.
+///
+/// A process-wide effect: asking Linux for the tile state enlarges the process's signal frames, and from then on a
+/// sigaltstack() smaller than the AMX signal frame fails with ENOMEM (where a too-small alternate stack already
+/// exists, Linux refuses the request and the AVX512-BF16 kernel runs). Programs that install small alternate signal
+/// stacks after the first bfloat16 product should set CONTRASTIVE_HOST_AMX=0.
 
 #include <contrastive/detail/config.hpp>
 
@@ -89,7 +94,7 @@ inline const char* describe(state s) noexcept
   case state::not_compiled:
     return "this build carries no AMX path (needs x86-64 Linux, an AVX-512 target and GCC >= 11 or clang >= 12)";
   case state::disabled_by_environment:
-    return "CONTRASTIVE_HOST_AMX=0 in the environment";
+    return "CONTRASTIVE_HOST_AMX is set to turn the tiles off (any value but 1 or emulate)";
   case state::cpu_lacks_amx_bf16:
     return "the CPU has no AMX-TILE/AMX-BF16 (CPUID leaf 7)";
   case state::os_lacks_tile_state:
@@ -103,14 +108,16 @@ inline const char* describe(state s) noexcept
 #if CONTRASTIVE_AMX_COMPILED
 inline state probe() noexcept
 {
+  // Unset, empty or "1": the tiles where the machine has them; "emulate": the model; anything else ("0", "off", ...)
+  // turns them off, so that a misspelt request to disable them is never read as consent.
   const char* env = std::getenv("CONTRASTIVE_HOST_AMX");
-  if (env != nullptr && std::strcmp(env, "0") == 0)
-  {
-    return state::disabled_by_environment;
-  }
   if (env != nullptr && std::strcmp(env, "emulate") == 0)
   {
     return state::emulated;
+  }
+  if (env != nullptr && env[0] != '\0' && std::strcmp(env, "1") != 0)
+  {
+    return state::disabled_by_environment;
   }
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0)
@@ -173,7 +180,7 @@ struct alignas(64) tile_config
 };
 static_assert(sizeof(tile_config) == 64, "LDTILECFG reads 64 bytes");
 
-inline tile_config block_config() noexcept
+inline constexpr tile_config block_config() noexcept
 {
   tile_config cfg;
   for (int t = 0; t < 8; ++t)
@@ -184,13 +191,30 @@ inline tile_config block_config() noexcept
   return cfg;
 }
 
+/// LDTILECFG with the whole 64-byte operand visible to the compiler. (GCC's _tile_loadconfig declares a read of only 8
+/// bytes, so the optimiser may drop the stores of the rows and column widths: tiles of 0 rows.) A static object, so its
+/// bytes are never stores that could be dropped at all.
+CONTRASTIVE_AMX_TARGET inline void load_config(const tile_config& cfg) noexcept
+{
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+/// STTILECFG: the configuration in force (all zeros where none is), for tests.
+CONTRASTIVE_AMX_TARGET inline tile_config stored_config() noexcept
+{
+  tile_config cfg;
+  __asm__ volatile("sttilecfg %0" : "=m"(cfg) : : "memory");
+  return cfg;
+}
+
+inline constexpr tile_config block_tile_config = block_config();
+
 /// The tiles themselves. Tile numbers are immediates of the instructions, hence the switches.
 struct hardware_tiles
 {
   CONTRASTIVE_AMX_TARGET void configure() noexcept
   {
-    const tile_config cfg = block_config();
-    _tile_loadconfig(&cfg);
+    load_config(block_tile_config);
   }
   CONTRASTIVE_AMX_TARGET void release() noexcept
   {
@@ -217,6 +241,7 @@ struct hardware_tiles
   /// C tile t from 16 rows of 16 floats, ld floats apart.
   CONTRASTIVE_AMX_TARGET void load_c(int t, const float* p, std::size_t ld) noexcept
   {
+    __asm__ volatile("" : : : "memory"); // GCC's _tile_loadd declares no memory read: order the stores before it
     const long stride = static_cast<long>(ld * sizeof(float));
     switch (t)
     {
@@ -256,6 +281,7 @@ struct hardware_tiles
   /// A tile t (0, 1) from 16 rows of 16 pairs, ld 32-bit words apart.
   CONTRASTIVE_AMX_TARGET void load_a(int t, const std::uint32_t* p, std::size_t ld) noexcept
   {
+    __asm__ volatile("" : : : "memory");
     const long stride = static_cast<long>(ld * sizeof(std::uint32_t));
     if (t == 0)
     {
@@ -269,6 +295,7 @@ struct hardware_tiles
   /// B tile t (0, 1) from 16 pair-rows of 16 columns, ld 32-bit words apart.
   CONTRASTIVE_AMX_TARGET void load_b(int t, const std::uint32_t* p, std::size_t ld) noexcept
   {
+    __asm__ volatile("" : : : "memory");
     const long stride = static_cast<long>(ld * sizeof(std::uint32_t));
     if (t == 0)
     {
