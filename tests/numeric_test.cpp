@@ -360,9 +360,60 @@ TEST(SigmoidMath, Log1pUnitAndTermsMatchFloat64)
 
 namespace
 {
-// The bfloat16 pair packers and dot-product kernel (host/gemm.hpp, host/operands.hpp) against a float64 product of
-// the same bfloat16 values: every product of two bfloat16 values is exact in float, so the only error is the float
-// additions, at most (chain + 1) rounding steps of 2^-24 relative to sum |a b|, where a chain is kernel_kc products
+// Random bfloat16 operands A (m x k) and B (n x k), magnitudes 2^-20..2^20, packed into the pair layouts (poisoned
+// first: every slot must be written), and the check of a product C = C0 + A B^T (C0 = 0 unless given) against a
+// float64 product of the same values: every product of two bfloat16 values is exact in float, so the only error is
+// the float additions, at most `steps` rounding steps of 2^-24 relative to |C0| + sum |a b|.
+struct bf16_operands
+{
+  std::size_t m, n, k, m_pad, n_pad, kc;
+  std::vector<__nv_bfloat16> a, b;
+  std::vector<std::uint16_t> ap, bp;
+
+  bf16_operands(std::size_t m_, std::size_t n_, std::size_t k_, std::mt19937& rng)
+      : m(m_), n(n_), k(k_), m_pad(contrastive::host::round_up(m_, contrastive::host::kernel_mr)),
+        n_pad(contrastive::host::round_up(n_, contrastive::host::kernel_nr)), kc(contrastive::host::round_up(k_, 2)),
+        a(m_ * k_), b(n_ * k_), ap(m_pad * kc, 0xffff), bp(n_pad * kc, 0xffff)
+  {
+    namespace h = contrastive::host;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_int_distribution<int> exponent(-20, 20);
+    for (auto* v : {&a, &b})
+    {
+      for (auto& x : *v)
+      {
+        x = __float2bfloat16_rn(std::ldexp(normal(rng), exponent(rng)));
+      }
+    }
+    h::pack_row_pairs<h::kernel_mr>(a.data(), k, 0, m, m_pad, ap.data());
+    h::pack_row_pairs<h::kernel_nr>(b.data(), k, 0, n, n_pad, bp.data());
+  }
+
+  /// Every element of c (m_pad x n_pad) within the bound; the first that is not fails the test and ends the check.
+  void check(const std::vector<float>& c, const std::vector<float>* c0, double steps, const char* what) const
+  {
+    for (std::size_t i = 0; i < m_pad; ++i)
+    {
+      for (std::size_t j = 0; j < n_pad; ++j)
+      {
+        double ref = c0 != nullptr ? static_cast<double>((*c0)[i * n_pad + j]) : 0.0;
+        double mag = std::fabs(ref);
+        for (std::size_t p = 0; i < m && j < n && p < k; ++p)
+        {
+          const double x = static_cast<double>(__bfloat162float(a[i * k + p])) * __bfloat162float(b[j * k + p]);
+          ref += x;
+          mag += std::fabs(x);
+        }
+        const double got = c[i * n_pad + j];
+        ASSERT_LE(std::fabs(got - ref), steps * std::ldexp(1.0, -24) * mag)
+            << what << ": C[" << i << "][" << j << "] of " << m << " x " << n << " x " << k
+            << (c0 != nullptr ? ", accumulated" : "");
+      }
+    }
+  }
+};
+
+// The bfloat16 pair packers and dot-product kernel (host/gemm.hpp, host/operands.hpp): a chain is kernel_kc products
 // (two additions per pair step) and the slices add one step each.
 void check_bf16_product(std::size_t m, std::size_t n, std::size_t k, std::uint32_t seed)
 {
@@ -371,40 +422,11 @@ void check_bf16_product(std::size_t m, std::size_t n, std::size_t k, std::uint32
 #else
   namespace h = contrastive::host;
   std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-20, 20);
-  std::vector<__nv_bfloat16> a(m * k), b(n * k);
-  for (auto* v : {&a, &b})
-  {
-    for (auto& x : *v)
-    {
-      x = __float2bfloat16_rn(std::ldexp(normal(rng), exponent(rng)));
-    }
-  }
-  const std::size_t m_pad = h::round_up(m, h::kernel_mr), n_pad = h::round_up(n, h::kernel_nr);
-  const std::size_t kc = h::round_up(k, 2);
-  std::vector<std::uint16_t> ap(m_pad * kc, 0xffff), bp(n_pad * kc, 0xffff); // poisoned: every slot is written
-  h::pack_row_pairs<h::kernel_mr>(a.data(), k, 0, m, m_pad, ap.data());
-  h::pack_row_pairs<h::kernel_nr>(b.data(), k, 0, n, n_pad, bp.data());
-  std::vector<float> c(m_pad * n_pad, std::numeric_limits<float>::quiet_NaN());
-  h::gemm_packed(m_pad, n_pad, kc, ap.data(), bp.data(), kc * h::kernel_nr, c.data(), n_pad, false);
-  const double steps = 2.0 * static_cast<double>(h::kernel_kc) + static_cast<double>(kc / h::kernel_kc + 2);
-  for (std::size_t i = 0; i < m_pad; ++i)
-  {
-    for (std::size_t j = 0; j < n_pad; ++j)
-    {
-      double ref = 0.0, mag = 0.0;
-      for (std::size_t p = 0; i < m && j < n && p < k; ++p)
-      {
-        const double x = static_cast<double>(__bfloat162float(a[i * k + p])) * __bfloat162float(b[j * k + p]);
-        ref += x;
-        mag += std::fabs(x);
-      }
-      const double got = c[i * n_pad + j];
-      ASSERT_LE(std::fabs(got - ref), steps * std::ldexp(1.0, -24) * mag)
-          << "C[" << i << "][" << j << "] of " << m << " x " << n << " x " << k;
-    }
-  }
+  const bf16_operands x(m, n, k, rng);
+  std::vector<float> c(x.m_pad * x.n_pad, std::numeric_limits<float>::quiet_NaN());
+  h::gemm_packed(x.m_pad, x.n_pad, x.kc, x.ap.data(), x.bp.data(), x.kc * h::kernel_nr, c.data(), x.n_pad, false);
+  const double steps = 2.0 * static_cast<double>(h::kernel_kc) + static_cast<double>(x.kc / h::kernel_kc + 2);
+  x.check(c, nullptr, steps, h::bf16_kernel());
 #endif
 }
 } // namespace
@@ -427,66 +449,33 @@ TEST(Bf16Dot, PackedProductMatchesFloat64)
 #if CONTRASTIVE_AMX_COMPILED
 namespace
 {
-// The AMX driver (host/amx.hpp) over the pair layouts on tiles `Tiles`, against a float64 product of the same
-// bfloat16 values plus C's prior value: products are exact in float, so the error is the float additions, at most
-// (chain + 1) rounding steps of 2^-24 relative to |C0| + sum |a b|, where a chain is one instruction's tile_pairs
+// The AMX driver (host/amx.hpp) over the pair layouts on tiles `Tiles`: a chain is one instruction's tile_pairs
 // products, the even + odd sum and one addition into C per tile step (and C's own value when accumulating).
 template <class Tiles>
 std::vector<float> check_amx_product(std::size_t m, std::size_t n, std::size_t k, bool accumulate, std::uint32_t seed)
 {
   namespace h = contrastive::host;
   std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-20, 20);
-  std::vector<__nv_bfloat16> a(m * k), b(n * k);
-  for (auto* v : {&a, &b})
-  {
-    for (auto& x : *v)
-    {
-      x = __float2bfloat16_rn(std::ldexp(normal(rng), exponent(rng)));
-    }
-  }
-  const std::size_t m_pad = h::round_up(m, h::kernel_mr), n_pad = h::round_up(n, h::kernel_nr);
-  const std::size_t kc = h::round_up(k, 2);
-  std::vector<std::uint16_t> ap(m_pad * kc, 0xffff), bp(n_pad * kc, 0xffff); // poisoned: every slot is written
-  h::pack_row_pairs<h::kernel_mr>(a.data(), k, 0, m, m_pad, ap.data());
-  h::pack_row_pairs<h::kernel_nr>(b.data(), k, 0, n, n_pad, bp.data());
-  std::vector<float> c0(m_pad * n_pad, std::numeric_limits<float>::quiet_NaN());
+  const bf16_operands x(m, n, k, rng);
+  std::vector<float> c0(x.m_pad * x.n_pad, std::numeric_limits<float>::quiet_NaN());
   if (accumulate)
   {
-    for (auto& x : c0)
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_int_distribution<int> exponent(-20, 20);
+    for (auto& v : c0)
     {
-      x = std::ldexp(normal(rng), exponent(rng));
+      v = std::ldexp(normal(rng), exponent(rng));
     }
   }
   std::vector<float> c = c0;
   Tiles tiles;
-  h::amx::gemm_pairs(tiles, m_pad, n_pad, kc, ap.data(), bp.data(), kc * h::kernel_nr, c.data(), n_pad, accumulate);
-  const std::size_t kp = kc / 2;
+  h::amx::gemm_pairs(
+      tiles, x.m_pad, x.n_pad, x.kc, x.ap.data(), x.bp.data(), x.kc * h::kernel_nr, c.data(), x.n_pad, accumulate);
+  const std::size_t kp = x.kc / 2;
   const std::size_t tile_steps = (kp + h::amx::tile_pairs - 1) / h::amx::tile_pairs;
   const double steps =
       static_cast<double>(h::amx::tile_pairs + 2 + tile_steps + kp / h::amx::a_block_pairs + (accumulate ? 2 : 1));
-  for (std::size_t i = 0; i < m_pad; ++i)
-  {
-    for (std::size_t j = 0; j < n_pad; ++j)
-    {
-      double ref = accumulate ? static_cast<double>(c0[i * n_pad + j]) : 0.0;
-      double mag = std::fabs(ref);
-      for (std::size_t p = 0; i < m && j < n && p < k; ++p)
-      {
-        const double x = static_cast<double>(__bfloat162float(a[i * k + p])) * __bfloat162float(b[j * k + p]);
-        ref += x;
-        mag += std::fabs(x);
-      }
-      const double got = c[i * n_pad + j];
-      EXPECT_LE(std::fabs(got - ref), steps * std::ldexp(1.0, -24) * mag)
-          << "C[" << i << "][" << j << "] of " << m << " x " << n << " x " << k << (accumulate ? ", accumulated" : "");
-      if (std::fabs(got - ref) > steps * std::ldexp(1.0, -24) * mag)
-      {
-        return c;
-      }
-    }
-  }
+  x.check(c, accumulate ? &c0 : nullptr, steps, "AMX tile driver");
   return c;
 }
 
