@@ -57,6 +57,15 @@ def memory_budget():
     return _budget
 
 
+def host_kernels():
+    """What CPU tensors run on in this process, as the extension was compiled (-march=native unless
+    CONTRASTIVE_NATIVE=0) and on this CPU: {'float': the float micro-kernel ('avx512', 'avx2+fma', 'avx', 'generic'),
+    'bfloat16': the kernel of bfloat16 products ('amx_bf16', 'avx512_bf16', or 'none': converted to float and run on
+    the float kernel), 'amx': why the AMX tiles run or not}. float16 always runs on the float kernel. Set
+    CONTRASTIVE_HOST_AMX=0 in the environment before the first bfloat16 step to keep the tiles off."""
+    return dict(extension().host_kernels())
+
+
 def last_algorithm():
     """The algorithm the calling thread's last CPU step ran ('fused', 'materialized', ...; None before any)."""
     return getattr(_last, "algorithm", None)

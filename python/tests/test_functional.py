@@ -4,6 +4,7 @@ gradients bit for bit (one path), the report, the loss's dtype (open_clip's), op
 and its development branch), gradients-free calls, and a retained graph."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -180,6 +181,26 @@ def test_algorithm_none_is_materialized_within_the_budget_else_fused(seed, dtype
             assert module.last_step["algorithm"] == want
     finally:
         ct.set_memory_budget(0)
+
+
+def test_host_kernels_name_what_runs():
+    kernels = ct.host_kernels()
+    assert set(kernels) == {"float", "bfloat16", "amx"}
+    assert kernels["float"] in ("avx512", "avx2+fma", "avx", "generic")
+    assert kernels["bfloat16"] in ("amx_bf16", "amx_bf16 (emulated)", "avx512_bf16", "none")
+    assert isinstance(kernels["amx"], str) and kernels["amx"]
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    if "amx_bf16" not in flags:
+        assert kernels["bfloat16"] != "amx_bf16", kernels
+    if kernels["bfloat16"] == "amx_bf16":
+        assert kernels["amx"] == "AMX-BF16 tiles active", kernels
+    # A -march=native build on an AVX512-BF16 CPU has the bf16 kernel.
+    native = os.environ.get("CONTRASTIVE_NATIVE", "1") != "0"
+    if native and kernels["float"] == "avx512" and "avx512_bf16" in flags:
+        assert kernels["bfloat16"] in ("avx512_bf16", "amx_bf16", "amx_bf16 (emulated)"), kernels
 
 
 def test_memory_budget_errors():

@@ -498,6 +498,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 #endif
       ;
   m.def("range_guard_observe", &range_guard_observe);
+  m.def("host_kernels",
+        []
+        {
+          namespace h = contrastive::host;
+          pybind11::dict d;
+          d["float"] = h::kernel_isa;
+          d["bfloat16"] = h::bf16_kernel();
+          d["amx"] = h::amx::describe(h::amx::status());
+          return d;
+        });
   m.attr("HAS_DISTRIBUTED") = static_cast<bool>(CONTRASTIVE_TORCH_DISTRIBUTED);
 #if CONTRASTIVE_TORCH_DISTRIBUTED
   m.def("agree",
