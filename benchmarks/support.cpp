@@ -573,18 +573,20 @@ float bf16_dot_chains(std::size_t, float)
 CONTRASTIVE_AMX_TARGET float amx_dot_chains(std::size_t blocks, float seed)
 {
   namespace amx = contrastive::host::amx;
-  amx::load_config(amx::block_tile_config);
   alignas(64) std::uint32_t ab[16 * 16];
   alignas(64) float c[16 * 16];
   std::fill(ab, ab + 16 * 16, 0x358637bdu); // (~1e-6, ~1e-6)
   std::fill(c, c + 16 * 16, seed);
-  __asm__ volatile("" : : : "memory"); // GCC's _tile_loadd declares no memory read
-  _tile_loadd(0, c, 64);
-  _tile_loadd(1, c, 64);
-  _tile_loadd(2, c, 64);
-  _tile_loadd(3, c, 64);
-  _tile_loadd(4, ab, 64);
-  _tile_loadd(6, ab, 64);
+  amx::hardware_tiles t;
+  t.configure();
+  for (int ti = 0; ti < 4; ++ti)
+  {
+    t.load_c(ti, c, 16);
+  }
+  t.load_a(0, ab, 16);
+  t.load_a(1, ab, 16);
+  t.load_b(0, ab, 16);
+  t.load_b(1, ab, 16);
   static_assert(accumulators % 4 == 0, "four tiles per round");
   for (std::size_t b = 0; b < blocks; ++b)
   {
@@ -592,20 +594,17 @@ CONTRASTIVE_AMX_TARGET float amx_dot_chains(std::size_t blocks, float seed)
     {
       for (int i = 0; i < accumulators; i += 4)
       {
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_dpbf16ps(3, 4, 6);
+        t.dot(); // four independent tdpbf16ps, one per C tile
       }
     }
   }
-  float t = 0.0f;
-  _tile_stored(0, c, 64);
-  t += c[0];
-  _tile_stored(3, c, 64);
-  t += c[255];
-  _tile_release();
-  return t;
+  float total = 0.0f;
+  t.store_c(0, c, 16);
+  total += c[0];
+  t.store_c(3, c, 16);
+  total += c[255];
+  t.release();
+  return total;
 }
 #endif
 

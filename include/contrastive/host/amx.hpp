@@ -66,6 +66,7 @@ inline constexpr bool compiled = CONTRASTIVE_AMX_COMPILED != 0;
 
 inline constexpr std::size_t tile_rows = 16;      ///< rows of every tile
 inline constexpr std::size_t tile_pairs = 16;     ///< pairs in an A row, pair-rows in a B tile (64 bytes)
+inline constexpr std::size_t tile_cols = 16;      ///< floats in a C row, columns in a B tile (64 bytes)
 inline constexpr std::size_t block_rows = 32;     ///< C rows per block: A tiles tmm4, tmm5
 inline constexpr std::size_t block_cols = 32;     ///< C columns per block: B tiles tmm6, tmm7 (the b_pairs width)
 inline constexpr std::size_t a_block_pairs = 256; ///< pairs of A copied at once: 32 KiB on the stack
@@ -321,9 +322,9 @@ struct hardware_tiles
 /// two FMA chains from zero, DAZ and FTZ, then their sum added to C): the layouts are tested where no AMX exists.
 struct emulated_tiles
 {
-  float c[4][tile_rows][16];
+  float c[4][tile_rows][tile_cols];
   std::uint32_t a[2][tile_rows][tile_pairs];
-  std::uint32_t b[2][tile_pairs][16];
+  std::uint32_t b[2][tile_pairs][tile_cols];
 
   void configure() noexcept {}
   void release() noexcept {}
@@ -377,7 +378,7 @@ struct emulated_tiles
       const int ta = t / 2, tb = t % 2;
       for (std::size_t m = 0; m < tile_rows; ++m)
       {
-        for (std::size_t n = 0; n < 16; ++n)
+        for (std::size_t n = 0; n < tile_cols; ++n)
         {
           float even = 0.0f, odd = 0.0f;
           for (std::size_t k = 0; k < tile_pairs; ++k)
@@ -422,23 +423,22 @@ CONTRASTIVE_AMX_TARGET void gemm_pairs(Tiles& t,
       for (std::size_t r = 0; r < block_rows; ++r)
       {
         std::uint32_t* out = ar + r * width;
-        if (r >= rows)
-        {
-          std::memset(out, 0, width * sizeof(std::uint32_t));
-          continue;
-        }
+        const std::size_t have = r < rows ? pairs : 0;
         const std::size_t row = i0 + r;
-        const std::uint16_t* panel = a + (row / a_panel_rows) * a_panel_rows * kc;
-        const std::size_t lane = row % a_panel_rows;
-        for (std::size_t q = 0; q < width; ++q)
+        const std::uint16_t* pair =
+            a + (row / a_panel_rows) * a_panel_rows * kc + (p0 * a_panel_rows + row % a_panel_rows) * 2;
+        for (std::size_t q = 0; q < have; ++q)
         {
-          std::uint32_t word = 0;
-          if (q < pairs)
-          {
-            std::memcpy(&word, panel + ((p0 + q) * a_panel_rows + lane) * 2, sizeof word);
-          }
-          out[q] = word;
+          std::memcpy(out + q, pair + q * a_panel_rows * 2, sizeof(std::uint32_t));
         }
+        std::memset(out + have, 0, (width - have) * sizeof(std::uint32_t));
+      }
+      // The pair-rows of a partial last step (the same count in every panel) come through bt, whose rows beyond them
+      // stay zero.
+      const std::size_t tail = pairs % tile_pairs;
+      if (tail != 0)
+      {
+        std::memset(bt, 0, sizeof bt);
       }
       const bool from_zero = p0 == 0 && !accumulate;
       for (std::size_t j0 = 0; j0 < n_pad; j0 += block_cols)
@@ -459,42 +459,39 @@ CONTRASTIVE_AMX_TARGET void gemm_pairs(Tiles& t,
           cp = ct;
           ld = block_cols;
         }
+        auto c_tile = [&](int ti)
+        {
+          return cp + static_cast<std::size_t>(ti / 2) * tile_rows * ld + static_cast<std::size_t>(ti % 2) * tile_cols;
+        };
         for (int ti = 0; ti < 4; ++ti)
         {
-          float* ctile = cp + (ti / 2) * tile_rows * ld + (ti % 2) * 16;
           if (from_zero && !staged)
           {
             t.zero_c(ti);
           }
           else
           {
-            t.load_c(ti, ctile, ld);
+            t.load_c(ti, c_tile(ti), ld);
           }
         }
         for (std::size_t s = 0; s < steps; ++s)
         {
           t.load_a(0, ar + s * tile_pairs, width);
           t.load_a(1, ar + tile_rows * width + s * tile_pairs, width);
-          const std::size_t have = std::min(tile_pairs, pairs - s * tile_pairs);
           const std::uint16_t* bs = bp + s * tile_pairs * 2 * block_cols;
-          const std::uint32_t* bw = nullptr;
-          if (have < tile_pairs)
+          const std::uint32_t* bw = reinterpret_cast<const std::uint32_t*>(bs);
+          if (tail != 0 && s + 1 == steps)
           {
-            std::memset(bt, 0, sizeof bt);
-            std::memcpy(bt, bs, have * block_cols * sizeof(std::uint32_t));
+            std::memcpy(bt, bs, tail * block_cols * sizeof(std::uint32_t));
             bw = bt;
           }
-          else
-          {
-            bw = reinterpret_cast<const std::uint32_t*>(bs);
-          }
           t.load_b(0, bw, block_cols);
-          t.load_b(1, bw + 16, block_cols);
+          t.load_b(1, bw + tile_cols, block_cols);
           t.dot();
         }
         for (int ti = 0; ti < 4; ++ti)
         {
-          t.store_c(ti, cp + (ti / 2) * tile_rows * ld + (ti % 2) * 16, ld);
+          t.store_c(ti, c_tile(ti), ld);
         }
         if (staged)
         {
