@@ -69,6 +69,10 @@ const case_t cases[] = {
     {200, 500, 40, cl::objective::info_nce, true, 128},
     {129, 129, 17, cl::objective::info_nce, false, 64},
     {1, 1, 8, cl::objective::symmetric, false, 0},
+    // Several row tiles (256 rows) and column tiles (128) of the statistics pass, a column tail that is no multiple
+    // of 4 (scalar loads and stores beside the 16-byte ones), several chunks, and one chunk with labels.
+    {700, 1297, 40, cl::objective::symmetric, false, 576},
+    {600, 1301, 24, cl::objective::info_nce, true, 0},
 };
 
 /// A case's random inputs (rows, labels) on the host and the device, the gradient outputs poisoned (all-ones bytes:
@@ -558,6 +562,94 @@ TEST(DeviceChunked, DefaultChunkComesFromFreeMemory)
   EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 139 * gib), 4096u);
   EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 20 * gib), 2112u); // 704 rows without fused_tiles
   EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 0), L::floor_rows_for(wide, true));
+}
+
+// algorithm::automatic on the device: the chunked loss whose default chunk holds every row where that whole
+// workspace fits a quarter of the free memory (the logits computed once), else chunked's default. No GPU needed.
+TEST(DeviceAutomatic, DefaultKeepsEveryRowWhereTheWorkspaceFits)
+{
+  using A = cl::device::loss<__nv_bfloat16, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::automatic>;
+  using C = dloss<__nv_bfloat16>;
+  namespace cd = cl::device::chunked_phases;
+  const std::size_t gib = std::size_t(1) << 30;
+  for (const std::size_t n : {std::size_t(300), std::size_t(16384), std::size_t(65536), std::size_t(1) << 20})
+  {
+    const cl::problem<__nv_bfloat16> p{nullptr, nullptr, n, n, 768, nullptr, cl::objective::symmetric};
+    for (const std::size_t free_bytes : {std::size_t(0), 2 * gib, 8 * gib, 139 * gib})
+    {
+      SCOPED_TRACE(std::to_string(n) + " free " + std::to_string(free_bytes));
+      std::size_t cub = 4096;
+      cd::layout every{};
+      ASSERT_EQ(A::layout_for_rows(p, false, n, cub, every), cudaSuccess);
+      const bool fits = free_bytes != 0 && every.total <= free_bytes / cd::free_divisor;
+      const std::size_t rows = A::chunk_rows_for(p, {}, false, free_bytes);
+      if (fits)
+      {
+        EXPECT_GE(rows, n);
+      }
+      else
+      {
+        EXPECT_EQ(rows, C::chunk_rows_for(p, {}, false, free_bytes));
+      }
+      // The step given the query's bytes lays out the query's rows.
+      cd::layout query{}, step{};
+      ASSERT_EQ(A::layout_for_rows(p, false, rows, cub, query), cudaSuccess);
+      ASSERT_EQ(A::layout_to_fit(p, false, query.total, cub, step), cudaSuccess);
+      EXPECT_EQ(step.chunk_rows, query.chunk_rows);
+      EXPECT_EQ(step.total, query.total);
+      // Options with a chunk size run chunked's sizing.
+      EXPECT_EQ(A::chunk_rows_for(p, {512, 0, false}, false, free_bytes), C::chunk_rows_for(p, {512, 0, false}));
+    }
+  }
+  // What the H200 (139 GiB free) gets at D = 768: one chunk up to N = 65536 (about 24 GiB), 4096 rows beyond.
+  const cl::problem<__nv_bfloat16> big{nullptr, nullptr, 65536, 65536, 768, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(A::chunk_rows_for(big, {}, false, 139 * gib), 65536u);
+  EXPECT_EQ(A::chunk_rows_for(big, {}, false, 8 * gib), C::chunk_rows_for(big, {}, false, 8 * gib));
+  const cl::problem<__nv_bfloat16> huge{nullptr, nullptr, 262144, 262144, 768, nullptr, cl::objective::symmetric};
+  EXPECT_EQ(A::chunk_rows_for(huge, {}, false, 139 * gib), 4096u);
+}
+
+// On the device: automatic's step equals the chunked step with every row in one chunk, bit for bit, and float64.
+TEST(DeviceAutomatic, EqualsChunkedWithOneChunkBitForBit)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  using T = __nv_bfloat16;
+  using A = cl::device::loss<T, cl::temperature::learnable, cl::scaler::dynamic, cl::algorithm::automatic>;
+  using C = dloss<T>;
+  const std::size_t n = 1000, dim = 64;
+  device_inputs<T> in(n, n, dim, 4242);
+  ASSERT_TRUE(in.ready());
+  const cl::problem<T> p{in.d_q.ptr, in.d_k.ptr, n, n, dim, nullptr, cl::objective::symmetric};
+  handle h;
+  typename A::state_type st;
+  ASSERT_TRUE(A::make_state(cl::temperature::learnable(0.05f), scaler_at(256.0f), st).ok());
+  auto run = [&](auto tag, const cl::chunk_options& o)
+  {
+    using L = decltype(tag);
+    ct::device_buffer<typename L::state_type> d_state(1);
+    EXPECT_EQ(cudaMemcpy(d_state.ptr, &st, sizeof st, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(in.d_dq.poison(0xff), cudaSuccess);
+    EXPECT_EQ(in.d_dk.poison(0xff), cudaSuccess);
+    std::size_t bytes = 0;
+    EXPECT_EQ(L::step(nullptr, bytes, p, in.d_dq.ptr, in.d_dk.ptr, d_state.ptr, h.h, 0, o), cudaSuccess);
+    ct::device_buffer<char> temp(bytes);
+    EXPECT_EQ(L::step(temp.ptr, bytes, p, in.d_dq.ptr, in.d_dk.ptr, d_state.ptr, h.h, 0, o), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    typename L::state_type out;
+    EXPECT_EQ(cudaMemcpy(&out, d_state.ptr, sizeof out, cudaMemcpyDeviceToHost), cudaSuccess);
+    return std::make_tuple(out.record, in.d_dq.download(), in.d_dk.download());
+  };
+  const auto [ra, dqa, dka] = run(A{}, {});
+  const auto [rc, dqc, dkc] = run(C{}, {n, 0, false});
+  EXPECT_EQ(ra.loss, rc.loss);
+  EXPECT_EQ(ra.grad_logit_scale, rc.grad_logit_scale);
+  EXPECT_EQ(0, std::memcmp(dqa.data(), dqc.data(), dqa.size() * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(dka.data(), dkc.data(), dka.size() * sizeof(T)));
+  const ct::reference ref = ct::compute_reference(
+      ct::to_double(in.q), ct::to_double(in.k), n, n, dim, nullptr, cl::objective::symmetric, 1.0 / double(0.05f));
+  using tol = ct::tolerance<T, cl::algorithm::chunked>;
+  EXPECT_NEAR(ra.loss, ref.loss, tol::loss(ref.max_abs_logit));
+  EXPECT_LE(ct::max_rel_error(dqa, ref.dq, 1.0 / 256.0), tol::grad(ref.max_abs_logit) + 2.0 * tol::u_t);
 }
 
 // The tile grid's block order (grouped_tile, no GPU needed): every tile of the grid exactly once, groups of 8 row

@@ -60,10 +60,13 @@ namespace contrastive
 {
 namespace device
 {
-/// The device loss with algorithm::chunked (see the file comment). make_state, unscale_and_check and finish_step are
-/// those of the other algorithms; forward_backward and step take a cuBLAS handle and chunk options.
-template <class Element, class Temperature, class Scaler>
-struct loss<Element, Temperature, Scaler, algorithm::chunked>
+namespace chunked_phases
+{
+/// The chunked device loss (see the file comment); `KeepLogits`: algorithm::automatic's default sizing, which holds
+/// every row in one chunk (the logits kept between the passes: 6 n_q n_k d flops) where that workspace fits the
+/// memory budget.
+template <class Element, class Temperature, class Scaler, bool KeepLogits>
+struct chunked_loss
 {
   /// The fused device loss, whose state, upload_state, unscale_and_check and finish_step this one forwards to.
   using common = loss<Element, Temperature, Scaler, algorithm::fused>;
@@ -96,6 +99,8 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   static std::size_t chunk_bytes_per_row(const problem<Element>& p, bool tiles) noexcept
   {
     const std::size_t ld = (p.n_k + 31) / 32 * 32;
+    // cuBLAS path: S_c and G_c (the statistics pass's partials, ~0.1 byte per chunk logit, are left out of this
+    // estimate; the layout counts them).
     return tiles ? chunked_phases::tile_bytes_per_row<Element>(ld)
                  : ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
   }
@@ -126,6 +131,14 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     if (free_bytes == 0 || layout_for_rows(p, tiles, 0, cub, fixed) != cudaSuccess || free_bytes <= fixed.total)
     {
       return floor; // <= all
+    }
+    if constexpr (KeepLogits)
+    {
+      cd::layout every{};
+      if (layout_for_rows(p, tiles, all, cub, every) == cudaSuccess && every.total <= free_bytes / cd::free_divisor)
+      {
+        return all; // one chunk: S is computed once
+      }
     }
     const std::size_t per_row = chunk_bytes_per_row(p, tiles) + p.dim * sizeof(float); // + the row's dQ_c
     const std::size_t fit = (free_bytes - fixed.total) / cd::free_divisor / per_row / align * align;
@@ -181,8 +194,14 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     w.ld = (p.n_k + 31) / 32 * 32;
     constexpr std::size_t bm = logits_tile::config::bm;
     constexpr std::size_t bn = logits_tile::config::bn;
-    const std::size_t row_tiles = w.tiles ? (w.chunk_rows + bm - 1) / bm : 0;
-    const std::size_t col_tiles = w.tiles ? (p.n_k + bn - 1) / bn : 0;
+    // The statistics partials: the tile kernels' (row tiles of bm, column tiles of bn), or the cuBLAS path's
+    // statistics pass (chunked_phases::chunk_statistics: row tiles of stat_rows, column tiles of stat_cols).
+    const std::size_t row_tiles =
+        w.tiles ? (w.chunk_rows + bm - 1) / bm
+                : static_cast<std::size_t>(chunked_phases::stat_row_tiles(static_cast<long long>(w.chunk_rows)));
+    const std::size_t col_tiles =
+        w.tiles ? (p.n_k + bn - 1) / bn
+                : static_cast<std::size_t>(chunked_phases::stat_col_tiles(static_cast<long long>(p.n_k)));
     const checked_size f = sizeof(float);
     const checked_size bound =
         checked_size(64 * 256) + checked_size(6) * p.n_q * f + checked_size(4) * p.n_k * f +
@@ -219,7 +238,7 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     w.flags = c.take(3 * sizeof(int));
     w.scalars = c.take(sizeof(kernels::step_scalars));
     w.cub = c.take(w.cub_bytes);
-    w.row_part = c.take(w.chunk_rows * col_tiles * sizeof(float2));
+    w.row_part = c.take(p.obj == objective::sigmoid ? 0 : w.chunk_rows * col_tiles * sizeof(float2));
     w.col_part = c.take(sym ? row_tiles * p.n_k * sizeof(float2) : 0);
     w.total = c.offset;
     return cudaSuccess;
@@ -268,6 +287,13 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
     constexpr std::size_t align = cd::row_align;
     const std::size_t all = (p.n_q + align - 1) / align * align;
     const std::size_t floor = floor_rows_for(p, tiles);
+    if constexpr (KeepLogits) // automatic's one chunk, where the query chose it
+    {
+      if (layout_for_rows(p, tiles, all, cub, w) == cudaSuccess && w.total <= temp_bytes)
+      {
+        return cudaSuccess;
+      }
+    }
     // Every value default_rows_for can return, largest first: min(all, r) for r = max(floor, 4096) down to floor.
     for (std::size_t rows = std::max(floor, cd::default_max_rows); rows > floor; rows -= align)
     {
@@ -410,6 +436,28 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
   {
     return cuda_error_of(step_status(d_temp, temp_bytes, p, dq, dk, d_state, handle, stream, opts));
   }
+};
+} // namespace chunked_phases
+
+/// The device loss with algorithm::chunked (see the file comment). make_state, unscale_and_check and finish_step are
+/// those of the other algorithms; forward_backward and step take a cuBLAS handle and chunk options.
+template <class Element, class Temperature, class Scaler>
+struct loss<Element, Temperature, Scaler, algorithm::chunked>
+    : chunked_phases::chunked_loss<Element, Temperature, Scaler, /*KeepLogits=*/false>
+{
+};
+
+/// The device loss with algorithm::automatic: the chunked loss (same calls, cuBLAS handle and chunk options) whose
+/// default chunk (options with neither rows nor budget_bytes) holds every row where that workspace fits a quarter of
+/// the device memory free at the size query, so the logits are computed once and kept between the passes
+/// (6 n_q n_k d flops, the materialized algorithm's count, with chunked's float logits and exact positive term);
+/// else the chunked default (4096-row chunks, the logits recomputed in the backward: 8 n_q n_k d). Options that set
+/// rows or budget_bytes run the chunked loss with them. The accuracy is chunked's either way (float logits), unlike
+/// the host's automatic, whose materialized choice rounds the logits to the element type.
+template <class Element, class Temperature, class Scaler>
+struct loss<Element, Temperature, Scaler, algorithm::automatic>
+    : chunked_phases::chunked_loss<Element, Temperature, Scaler, /*KeepLogits=*/true>
+{
 };
 } // namespace device
 } // namespace contrastive

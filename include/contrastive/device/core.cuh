@@ -78,6 +78,37 @@ struct given_logit_scale
 
 namespace device
 {
+/// Where a core call reads its logit scale s and logit bias b from device memory, in stream order, instead of
+/// taking them as host numbers: nothing is read on the host, so a training step that hands its parameters' device
+/// tensors over never waits for the device (and a CUDA graph can capture it with the pointers fixed and the values
+/// changing between replays). `logit_scale` is one float (required); `bias` one float, or null for b = 0 (the softmax
+/// objectives ignore it). A value the host call would refuse is reported by the step itself: an s that is not finite
+/// and > 0 with |log s| <= 80, or a non-finite b, becomes NaN in the step, which then records first_nonfinite =
+/// logits, a NaN loss and skipped = true.
+struct device_scalars
+{
+  const float* logit_scale = nullptr; ///< s = 1 / tau, one float in device memory
+  const float* bias = nullptr;        ///< the sigmoid objective's b, one float in device memory; null: b = 0
+};
+
+namespace kernels
+{
+/// Writes s and b from device memory into a core call's uploaded state (see device_scalars): a value the host call
+/// would refuse becomes NaN, which the step reports as a non-finite logit.
+template <class Values>
+__global__ void read_device_scalars(Values* values, device_scalars from)
+{
+  const float s = *from.logit_scale;
+  const bool s_ok = s > 0.0f && contrastive::detail::finite(s) && temperature::valid_tau(1.0f / s);
+  values->temperature.s = s_ok ? s : __int_as_float(0x7fffffff);
+  if (from.bias != nullptr)
+  {
+    const float b = *from.bias;
+    values->bias.value = contrastive::detail::finite(b) ? b : __int_as_float(0x7fffffff);
+  }
+}
+} // namespace kernels
+
 /// The policy-free device call (see the file comment): loss and gradients at the logit scale, logit bias and loss
 /// scale each call gives, results in device memory; it keeps no temperature, scaler or step count.
 template <class Element, class Algorithm = algorithm::fused>
@@ -241,6 +272,62 @@ public:
           needed = w.total;
           return st;
         }));
+    return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
+  }
+
+  /// algorithm::chunked and automatic with s and b read from device memory (device_scalars): the same pass without
+  /// a host read of either value. The arguments are checked as `step` checks them (null `from.logit_scale`:
+  /// null_pointer "logit_scale"); the values are checked by the step on the device (see device_scalars).
+  template <class Handle, class A = Algorithm, std::enable_if_t<checks_with<A, Handle>, int> = 0>
+  static status step(void* d_temp,
+                     std::size_t& temp_bytes,
+                     const problem<Element>& p,
+                     device_scalars from,
+                     float loss_scale,
+                     Element* dq,
+                     Element* dk,
+                     values_type* d_values,
+                     Handle handle,
+                     cudaStream_t stream = 0,
+                     const chunk_options& opts = {})
+  {
+    if (from.logit_scale == nullptr)
+    {
+      return {errc::null_pointer, "logit_scale", "null device pointer to the logit scale"};
+    }
+    if (p.obj != objective::sigmoid)
+    {
+      from.bias = nullptr; // the softmax objectives are invariant to a bias: b = 0
+    }
+    // The host numbers stand in (s = 1, b = 0, valid) for the checks and the upload; the kernel then writes the
+    // device values over them before the pass, in stream order.
+    CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
+        d_temp,
+        temp_bytes,
+        p.obj,
+        1.0f,
+        0.0f,
+        loss_scale,
+        d_values,
+        stream,
+        [&]
+        {
+          return loss_type::check(p, dq, dk, d_values, handle);
+        },
+        [&](std::size_t& needed)
+        {
+          typename loss_type::layout_type w{};
+          const status st =
+              detail::cuda_status(loss_type::layout_to_fit(p, opts, temp_bytes, w), "the workspace layout");
+          needed = w.total;
+          return st;
+        }));
+    if (d_temp == nullptr)
+    {
+      return {};
+    }
+    kernels::read_device_scalars<values_type><<<1, 1, 0, stream>>>(d_values, from);
+    CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(cudaPeekAtLastError(), "read_device_scalars"));
     return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
   }
 };

@@ -163,77 +163,196 @@ __device__ CONTRASTIVE_FORCEINLINE long long positive_of(const chunk_args& a, lo
   return a.labels != nullptr ? static_cast<long long>(a.labels[i]) : i;
 }
 
-/// One block per chunk row: the row's negatives, its positive, its loss and reported max.
-template <int = 0> // a template, like every kernel in a header: one definition across translation units
-__global__ void __launch_bounds__(threads) row_statistics(chunk_args a, long long c0)
+/// The statistics pass's tile: a block reads `stat_rows` rows x `stat_cols` columns of S_c, 4 columns per lane
+/// (one 16-byte load) and `stat_rows_per_warp` rows per warp and pass, over `stat_passes` passes of 64 rows.
+inline constexpr int stat_cols = 128;
+inline constexpr int stat_rows_per_warp = 8;
+inline constexpr int stat_slab = stat_rows_per_warp * (threads / 32); // 64 rows per pass
+inline constexpr int stat_passes = 4;
+inline constexpr int stat_rows = stat_slab * stat_passes; // 256 rows per block
+
+/// Column tiles and row tiles of the statistics pass over `rows` x `n_k` (the partials' counts).
+constexpr long long stat_col_tiles(long long n_k) noexcept
 {
-  const long long r = blockIdx.x;
-  const long long i = c0 + r;
-  const float s = a.scalars->scale;
-  const float* x = a.logits + r * a.ld;
-  const long long p = positive_of(a, i);
-  online_lse neg{};
-  bool bad = false;
-  for (int j = threadIdx.x; j < a.n_k; j += threads)
+  return (n_k + stat_cols - 1) / stat_cols;
+}
+constexpr long long stat_row_tiles(long long rows) noexcept
+{
+  return (rows + stat_rows - 1) / stat_rows;
+}
+
+/// Four scaled logits s * S_c[r][j0 .. j0 + 3] (one 16-byte load where the four are inside the row and the row is
+/// 16-byte aligned; -inf for columns at or past n_k).
+__device__ CONTRASTIVE_FORCEINLINE float4 load_scaled4(const float* row, int j0, int n_k, float s, bool vec) noexcept
+{
+  float4 v;
+  if (vec && j0 + 3 < n_k)
   {
-    const float v = s * x[j];
-    bad |= !detail::finite(v);
-    if (j != p)
+    v = __ldcs(reinterpret_cast<const float4*>(row + j0)); // read once: streamed past L2
+    v.x *= s;
+    v.y *= s;
+    v.z *= s;
+    v.w *= s;
+  }
+  else
+  {
+    v.x = j0 < n_k ? s * row[j0] : -detail::infinity_f;
+    v.y = j0 + 1 < n_k ? s * row[j0 + 1] : -detail::infinity_f;
+    v.z = j0 + 2 < n_k ? s * row[j0 + 2] : -detail::infinity_f;
+    v.w = j0 + 3 < n_k ? s * row[j0 + 3] : -detail::infinity_f;
+  }
+  return v;
+}
+
+/// Component c of v (c in [0, 4); a compile-time c after unrolling, or a run-time one: selects, no local memory).
+__device__ CONTRASTIVE_FORCEINLINE float lane_of(const float4& v, int c) noexcept
+{
+  return c == 0 ? v.x : (c == 1 ? v.y : (c == 2 ? v.z : v.w));
+}
+
+/// Sets component c of v (c in [0, 4)) to x.
+__device__ CONTRASTIVE_FORCEINLINE void set_lane(float4& v, int c, float x) noexcept
+{
+  v.x = c == 0 ? x : v.x;
+  v.y = c == 1 ? x : v.y;
+  v.z = c == 2 ? x : v.z;
+  v.w = c == 3 ? x : v.w;
+}
+
+/// exp(x - m) summed over a's four values, for a shift m that is -inf only when all four are -inf (then 0).
+__device__ CONTRASTIVE_FORCEINLINE float sum_exp4(const float4& v, float m) noexcept
+{
+  const float shift = m == -detail::infinity_f ? 0.0f : m;
+  return detail::exp_approx(v.x - shift) + detail::exp_approx(v.y - shift) + detail::exp_approx(v.z - shift) +
+         detail::exp_approx(v.w - shift);
+}
+
+/// The forward's one pass over a chunk of float logits: each row's negatives (every column but its positive) and,
+/// symmetric, each column's negatives over the chunk's rows, as (max, sum exp) partials per tile, with one
+/// exponential per logit and direction. Grid: x = column tiles of 128, y = row tiles of 256 rows. Row partials go to
+/// row_part[r * gridDim.x + tile] (logits_tile::finish_tile_rows merges them with the positive, written to pos[i] by
+/// the block that holds it); column partials to col_part[row tile * n_k + j] (logits_tile::merge_tile_columns).
+/// A non-finite scaled logit sets flags[0]. The positive of row i (its label, else i) is left out of both.
+template <int = 0> // a template, like every kernel in a header: one definition across translation units
+__global__ void __launch_bounds__(threads)
+    chunk_statistics(chunk_args a, long long c0, int rows, int symmetric, float2* row_part, float2* col_part)
+{
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int j0 = static_cast<int>(blockIdx.x) * stat_cols + lane * 4;
+  const int row_base = static_cast<int>(blockIdx.y) * stat_rows;
+  const float s = a.scalars->scale;
+  const bool vec = (a.ld % 4) == 0;
+  online_lse col[4]; // this thread's rows of its four columns
+  bool bad = false;
+  for (int pass = 0; pass < stat_passes; ++pass)
+  {
+    const int r_first = row_base + pass * stat_slab + warp * stat_rows_per_warp;
+    if (row_base + pass * stat_slab >= rows)
     {
-      neg.absorb(v);
+      break;
+    }
+    float4 v[stat_rows_per_warp];
+#pragma unroll
+    for (int t = 0; t < stat_rows_per_warp; ++t)
+    {
+      const int r = r_first + t;
+      if (r < rows)
+      {
+        v[t] = load_scaled4(a.logits + static_cast<long long>(r) * a.ld, j0, a.n_k, s, vec);
+        const long long p = positive_of(a, c0 + r) - j0;
+        bad |= !detail::finite(v[t].x) && j0 < a.n_k;
+        bad |= !detail::finite(v[t].y) && j0 + 1 < a.n_k;
+        bad |= !detail::finite(v[t].z) && j0 + 2 < a.n_k;
+        bad |= !detail::finite(v[t].w) && j0 + 3 < a.n_k;
+        if (p >= 0 && p < 4 && j0 + p < a.n_k)
+        {
+          a.pos[c0 + r] = lane_of(v[t], static_cast<int>(p));
+          set_lane(v[t], static_cast<int>(p), -detail::infinity_f);
+        }
+      }
+      else
+      {
+        v[t] = make_float4(-detail::infinity_f, -detail::infinity_f, -detail::infinity_f, -detail::infinity_f);
+      }
+    }
+    // Rows: a warp holds 8 rows x 128 columns; max over the warp, then the sum of exponentials.
+#pragma unroll
+    for (int t = 0; t < stat_rows_per_warp; ++t)
+    {
+      const kernels::nan_max mx{};
+      float m = mx(mx(v[t].x, v[t].y), mx(v[t].z, v[t].w));
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2)
+      {
+        m = mx(m, __shfl_xor_sync(0xffffffffu, m, o));
+      }
+      float e = sum_exp4(v[t], m);
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2)
+      {
+        e += __shfl_xor_sync(0xffffffffu, e, o);
+      }
+      const int r = r_first + t;
+      if (lane == 0 && r < rows)
+      {
+        row_part[static_cast<long long>(r) * gridDim.x + blockIdx.x] =
+            make_float2(m, m == -detail::infinity_f ? 0.0f : e);
+      }
+    }
+    if (symmetric)
+    {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+      {
+        const kernels::nan_max mx{};
+        float m = -detail::infinity_f;
+#pragma unroll
+        for (int t = 0; t < stat_rows_per_warp; ++t)
+        {
+          m = mx(m, lane_of(v[t], c));
+        }
+        float e = 0.0f;
+        const float shift = m == -detail::infinity_f ? 0.0f : m;
+#pragma unroll
+        for (int t = 0; t < stat_rows_per_warp; ++t)
+        {
+          e += detail::exp_approx(lane_of(v[t], c) - shift);
+        }
+        col[c].merge(online_lse{m, m == -detail::infinity_f ? 0.0f : e});
+      }
     }
   }
-  using reduce_t = cub::BlockReduce<online_lse, threads>;
-  __shared__ typename reduce_t::TempStorage tmp;
-  const online_lse all = reduce_t(tmp).Reduce(neg, lse_merge{});
   if (__syncthreads_or(bad) && threadIdx.x == 0)
   {
     a.flags[0] = 1;
   }
-  if (threadIdx.x == 0)
+  if (!symmetric)
   {
-    // An out-of-range label (not checked on the device) has no positive: -inf makes the row's loss +inf.
-    const float positive = p >= 0 && p < a.n_k ? s * x[p] : -detail::infinity_f;
-    const row_loss rl = finish_row(all, positive);
-    a.row_lse[i] = rl.lse;
-    a.row_loss[i] = rl.loss;
-    a.row_max[i] = kernels::nan_max{}(all.max, positive);
-    a.pos[i] = positive;
+    return;
   }
-}
-
-/// Symmetric: 32 columns x 8 row slices per block; the chunk's negatives of each column merged into the running
-/// state (`first`: the state starts here). Each row's positive (its label, or the diagonal) is left out.
-template <int = 0> // a template, like every kernel in a header: one definition across translation units
-__global__ void __launch_bounds__(threads) column_partials(chunk_args a, long long c0, int rows, int first)
-{
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  const float s = a.scalars->scale;
-  online_lse st{};
-  if (j < a.n_k)
+  // Columns: merge the 8 warps' states of each of the tile's 128 columns.
+  __shared__ float2 part[threads / 32][stat_cols];
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
   {
-    for (int r = threadIdx.y; r < rows; r += 8)
-    {
-      if (positive_of(a, c0 + r) != j) // the diagonal, or (a block of a distributed batch) the row's label
-      {
-        st.absorb(s * a.logits[r * a.ld + j]);
-      }
-    }
+    part[warp][lane * 4 + c] = make_float2(col[c].max, col[c].sum);
   }
-  __shared__ float smax[8][32];
-  __shared__ float ssum[8][32];
-  smax[threadIdx.y][threadIdx.x] = st.max;
-  ssum[threadIdx.y][threadIdx.x] = st.sum;
   __syncthreads();
-  if (threadIdx.y == 0 && j < a.n_k)
+  if (threadIdx.x < stat_cols)
   {
-    online_lse run = first ? online_lse{} : online_lse{a.col_max[j], a.col_sum[j]};
-    for (int y = 0; y < 8; ++y)
+    const int j = static_cast<int>(blockIdx.x) * stat_cols + static_cast<int>(threadIdx.x);
+    online_lse all{};
+#pragma unroll
+    for (int w = 0; w < threads / 32; ++w)
     {
-      run.merge(online_lse{smax[y][threadIdx.x], ssum[y][threadIdx.x]});
+      const float2 q = part[w][threadIdx.x];
+      all.merge(online_lse{q.x, q.y});
     }
-    a.col_max[j] = run.max;
-    a.col_sum[j] = run.sum;
+    if (j < a.n_k)
+    {
+      col_part[static_cast<long long>(blockIdx.y) * a.n_k + j] = make_float2(all.max, all.sum);
+    }
   }
 }
 
@@ -249,29 +368,88 @@ __global__ void __launch_bounds__(threads) finish_columns(chunk_args a)
   }
 }
 
+/// Four values rounded to T and stored at out[0..3] (one 8-byte store for 16-bit T, 16 bytes for float, where `vec`;
+/// else element by element, the first `n` only).
+template <class T>
+__device__ CONTRASTIVE_FORCEINLINE void store4(T* out, const float4& g, bool vec, int n) noexcept
+{
+  if (vec && n >= 4)
+  {
+    if constexpr (std::is_same_v<T, float>)
+    {
+      *reinterpret_cast<float4*>(out) = g;
+    }
+    else
+    {
+      T h[4] = {element_traits<T>::from_float(g.x),
+                element_traits<T>::from_float(g.y),
+                element_traits<T>::from_float(g.z),
+                element_traits<T>::from_float(g.w)};
+      *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(h);
+    }
+    return;
+  }
+  const float v[4] = {g.x, g.y, g.z, g.w};
+  for (int c = 0; c < 4 && c < n; ++c)
+  {
+    out[c] = element_traits<T>::from_float(v[c]);
+  }
+}
+
 /// G_c = dL/dS for the chunk's rows, times 2^k, rounded to T into g (row stride ld; may be the logits themselves
-/// when T is float: each element is read before it is written, by the same thread).
+/// when T is float: each element is read before it is written, by the same thread). Four columns per thread (16-byte
+/// loads of S_c and the column log-sum-exps); grid x covers the columns, y the rows (each block loops over rows).
 template <class T>
 __global__ void __launch_bounds__(threads)
     chunk_gradient(chunk_args a, long long c0, int rows, grad_coefficients gc, int symmetric, float factor, T* g)
 {
   const float s = a.scalars->scale;
+  const int j0 = (static_cast<int>(blockIdx.x) * threads + static_cast<int>(threadIdx.x)) * 4;
+  if (j0 >= a.n_k)
+  {
+    return;
+  }
+  const bool vec = (a.ld % 4) == 0;
+  const int n = a.n_k - j0;
+  float4 cl = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (symmetric)
+  {
+    cl.x = a.col_lse[j0];
+    cl.y = n > 1 ? a.col_lse[j0 + 1] : 0.0f;
+    cl.z = n > 2 ? a.col_lse[j0 + 2] : 0.0f;
+    cl.w = n > 3 ? a.col_lse[j0 + 3] : 0.0f;
+  }
   for (int r = blockIdx.y; r < rows; r += gridDim.y)
   {
     const long long i = c0 + r;
-    const long long p = positive_of(a, i);
+    const long long p = positive_of(a, i) - j0;
     const float lr = a.row_lse[i];
-    const float pos_g = exact_positive_gradient(
-        a.row_loss[i], symmetric && p >= 0 && p < a.n_k ? a.col_loss[p] : 0.0f, gc, symmetric != 0);
-    const float* x = a.logits + r * a.ld;
-    T* out = g + r * a.ld;
-    for (int j = blockIdx.x * threads + threadIdx.x; j < a.n_k; j += gridDim.x * threads)
+    const float* x = a.logits + static_cast<long long>(r) * a.ld + j0;
+    float4 v;
+    if (vec && n >= 4)
     {
-      const float v = s * x[j];
-      float gv = logit_gradient(v, lr, symmetric ? a.col_lse[j] : 0.0f, gc, symmetric != 0);
-      gv = j == p ? pos_g : gv;
-      out[j] = element_traits<T>::from_float(gv * factor);
+      v = *reinterpret_cast<const float4*>(x);
     }
+    else
+    {
+      v.x = x[0];
+      v.y = n > 1 ? x[1] : 0.0f;
+      v.z = n > 2 ? x[2] : 0.0f;
+      v.w = n > 3 ? x[3] : 0.0f;
+    }
+    float4 gv;
+    gv.x = logit_gradient(s * v.x, lr, cl.x, gc, symmetric != 0) * factor;
+    gv.y = logit_gradient(s * v.y, lr, cl.y, gc, symmetric != 0) * factor;
+    gv.z = logit_gradient(s * v.z, lr, cl.z, gc, symmetric != 0) * factor;
+    gv.w = logit_gradient(s * v.w, lr, cl.w, gc, symmetric != 0) * factor;
+    if (p >= 0 && p < 4)
+    {
+      const long long pc = p + j0;
+      const float pos_g =
+          exact_positive_gradient(a.row_loss[i], symmetric && pc < a.n_k ? a.col_loss[pc] : 0.0f, gc, symmetric != 0);
+      set_lane(gv, static_cast<int>(p), pos_g * factor);
+    }
+    store4(g + static_cast<long long>(r) * a.ld + j0, gv, vec, n);
   }
 }
 
@@ -311,20 +489,49 @@ __global__ void __launch_bounds__(threads)
   const long long p = positive_of(a, i);
   sigmoid_row part{0.0f, 0.0f, -detail::infinity_f};
   bool bad = false;
-  for (int j = threadIdx.x; j < a.n_k; j += threads)
+  const bool vec = (a.ld % 4) == 0;
+  // Four columns per thread and pass: 16-byte loads of S_c, 8-byte (16-bit T) or 16-byte (float) stores of G_c.
+  for (int j0 = threadIdx.x * 4; j0 < a.n_k; j0 += threads * 4)
   {
-    const float z = s * x[j] + b;
-    bad |= !detail::finite(z);
-    const sigmoid_term t = j == p ? sigmoid_positive(z) : sigmoid_negative(z);
-    const float gv = coef * t.grad;
-    part.loss += t.loss;
-    part.grad_sum += gv;
-    part.max = kernels::nan_max{}(part.max, z);
-    out[j] = element_traits<T>::from_float(gv * factor);
-    if (j == p)
+    const int n = a.n_k - j0;
+    float4 v;
+    if (vec && n >= 4)
     {
-      a.pos[i] = z;
+      v = *reinterpret_cast<const float4*>(x + j0);
     }
+    else
+    {
+      v.x = x[j0];
+      v.y = n > 1 ? x[j0 + 1] : 0.0f;
+      v.z = n > 2 ? x[j0 + 2] : 0.0f;
+      v.w = n > 3 ? x[j0 + 3] : 0.0f;
+    }
+    float4 gv;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+    {
+      if (c < n)
+      {
+        const float z = s * lane_of(v, c) + b;
+        bad |= !detail::finite(z);
+        const bool positive = j0 + c == p;
+        const sigmoid_term t = positive ? sigmoid_positive(z) : sigmoid_negative(z);
+        const float gc = coef * t.grad;
+        part.loss += t.loss;
+        part.grad_sum += gc;
+        part.max = kernels::nan_max{}(part.max, z);
+        set_lane(gv, c, gc * factor);
+        if (positive)
+        {
+          a.pos[i] = z;
+        }
+      }
+      else
+      {
+        set_lane(gv, c, 0.0f);
+      }
+    }
+    store4(out + j0, gv, vec, n);
   }
   using reduce_t = cub::BlockReduce<sigmoid_row, threads>;
   __shared__ typename reduce_t::TempStorage tmp;

@@ -229,6 +229,38 @@ struct runner
     }
   }
 
+  /// The forward's statistics of the chunk's float S_c (already computed): one pass over S_c for the row partials
+  /// and (symmetric) the column partials, then the rows' finish and the columns' merge into the running state.
+  cudaError_t statistics(std::size_t c0, int rows)
+  {
+    auto* row_part = reinterpret_cast<float2*>(base + w.row_part);
+    auto* col_part = reinterpret_cast<float2*>(base + w.col_part);
+    const long long col_tiles = stat_col_tiles(a.n_k);
+    const long long row_tiles = stat_row_tiles(rows);
+    chunk_statistics<>
+        <<<dim3(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles)), threads, 0, stream>>>(
+            a, static_cast<long long>(c0), rows, sym ? 1 : 0, row_part, col_part);
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    logits_tile::finish_tile_rows<>
+        <<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(row_part,
+                                                                    static_cast<int>(col_tiles),
+                                                                    rows,
+                                                                    static_cast<long long>(c0),
+                                                                    a.n_k,
+                                                                    p.labels,
+                                                                    a.row_lse,
+                                                                    a.row_loss,
+                                                                    a.row_max,
+                                                                    a.pos);
+    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
+    if (sym)
+    {
+      logits_tile::merge_tile_columns<><<<static_cast<unsigned>(std::min(1024, (a.n_k + 255) / 256)), 256, 0, stream>>>(
+          col_part, static_cast<int>(row_tiles), a.n_k, c0 == 0 ? 1 : 0, a.col_max, a.col_sum);
+    }
+    return cudaPeekAtLastError();
+  }
+
   cudaError_t forward_chunk(std::size_t c0, int rows)
   {
     if (w.tiles)
@@ -236,22 +268,15 @@ struct runner
       return forward_chunk_tiles(c0, rows);
     }
     CONTRASTIVE_CUDA_TRY(logits_product(c0, rows));
-    row_statistics<><<<static_cast<unsigned>(rows), threads, 0, stream>>>(a, static_cast<long long>(c0));
-    CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-    if (sym)
-    {
-      column_partials<><<<static_cast<unsigned>((a.n_k + 31) / 32), dim3(32, 8), 0, stream>>>(
-          a, static_cast<long long>(c0), rows, c0 == 0 ? 1 : 0);
-      CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
-    }
-    return cudaSuccess;
+    return statistics(c0, rows);
   }
 
   /// G_c, dQ_c (scaled, rounded into dq's rows, <dQ_i, q_i> kept), dK += G_c^T Q_c (float accumulator).
   cudaError_t backward_chunk(std::size_t c0, int rows, Element* dq)
   {
-    const dim3 grid(static_cast<unsigned>(std::min(1024, (a.n_k + threads - 1) / threads)),
-                    static_cast<unsigned>(std::min(rows, 65535)));
+    // Four columns per thread; each block loops over rows (the column log-sum-exps read once per block).
+    const dim3 grid(static_cast<unsigned>((a.n_k + 4 * threads - 1) / (4 * threads)),
+                    static_cast<unsigned>(std::min(rows, 2048)));
     if (w.tiles)
     {
       CONTRASTIVE_CUDA_TRY(gradient_tiles(c0, rows));
