@@ -80,18 +80,30 @@ struct chunked
   static constexpr bool element_logits = false;  ///< float chunks of logits (on the device: device/chunked.cuh)
 };
 
-/// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget, else
-/// `fused`. Materialized executes 6 n_q n_k d flops to fused's 8 and is the faster host algorithm wherever its n_q n_k
-/// logits fit; fused needs O((n_q + n_k) d) memory at any batch. The budget is a quarter of the memory the operating
-/// system reports available at the call (Linux: MemAvailable within the cgroup's limit; what the loss holds already
-/// counts as available to it), or what `set_memory_budget` sets. For __half it is
-/// always fused: materialized float16 logits overflow at large logit scales (the seed's failure). `algorithm_used()`
-/// of the loss names the algorithm the last call ran. Not one of `all`: the bindings and the device take a concrete
-/// algorithm.
+/// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget and
+/// its element-type logits are accurate enough at the call's logit scale s, else `fused`. Materialized executes
+/// 6 n_q n_k d flops to fused's 8 and is the faster host algorithm wherever its n_q n_k logits fit; fused needs
+/// O((n_q + n_k) d) memory at any batch. The budget is a quarter of the memory the operating system reports available
+/// at the call (Linux: MemAvailable within the cgroup's limit; what the loss holds already counts as available to
+/// it), or what `set_memory_budget` sets.
+/// Accuracy: materialized rounds A = Q K^T and S = s A to the element type, as frameworks' autocast does, so a logit
+/// is off by up to |S| u / 2 (u: the element type's relative spacing, 2^-8 for bfloat16; |S| <= s for L2-normalised
+/// features) and its gradients' error grows with s; fused keeps every logit in float. So: float runs materialized
+/// whenever it fits (its logits are float); bfloat16 only while s <= `max_element_logit_scale` (100, open_clip's
+/// clamp, where the logit error is at most 100 * 2^-9 ~ 0.2, what PyTorch's autocast gives there; measured on
+/// N = 1000, D = 512 (loss_test's AutomaticAccuracy, docs/algorithms.md): dQ within 0.016 of float64 at s = 100 where
+/// fused is within 0.004, and 0.12 against 0.003 at s = 2000); __half always fused (materialized float16 logits
+/// overflow at large logit scales, the seed's failure). s is the call's, so a learnable temperature that crosses the
+/// threshold changes the choice from one step to the next. `algorithm_used()` of the loss names the algorithm the last
+/// call ran, `materializes(p, s)` the one a call would run now. Not one of `all`: the bindings and the device take a
+/// concrete algorithm.
 struct automatic
 {
   static constexpr const char* name = "automatic"; ///< its name in messages
   static constexpr bool element_logits = false;    ///< decided per call (materialized: yes, fused: no)
+  /// 16-bit (bfloat16) elements: the largest logit scale s at which automatic may run materialized (open_clip's clamp
+  /// of s; above it the element-type logits cost more accuracy than autocast's at that clamp, and fused runs).
+  static constexpr float max_element_logit_scale = 100.0f;
 };
 
 /// Every algorithm, in the order the bindings list them: the one table their names come from.

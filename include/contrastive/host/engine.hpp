@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -105,22 +106,40 @@ public:
   {
     return memory_budget_ != 0 ? memory_budget_ : default_memory_budget(bytes_held());
   }
-  /// algorithm::automatic's choice for `p`: whether materialized (its buffers within memory_budget()), else fused.
-  /// Never for __half (float16 logits overflow at large logit scales).
-  template <class Problem>
-  bool materializes(const Problem& p, bool outputs_known = false) const noexcept
+  /// algorithm::automatic's accuracy rule: whether materialized's element-type logits are accurate enough at logit
+  /// scale `s` (algorithm::automatic): float always (its logits are float); bfloat16 while
+  /// s <= algorithm::automatic::max_element_logit_scale (not for a NaN s); __half never (float16 logits overflow at
+  /// large logit scales).
+  static constexpr bool materialized_accurate_at(float s) noexcept
   {
-    if constexpr (std::is_same_v<T, __half>)
+    if constexpr (std::is_same_v<T, float>)
     {
-      (void)p;
-      (void)outputs_known;
+      (void)s;
+      return true;
+    }
+    else if constexpr (std::is_same_v<T, __half>)
+    {
+      (void)s;
       return false;
     }
     else
     {
-      const detail::checked_size b = bytes_for<algorithm::materialized>(p, outputs_known);
-      return b.ok() && b.value <= memory_budget();
+      return s <= algorithm::automatic::max_element_logit_scale;
     }
+  }
+  /// algorithm::automatic's memory rule: whether materialized's buffers for `p` fit memory_budget().
+  template <class Problem>
+  bool materialized_fits(const Problem& p, bool outputs_known = false) const noexcept
+  {
+    const detail::checked_size b = bytes_for<algorithm::materialized>(p, outputs_known);
+    return b.ok() && b.value <= memory_budget();
+  }
+  /// algorithm::automatic's choice for `p` at logit scale `s`: materialized where both rules allow it
+  /// (materialized_accurate_at(s) and materialized_fits(p)), else fused.
+  template <class Problem>
+  bool materializes(const Problem& p, bool outputs_known, float s) const noexcept
+  {
+    return materialized_accurate_at(s) && materialized_fits(p, outputs_known);
   }
   /// The algorithm the last `prepare` ran: Algorithm's, or automatic's choice ("none" before one, or after one that
   /// failed).
@@ -128,12 +147,12 @@ public:
   {
     return used_;
   }
-  /// algorithm::automatic: decides for `p` now (materializes) and keeps the decision for the next
+  /// algorithm::automatic: decides for `p` at logit scale `s` now (materializes) and keeps the decision for the next
   /// `prepare<automatic>`, so that a caller's `bytes_for` of the chosen algorithm and the prepare agree; returns it.
   template <class Problem>
-  bool decide(const Problem& p, bool outputs_known) noexcept
+  bool decide(const Problem& p, bool outputs_known, float s) noexcept
   {
-    const bool m = materializes(p, outputs_known);
+    const bool m = materializes(p, outputs_known, s);
     decided_ = m ? 1 : 0;
     return m;
   }
@@ -157,14 +176,17 @@ public:
   ///   chunked     as materialized without the n_q n_k logits and the per-worker column statistics, plus the chunk
   ///               B nk_pad, the dK accumulator nk_pad dp [+ 2 n_k running column statistics]
   /// `outputs_known`: the forward_backward case of `prepare` (its dq and dk given), where the sigmoid objective's
-  /// fused accumulators can be the caller's float outputs.
+  /// fused accumulators can be the caller's float outputs. algorithm::automatic: the most a call on `p` can hold
+  /// (materialized's where they fit the budget and the element type allows materialized at some logit scale, else
+  /// fused's); the bytes of one call's choice are those of the algorithm `decide` returns.
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for(const Problem& p, bool outputs_known = false) const noexcept
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      return materializes(p, outputs_known) ? bytes_for<algorithm::materialized>(p, outputs_known)
-                                            : bytes_for<algorithm::fused>(p, outputs_known);
+      // The most a call on p can hold: materialized's bytes where some logit scale allows it (s -> 0) and they fit.
+      return materializes(p, outputs_known, 0.0f) ? bytes_for<algorithm::materialized>(p, outputs_known)
+                                                  : bytes_for<algorithm::fused>(p, outputs_known);
     }
     else
     {
@@ -242,7 +264,10 @@ public:
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      const bool m = decided_ >= 0 ? decided_ == 1 : materializes(p, dq != nullptr && dk != nullptr);
+      // Without a `decide` the logit scale is unknown: taken as unbounded (16-bit elements run fused).
+      const bool m = decided_ >= 0
+                         ? decided_ == 1
+                         : materializes(p, dq != nullptr && dk != nullptr, std::numeric_limits<float>::infinity());
       decided_ = -1;
       if (m)
       {

@@ -129,16 +129,18 @@ public:
   {
     return engine_.memory_budget();
   }
-  /// Whether algorithm::automatic would choose materialized for `p` now (false for every other algorithm).
-  bool materializes(const problem_type& p) const noexcept
+  /// Whether algorithm::automatic would choose materialized for `p` at logit scale `s` now (false for every other
+  /// algorithm).
+  bool materializes(const problem_type& p, float s) const noexcept
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      return engine_.materializes(p, true);
+      return engine_.materializes(p, true, s);
     }
     else
     {
       (void)p;
+      (void)s;
       return false;
     }
   }
@@ -269,9 +271,11 @@ public:
     std::size_t bytes = 0;
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      // Decided once: the bytes a refusal quotes are those of the algorithm the prepare runs.
-      bytes = engine_.decide(block, outputs) ? engine_.template bytes_for<algorithm::materialized>(block, outputs).value
-                                             : engine_.template bytes_for<algorithm::fused>(block, outputs).value;
+      // Decided once, at this call's logit scale: the bytes a refusal quotes are those of the algorithm the prepare
+      // runs.
+      bytes = engine_.decide(block, outputs, s)
+                  ? engine_.template bytes_for<algorithm::materialized>(block, outputs).value
+                  : engine_.template bytes_for<algorithm::fused>(block, outputs).value;
     }
     else
     {

@@ -53,10 +53,12 @@ public:
   {
     return driver_.memory_budget();
   }
-  /// algorithm::automatic: whether a call on `p` now would run materialized (false for the other algorithms).
-  bool materializes(const problem_type& p) const noexcept
+  /// algorithm::automatic: whether a call on `p` at logit scale `s` (s = 1/tau) now would run materialized (false for
+  /// the other algorithms): its buffers fit the memory budget and, for bfloat16, s <= 100
+  /// (algorithm::automatic::max_element_logit_scale).
+  bool materializes(const problem_type& p, float s) const noexcept
   {
-    return driver_.materializes(p);
+    return driver_.materializes(p, s);
   }
   /// The algorithm the last call ran: the configured one, or algorithm::automatic's choice ("none" before any call).
   const char* algorithm_used() const noexcept

@@ -123,6 +123,13 @@ public:
   {
     return scaler_.loss_scale();
   }
+  using base::materializes;
+  /// algorithm::automatic: whether the next call on `p` would run materialized, at the logit scale the temperature
+  /// policy gives now (1 / tau()); false for the other algorithms.
+  bool materializes(const problem_type& p) const noexcept
+  {
+    return base::materializes(p, temperature_.scale());
+  }
   /// The temperature optimiser's settings (learning rate, betas, ...), e.g. for a learning-rate schedule; its state
   /// (moments, step count) and theta are kept. Refused, changing nothing, when the settings are out of their domain
   /// (invalid_temperature "optimizer") or the policy has no optimiser (invalid_argument "optimizer": fixed, schedule).
