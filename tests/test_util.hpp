@@ -312,6 +312,24 @@ struct tolerance
   {
     return materialized ? 8.0 * u_t * (1.0 + max_logit) + 1e-5 : 4.0 * u_t + 1e-5;
   }
+  /// The materialized algorithm's further share of the normwise relative error of dQ (or dK), which `grad` leaves
+  /// out: it forms the positive's G_pp = row_coef P_pp + col_coef C_pp - pos_coef by subtraction, as a framework's
+  /// softmax minus one-hot does (docs/design.md, "Positive's gradient"). P_pp carries a few float ulps even from exact
+  /// inputs (the exponential's 2, the coefficient's product and the sum's 1 each: 4 u_f per coefficient), an
+  /// absolute error the subtraction keeps while G_pp itself may be ~1e-3 or less (a dominant positive), so relative to
+  /// the gradient it is unbounded. Its share of dQ_i = s sum_j G_ij k_j is s 4 u_f coef_sum max|k| (`operand`: the
+  /// largest |element| of the other side), of dK_j the same times the rows whose positive is j (`positives`), over
+  /// the reference's largest |element| (absolute where the reference is 0, as max_rel_error). 0 for fused, which
+  /// forms G_pp exactly.
+  static double positive_subtraction(double s, double coef_sum, double operand, double positives, double ref_max)
+  {
+    if (!materialized)
+    {
+      return 0.0;
+    }
+    const double bound = s * 4.0 * u_f * coef_sum * operand * positives;
+    return ref_max > 0.0 ? bound / ref_max : bound;
+  }
 };
 /// `backward` refuses outputs that overlap each other or the inputs, as `forward_backward` does, for loss type L
 /// (any element type, algorithm and GEMM backend): each aliased call is invalid_argument naming the output, writes

@@ -50,8 +50,8 @@ struct loss_dispatch
   /// Sub-buffers of the workspace: byte offsets, 256-byte aligned, and the sizes they were computed from.
   struct layout
   {
-    std::size_t row_lse, row_loss, row_max, col_lse, col_loss, col_max, acc_q, acc_k, partials, sums, flags, scalars,
-        cub, matrix, total;
+    std::size_t row_lse, row_loss, row_max, row_log_sum, col_lse, col_loss, col_max, col_log_sum, acc_q, acc_k,
+        partials, sums, flags, scalars, cub, matrix, total;
     std::size_t n_partials, cub_bytes, ld_acc, nq_pad, nk_pad;
   };
 
@@ -65,9 +65,9 @@ struct loss_dispatch
       const checked_size nk_pad = detail::round_up(checked_size(p.n_k), traits::block_m);
       const checked_size ld = detail::round_up(checked_size(p.dim), traits::d_chunk);
       const checked_size f = sizeof(float);
-      // Generous bound on the sum of the aligned sub-buffers: 16 x 256 bytes of alignment slack, the statistics, the
+      // Generous bound on the sum of the aligned sub-buffers: 18 x 256 bytes of alignment slack, the statistics, the
       // accumulators and the materialized matrix.
-      checked_size bound = checked_size(16 * 256) + checked_size(3) * (checked_size(p.n_q) + p.n_k) * f +
+      checked_size bound = checked_size(18 * 256) + checked_size(4) * (checked_size(p.n_q) + p.n_k) * f +
                            (nq_pad + nk_pad) * ld * f + checked_size(elementwise_blocks) * f;
       if (Materialized)
       {
@@ -92,9 +92,12 @@ struct loss_dispatch
     w.row_lse = c.take(p.n_q * sizeof(float));
     w.row_loss = c.take(p.n_q * sizeof(float));
     w.row_max = c.take(p.n_q * sizeof(float));
+    // The materialized gradient's softmax inputs: each log-sum-exp split as shift (= the max logit) + log_sum.
+    w.row_log_sum = c.take(Materialized ? p.n_q * sizeof(float) : 0);
     w.col_lse = c.take(p.n_k * sizeof(float));
     w.col_loss = c.take(p.n_k * sizeof(float));
     w.col_max = c.take(p.n_k * sizeof(float));
+    w.col_log_sum = c.take(Materialized ? p.n_k * sizeof(float) : 0);
     w.acc_q = c.take(w.nq_pad * w.ld_acc * sizeof(float));
     w.acc_k = c.take(w.nk_pad * w.ld_acc * sizeof(float));
     w.partials = c.take(w.n_partials * sizeof(float));
@@ -110,7 +113,8 @@ struct loss_dispatch
   /// The workspace carved into typed pointers.
   struct workspace
   {
-    float *row_lse, *row_loss, *row_max, *col_lse, *col_loss, *col_max, *acc_q, *acc_k, *partials;
+    float *row_lse, *row_loss, *row_max, *row_log_sum, *col_lse, *col_loss, *col_max, *col_log_sum, *acc_q, *acc_k,
+        *partials;
     kernels::step_sums* sums;
     int* flags; ///< [0] logits, [1] dQ, [2] dK non-finite
     kernels::step_scalars* scalars;
@@ -127,9 +131,11 @@ struct loss_dispatch
       row_lse = f(w.row_lse);
       row_loss = f(w.row_loss);
       row_max = f(w.row_max);
+      row_log_sum = f(w.row_log_sum);
       col_lse = f(w.col_lse);
       col_loss = f(w.col_loss);
       col_max = f(w.col_max);
+      col_log_sum = f(w.col_log_sum);
       acc_q = f(w.acc_q);
       acc_k = f(w.acc_k);
       partials = f(w.partials);
@@ -248,6 +254,7 @@ private:
     rows.lse = ws.row_lse;
     rows.loss = ws.row_loss;
     rows.max_logit = ws.row_max;
+    rows.log_sum = Materialized ? ws.row_log_sum : nullptr;
     kernels::forward_pass<Element, rows_source><<<pl.row_grid, block, 0, stream>>>(rows);
     CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     if constexpr (Symmetric)
@@ -256,6 +263,7 @@ private:
       cols.lse = ws.col_lse;
       cols.loss = ws.col_loss;
       cols.max_logit = ws.col_max;
+      cols.log_sum = Materialized ? ws.col_log_sum : nullptr;
       kernels::forward_pass<Element, cols_source><<<pl.col_grid, block, 0, stream>>>(cols);
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
     }
@@ -279,8 +287,13 @@ private:
     {
       kernels::pass_args e = pl.rows;
       e.dlogs_partial = ws.partials;
-      kernels::materialized_gradient<Element>
-          <<<elementwise_blocks, 256, 0, stream>>>(e, ws.row_lse, Symmetric ? ws.col_lse : nullptr, pl.gc);
+      // Each log-sum-exp as (shift, log_sum) = (the max logit, the forward's log_sum), as the host's materialized
+      // backward forms P: exp(S - lse) would carry lse's rounding (~eps |lse|), which P_pp - 1 keeps.
+      kernels::materialized_gradient<Element><<<elementwise_blocks, 256, 0, stream>>>(
+          e,
+          kernels::split_lse{ws.row_max, ws.row_log_sum},
+          Symmetric ? kernels::split_lse{ws.col_max, ws.col_log_sum} : kernels::split_lse{},
+          pl.gc);
       CONTRASTIVE_CUDA_TRY(cudaPeekAtLastError());
       rows.out_is_final = cols.out_is_final = true;
     }

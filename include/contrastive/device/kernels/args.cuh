@@ -56,7 +56,8 @@ struct pass_args
   // forward outputs (per row of A)
   float* lse = nullptr;
   float* loss = nullptr;
-  float* max_logit = nullptr;
+  float* max_logit = nullptr; ///< the row's largest logit, its positive included: finish_row's `shift`
+  float* log_sum = nullptr;   ///< finish_row's `log_sum` (lse = max_logit + log_sum), may be null (materialized only)
   // backward inputs/outputs
   const float* lse_a = nullptr;
   const float* lse_b = nullptr;
@@ -69,6 +70,14 @@ struct pass_args
   bool out_is_final = false;      ///< materialized: accumulator already holds s * loss_scale * G products
   int* flags = nullptr;           ///< [0] logits non-finite, [1] dQ non-finite, [2] dK non-finite
   int flag_index = 0;
+};
+
+/// Per-row log-sum-exps split as finish_row splits them, lse = shift + log_sum (a null `shift`: no such term), from
+/// which P = exp((S - shift) - log_sum) keeps a few float eps at any logit magnitude (see row_loss::shift).
+struct split_lse
+{
+  const float* shift = nullptr;
+  const float* log_sum = nullptr;
 };
 
 /// max(a, b) that propagates a NaN operand (fmaxf returns the other one): forms the reported loss and max logit,
