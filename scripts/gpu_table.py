@@ -4,7 +4,12 @@
     python3 scripts/gpu_table.py gpu-out/bench.json [gpu-out/torch.log]
 
 Rows: N; columns: time, useful TFLOP/s (6 N^2 D) and memory (GiB) of each algorithm, the cuBLAS three-GEMM
-baseline, the sigmoid objective's chunked step (SigLIP; one pass, 6 N^2 D) and PyTorch's ClipLoss pattern; then chunked's time and memory relative to the baseline, and the measured ceilings.
+baseline, the sigmoid objective's chunked step (SigLIP; one pass, 6 N^2 D) and PyTorch's ClipLoss pattern; then
+chunked's time and memory relative to the baseline, and the measured ceilings.
+
+Nothing here runs faster than one bf16 GEMM: a rate above the measured GEMM ceiling (roofline/cublas_bf16_matmul_8192,
+its median after warm-up where the JSON has it) is flagged "TF!" in the table and "(above the ceiling: the ceiling is
+wrong)" in the fractions, with a WARNING line: the ceiling, and every fraction of it, is then wrong.
 
 The JSON may hold several Google Benchmark documents one after another (gpu-bundle/run.sh appends one per benchmark
 step) and the last may be cut off (a run killed at its time limit): every complete benchmark entry is read. A time
@@ -125,6 +130,11 @@ def load_bench(path):
         if flops and ref["ms"] > 0:
             flops *= ref["ms"] / row["ms"]
         row.update(flops=flops, mem=ref.get("mem_bytes", 0.0), bytes_rate=ref.get("bytes/s", 0.0))
+        # The ceilings (roofline/*) also give their rate at the median of their timed calls after a warm-up.
+        for field, counter in (("median_flops", "median_FLOP/s"), ("median_bytes_rate", "median_bytes/s"),
+                               ("warmup_rounds", "warmup_rounds"), ("settled", "settled")):
+            if counter in ref:
+                row[field] = ref[counter]
         rows[key] = row
     return rows, context, truncated
 
@@ -146,6 +156,22 @@ def load_torch(path):
     return out
 
 
+ABOVE_CEILING = "(above the ceiling: the ceiling is wrong)"
+
+
+def ceiling(r):
+    """A roofline row's rate: its median after warm-up (median_FLOP/s) where the benchmark reports one, else the
+    FLOP/s of the row's time."""
+    return r.get("median_flops") or r.get("flops", 0.0)
+
+
+def warmup_note(r):
+    if "warmup_rounds" not in r:
+        return ""
+    settled = "settled" if r.get("settled") else "NOT settled: clocks still moving at the warm-up's time bound"
+    return f", median after {int(r['warmup_rounds'])} warm-up rounds, {settled}"
+
+
 def stat_label(r):
     if r.get("label"):
         return r["label"]
@@ -156,12 +182,14 @@ def stat_label(r):
     return "median"
 
 
-def cell(r):
+def cell(r, peak=0.0):
+    """One table cell; `!` after the rate marks a rate above the measured GEMM ceiling `peak`."""
     if r is None:
         return "-"
     if "error" in r:
         return r["error"][:30]
-    return f"{r['ms']:9.2f} ms {stat_label(r):>6} {r['flops'] * 1e-12:6.1f} TF {r['mem'] / 2**30:7.2f} GiB"
+    flag = "!" if peak and r.get("flops", 0.0) > peak else " "
+    return f"{r['ms']:9.2f} ms {stat_label(r):>6} {r['flops'] * 1e-12:6.1f} TF{flag}{r['mem'] / 2**30:7.2f} GiB"
 
 
 def main(argv):
@@ -178,9 +206,15 @@ def main(argv):
     if truncated:
         print("(the benchmark JSON was cut off: a step ran out of time; complete entries only)")
     print(f"{'N':>8} | " + " | ".join(f"{n:^{width}}" for n in names))
+    peak = ceiling(bench.get(("roofline/cublas_bf16_matmul_8192", None), {}))
+    flagged = False
     for n in sizes:
-        cells = [cell(bench.get((key, n))) for _, key in COLUMNS] + [cell(torch.get(n))]
+        rows = [bench.get((key, n)) for _, key in COLUMNS] + [torch.get(n)]
+        flagged = flagged or any(r and peak and r.get("flops", 0.0) > peak for r in rows)
+        cells = [cell(r, peak) for r in rows]
         print(f"{n:>8} | " + " | ".join(f"{c:>{width}}" for c in cells))
+    if flagged:
+        print(f"TF!: a rate above the measured bf16 GEMM ceiling ({peak * 1e-12:.0f} TFLOP/s): the ceiling is wrong")
     print()
     for n in sizes:
         b = bench.get(("baseline/cublas_bf16_3gemm", n))
@@ -189,26 +223,41 @@ def main(argv):
             if c and b and "ms" in c and "ms" in b and b["ms"] > 0:
                 mem = f", memory {c['mem'] / b['mem']:.1%}" if b.get("mem") else ""
                 print(f"N = {n}: {label} / cuBLAS baseline: time {c['ms'] / b['ms']:.2f}x{mem}")
-    peak = bench.get(("roofline/cublas_bf16_matmul_8192", None), {}).get("flops", 0.0)
     if peak:
+        above = []
         for n in sizes:
-            fracs = [f"{label} {bench[(key, n)]['flops'] / peak:.0%}" for label, key in COLUMNS
-                     if bench.get((key, n), {}).get("flops")]
+            rates = [(label, bench.get((key, n), {}).get("flops")) for label, key in COLUMNS]
+            rates.append(("PyTorch ClipLoss", torch.get(n, {}).get("flops")))
+            fracs = []
+            for label, rate in rates:
+                if not rate:
+                    continue
+                fracs.append(f"{label} {rate / peak:.0%}" + (f" {ABOVE_CEILING}" if rate > peak else ""))
+                if rate > peak:
+                    above.append(f"N = {n} {label} {rate * 1e-12:.0f} TFLOP/s")
             if fracs:
                 print(f"N = {n}: fraction of the measured bf16 GEMM rate ({peak * 1e-12:.0f} TFLOP/s): " + ", ".join(fracs))
+        if above:
+            print(f"WARNING: {len(above)} rate(s) above the measured bf16 GEMM ceiling of {peak * 1e-12:.0f} TFLOP/s "
+                  f"({'; '.join(above)}): nothing here runs faster than one bf16 GEMM, so the ceiling is wrong and "
+                  "the fractions above are not meaningful")
     for typ in ("half", "float"):
         for n in sizes:
             r = bench.get((f"step/{typ}/chunked", n))
             if r:
-                print(f"{typ} chunked N = {n}: {cell(r)}")
+                print(f"{typ} chunked N = {n}: {cell(r, peak)}")
     for (name, n), r in sorted(bench.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         if name.startswith("roofline/"):
             if "error" in r:
                 print(f"{name}: {r['error']}")
             elif r.get("flops"):
-                print(f"{name}: {r['flops'] * 1e-12:.1f} TFLOP/s ({r['ms']:.2f} ms, {stat_label(r)})")
+                # The time of one call at the rate shown (the median's where there is one).
+                ms = r["ms"] * r["flops"] / ceiling(r)
+                print(f"{name}: {ceiling(r) * 1e-12:.1f} TFLOP/s ({ms:.2f} ms, {stat_label(r)}{warmup_note(r)})")
             else:
-                print(f"{name}: {r['bytes_rate'] * 1e-12:.2f} TB/s ({r['ms']:.2f} ms, {stat_label(r)})")
+                rate = r.get("median_bytes_rate") or r["bytes_rate"]
+                ms = r["ms"] * r["bytes_rate"] / rate if rate else r["ms"]
+                print(f"{name}: {rate * 1e-12:.2f} TB/s ({ms:.2f} ms, {stat_label(r)}{warmup_note(r)})")
     if ctx:
         print(f"\nhost: {ctx.get('host_name', '?')}, {ctx.get('num_cpus', '?')} CPUs")
     return 0
