@@ -85,7 +85,10 @@ def parse_args(argv):
     ap.add_argument("--max-warmup", type=int, default=10)
     ap.add_argument("--budget", type=float, help="seconds for the rows, from when the worker is ready (default "
                                                  "240; dry run 300); checked between rows")
-    ap.add_argument("--row-timeout", type=float, default=150.0, help="a row running longer is killed (s)")
+    ap.add_argument("--row-timeout", type=float, default=120.0, help="a row running longer is killed (s)")
+    ap.add_argument("--wall-limit", type=float, default=0.0,
+                    help="seconds from the start: no row starts that would end later, and the row running then is "
+                         "killed, so that the table is written before a caller's own limit (0: none)")
     ap.add_argument("--setup-timeout", type=float, default=480.0,
                     help="imports and the extension's build (s), in the first worker")
     ap.add_argument("--accuracy-n", type=int, help="the N whose rows get float64 errors (default: the smallest)")
@@ -98,6 +101,7 @@ def parse_args(argv):
                          "OOM and skips are no failure")
     ap.add_argument("--no-supervisor", action="store_true", help="run the rows in this process")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fault", help=argparse.SUPPRESS)  # KEY=hang|crash|lost: the supervisor's own test
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device = "cpu"
@@ -261,8 +265,6 @@ class Worker:
         heartbeat(self.args.json, "setup", self.args.setup_timeout)
         t0 = time.time()
         sys.path.insert(0, PACKAGE_DIR)
-        if self.cuda:
-            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch-extensions"))
         import torch
 
@@ -270,6 +272,8 @@ class Worker:
         self.dev = torch.device(self.args.device)
         if self.cuda and not torch.cuda.is_available():
             raise SystemExit("no CUDA device visible to this torch (use --device cpu or --dry-run on a CPU)")
+        if self.cuda:  # the extension for this card (9.0 on an H200, as scripts/gpu_torch_check.sh builds it)
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "%d.%d" % torch.cuda.get_device_capability())
         env = {"kind": "env", "torch": torch.__version__, "cuda": torch.version.cuda, "device": self.args.device,
                "python": sys.version.split()[0]}
         if self.cuda:
@@ -293,9 +297,9 @@ class Worker:
 
             self.CF = CF
             env["contrastive_torch"] = ct.__version__
-            previous = self.ready and self.ready.get("ours_error")
+            previous = [r["reason"] for r in self.records if r.get("kind") == "ours_disabled"]
             if previous:
-                raise RuntimeError(previous)
+                raise RuntimeError(previous[-1])
             t = time.time()
             ct.cuda_extension() if self.cuda else ct.extension()
             env["extension_s"] = round(time.time() - t, 1)
@@ -317,6 +321,9 @@ class Worker:
                 append_record(self.args.json, {"kind": "self_check", "worst": worst, "ok": worst < 1e-10})
                 self.log(f"float64 reference against autograd: largest relative difference {worst:.2e}")
         self.deadline = self.ready["t_ready"] + self.args.budget
+        run = next((r for r in self.records if r.get("kind") == "run"), {})
+        if self.args.wall_limit and "t0" in run:
+            self.deadline = min(self.deadline, run["t0"] + self.args.wall_limit)
 
     def import_peer(self, name):
         """(loss function, version, why not)."""
@@ -389,6 +396,13 @@ class Worker:
             tiles = alg == "chunked_tiles"
             alg = "chunked" if tiles else alg
             CF = self.CF
+            if objective == "siglip" and not tiles:
+                from contrastive_torch import _checks
+
+                try:  # the library's own rule: which algorithms the sigmoid loss has on this device
+                    _checks.sigmoid_algorithm(alg, self.dev)
+                except ValueError as e:
+                    raise Skip(first_line(e)) from None
             if objective == "clip":
                 def fn(img, txt, log_s, bias):
                     return CF.clip_loss(img, txt, log_s.exp(), algorithm=alg, fused_tiles=tiles)
@@ -439,7 +453,8 @@ class Worker:
         if contender == "ours":
             alg = self.resolved(objective)
         if alg == "fused" and a.fused_max_n and n > a.fused_max_n:
-            return f"fused above N = {a.fused_max_n} (--fused-max-n)"
+            what = "None runs fused here; " if contender == "ours" else ""
+            return f"{what}fused above N = {a.fused_max_n} (--fused-max-n)"
         if self.cuda:
             elem = 2 if mode == "bf16" else 4
             need, what = 0, ""
@@ -484,8 +499,8 @@ class Worker:
         row = {}
         fn, row["note"] = self.make_fn(objective, contender, mode)
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-        img = inputs[0].to(dtype).clone().requires_grad_()
-        txt = inputs[1].to(dtype).clone().requires_grad_()
+        img = inputs[0].to(dtype, copy=True).requires_grad_()
+        txt = inputs[1].to(dtype, copy=True).requires_grad_()
         scale = CLIP_SCALE if objective == "clip" else SIGLIP_SCALE
         log_s = torch.tensor(math.log(scale), device=self.dev, dtype=torch.float32, requires_grad=True)
         bias = torch.tensor(SIGLIP_BIAS, device=self.dev, dtype=torch.float32, requires_grad=True)
@@ -512,8 +527,8 @@ class Worker:
         row["first_call_s"] = time.perf_counter() - t0
         budget_s = a.row_timeout * 0.6 - row["first_call_s"]
         warm = [self.timed(step)]
-        while len(warm) < a.warmup or (len(warm) < a.max_warmup and abs(warm[-1] - warm[-2]) > 0.05 * warm[-1]
-                                       and sum(warm) < budget_s / 3):
+        while len(warm) < a.warmup or (2 <= len(warm) < a.max_warmup and sum(warm) < budget_s / 3
+                                       and abs(warm[-1] - warm[-2]) > 0.05 * warm[-1]):
             if sum(warm) + warm[-1] > budget_s:
                 break
             warm.append(self.timed(step))
@@ -550,6 +565,19 @@ class Worker:
         overhead = max(row["first_call_s"] - warm[0], 0.0)
         self.prior[(mode, objective, contender)] = (n, row["median_ms"] / 1e3, overhead)
         return row
+
+    def fault(self, key):
+        """--fault KEY=hang|crash|lost: that row hangs, kills its process, or loses the (CUDA) context."""
+        target, _, kind = (self.args.fault or "").partition("=")
+        if target != key:
+            return
+        if kind == "hang":
+            time.sleep(1e6)
+        if kind == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if kind == "lost":
+            self.context_alive = lambda: False
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (--fault)")
 
     def context_alive(self):
         if not self.cuda:
@@ -612,6 +640,7 @@ class Worker:
                     if objective not in refs:
                         refs[objective] = reference(torch, inputs[0], inputs[1], objective, a.ref_chunk)
                     ref = refs[objective]
+                self.fault(key)
                 row.update(self.run_row(mode, objective, n, contender, inputs, ref))
                 row["status"] = "ok"
             except Skip as e:
@@ -745,17 +774,18 @@ def supervise(args, argv):
         args.json = os.path.join(tempfile.mkdtemp(prefix="side-by-side-"), "side_by_side.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     open(args.json, "w").close()
-    if os.path.exists(args.json + ".current"):
-        os.remove(args.json + ".current")
+    t0 = time.time()
     command = " ".join(shlex.quote(x) for x in [os.path.relpath(sys.argv[0], ROOT)] + argv)
-    append_record(args.json, {"kind": "run", "command": f"python3 {command}", "argv": argv, "t0": time.time()})
+    append_record(args.json, {"kind": "run", "command": f"python3 {command}", "argv": argv, "t0": t0})
     print(f"records: {args.json}" + (f"; table: {args.out}" if args.out else ""), flush=True)
     base = [sys.executable, os.path.abspath(__file__)] + argv + ["--worker", "--json", args.json]
     if args.out:
         base += ["--out", args.out]
-    for attempt in range(6):
+    for _ in range(8):
+        with contextlib.suppress(OSError):
+            os.remove(args.json + ".current")  # a fresh worker starts with no row
         proc = subprocess.Popen(base, start_new_session=True)
-        status, key = watch(args, proc)
+        status, key = watch(args, proc, t0)
         if status == "done":
             break
         records = read_records(args.json)
@@ -763,37 +793,59 @@ def supervise(args, argv):
         if status == "context lost":
             print("the worker lost its CUDA context; a fresh one goes on", flush=True)
         elif key in (None, "setup"):
+            if env is None and status == "timeout" and not any(r.get("kind") == "ours_disabled" for r in records):
+                reason = f"imports and extension build over --setup-timeout ({args.setup_timeout:.0f} s)"
+                print(f"{reason}: the other contenders go on without contrastive_torch", flush=True)
+                append_record(args.json, {"kind": "ours_disabled", "reason": reason})
+                remove_build_lock()
+                continue
             print(f"the worker failed before its first row ({status}); stopping", flush=True)
-            append_record(args.json, {"kind": "stop", "reason": f"setup {status}", "not_run": []})
+            append_record(args.json, {"kind": "stop", "reason": f"setup: {status}", "not_run": []})
             break
         elif key not in {r.get("key") for r in records if r.get("kind") == "row"}:
             mode, objective, n, contender = key.split("/")
             append_record(args.json, {"kind": "row", "key": key, "mode": mode, "objective": objective,
                                       "n": int(n), "d": args.d, "contender": contender,
-                                      "status": "timeout" if status == "timeout" else "crash",
-                                      "reason": status})
-        if env and time.time() > env["t_ready"] + args.budget:
-            append_record(args.json, {"kind": "stop", "reason": "budget spent after a worker failure",
+                                      "status": "timeout" if "timeout" in status else "crash",
+                                      "reason": f"the worker: {status}"})
+        late = args.wall_limit and time.time() > t0 + args.wall_limit
+        if late or (env and time.time() > env["t_ready"] + args.budget):
+            append_record(args.json, {"kind": "stop", "reason": "wall limit" if late else "budget spent",
                                       "not_run": []})
             break
     with contextlib.suppress(OSError):
         os.remove(args.json + ".current")
     records = read_records(args.json)
     render(args, records)
-    if args.check:
-        bad = [r["key"] for r in records if r.get("kind") == "row" and r.get("status") in ("error", "crash",
-                                                                                            "timeout")]
-        bad += ["reference self-check" for r in records if r.get("kind") == "self_check" and not r["ok"]]
-        if not any(r.get("kind") == "env" for r in records):
-            bad.append("setup")
-        if bad:
-            print(f"--check: failed: {', '.join(bad)}", flush=True)
-            return 1
+    return check(args, records)
+
+
+def check(args, records):
+    """--check: 1 when a row failed (error, crash, timeout), the reference's self-check did, or setup did."""
+    if not args.check:
+        return 0
+    bad = [r["key"] for r in records if r.get("kind") == "row" and r.get("status") in ("error", "crash", "timeout")]
+    bad += ["reference self-check" for r in records if r.get("kind") == "self_check" and not r["ok"]]
+    if not any(r.get("kind") == "env" for r in records):
+        bad.append("setup")
+    if bad:
+        print(f"--check: failed: {', '.join(bad)}", flush=True)
+        return 1
     return 0
 
 
-def watch(args, proc):
-    """Waits for the worker: ('done' | 'context lost' | 'exit N' | 'timeout', the row it was on)."""
+def remove_build_lock():
+    """torch's extension build waits for its lock file: one left by the killed worker would hold every later build
+    (this script's next worker, scripts/gpu_torch_check.sh) forever."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch-extensions"))
+    for name in ("contrastive_torch_cuda_ext", "contrastive_torch_ext"):
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(root, name, "lock"))
+
+
+def watch(args, proc, t0):
+    """Waits for the worker: ('done' | 'context lost' | 'exit N' | 'timeout' | 'wall limit', the row it was on).
+    Kills it (its process group: inductor's compile workers too) when its row overruns."""
     current = args.json + ".current"
     while True:
         try:
@@ -809,14 +861,15 @@ def watch(args, proc):
             if rc == 0:
                 return "done", beat.get("key")
             return ("context lost" if rc == CONTEXT_LOST else f"exit {rc}"), beat.get("key")
-        if beat and time.time() - beat["start"] > beat["limit"]:
-            try:
+        over = beat and time.time() - beat["start"] > beat["limit"]
+        late = args.wall_limit and time.time() > t0 + args.wall_limit
+        if over or late:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
-            print(f"{beat['key']}: over its {beat['limit']:.0f} s: the worker was killed", flush=True)
-            return "timeout", beat["key"]
+            what = f"over its {beat['limit']:.0f} s" if over else f"at the wall limit ({args.wall_limit:.0f} s)"
+            print(f"{beat.get('key', 'the worker')}: {what}: the worker was killed", flush=True)
+            return ("timeout" if over else "wall limit timeout"), beat.get("key")
 
 
 def main(argv=None):
@@ -840,10 +893,12 @@ def main(argv=None):
         if not args.json:
             args.json = os.path.join(tempfile.mkdtemp(prefix="side-by-side-"), "side_by_side.jsonl")
         open(args.json, "w").close()
-        append_record(args.json, {"kind": "run", "command": "python3 " + " ".join(map(shlex.quote, argv))})
+        append_record(args.json, {"kind": "run", "command": "python3 " + " ".join(map(shlex.quote, argv)),
+                                  "t0": time.time()})
         rc = Worker(args).run()
-        render(args, read_records(args.json))
-        return rc
+        records = read_records(args.json)
+        render(args, records)
+        return rc or check(args, records)
     return supervise(args, clean)
 
 
