@@ -23,6 +23,7 @@ import torch
 from . import _checks, _host
 from ._checks import DTYPE_NAMES, scale_value, bias_value
 from ._extension import extension
+from ._ops import autocast_features
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _EXCHANGES = ("engine", "gather")
@@ -176,6 +177,9 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         _checks.threads(threads)
         _checks.boolean("fused_tiles", fused_tiles)
         _checks.feature_pair(q, k, names)
+        # Under torch.autocast, float32 features run at its dtype, as in one process (the operators' autocast rule):
+        # cast here, before the exchange, so the ranks agree on and move the dtype the steps run at.
+        q, k = autocast_features(q, k)
         if q.shape[0] == 0:
             raise ValueError("image_features: no rows on this rank; every rank of the group needs at least one")
         if exchange is None:

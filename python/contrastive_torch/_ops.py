@@ -18,7 +18,14 @@ bfloat16 and float32), except for float16 features under g != 1, where feature_g
 again at loss scale g, so that gradients below float16's
 normal range at scale 1 keep their digits (at SigLIP's start and a batch of 32k, |dQ| ~ 1e-5). bfloat16 and float32
 keep float's exponent range, so multiplying loses nothing there (for a power-of-two g, as GradScaler's, the result is
-bit for bit the engine's at loss scale g)."""
+bit for bit the engine's at loss scale g).
+
+Autocast: softmax_step and sigmoid_step have a rule for torch.autocast on CPU and CUDA (AutocastCPU, AutocastCUDA),
+as torch.matmul has: inside an autocast region of the features' device type, float32 q and k are cast to the region's
+dtype (torch.get_autocast_dtype) before the step runs; logit_scale and logit_bias stay float32 (a 16-bit logit scale
+would round s itself), 16-bit features are left as they are, and outside autocast nothing changes. The loss is float32
+as always, and the cast's backward brings the features' gradients back to float32. Eager calls and torch.compile both
+dispatch through the rule (compile traces it into the graph)."""
 
 from typing import Optional, Tuple
 
@@ -59,6 +66,56 @@ def _device_outputs(q, k, out, grads, sigmoid):
     if sigmoid:
         res.append(dbias.to(torch.float64))
     return tuple(res + [max_logit, site.to(torch.int32)])
+
+
+# --- autocast ------------------------------------------------------------------------------------------------------
+
+
+def autocast_dtype(device_type):
+    """The dtype float32 features run at on `device_type` ('cpu', 'cuda'): the autocast region's
+    (torch.get_autocast_dtype) where autocast is enabled for that device type, else None."""
+    if HAS_CUSTOM_OPS:  # PyTorch >= 2.4: the device-type API
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    elif device_type == "cpu":
+        enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    else:
+        enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    if not enabled:
+        return None
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def autocast_features(q, k, device_type=None):
+    """q and k as an autocast region runs them: float32 features on an autocast-enabled device type become its dtype
+    (a differentiable cast: their gradients come back float32); anything else is returned as it is. `device_type`:
+    the type whose autocast state is read (default: q's device type)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return q, k
+    dtype = autocast_dtype(device_type or q.device.type)
+    if dtype is None:
+        return q, k
+    return tuple(x.to(dtype) if x.dtype == torch.float32 else x for x in (q, k))
+
+
+# The rules registered below, by (operator name, device type): the tests call the CUDA ones on the CPU.
+AUTOCAST_RULES = {}
+
+
+def _register_autocast(name, device_type):
+    """Registers the autocast rule of contrastive_torch::`name` for `device_type`: cast q and k (the first two
+    arguments; autocast_features), then run the operator again below this autocast key, as torch.library's own
+    register_autocast does (which would cast every floating input, logit_scale and logit_bias included)."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    op = getattr(torch.ops.contrastive_torch, name).default
+
+    def rule(q, k, *rest):
+        q, k = autocast_features(q, k, device_type)
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return op(q, k, *rest)
+
+    _LIB.impl(name, rule, key)
+    AUTOCAST_RULES[(name, device_type)] = rule
 
 
 # --- kernels (module level: the tests run the CUDA ones on the CPU with a stand-in extension) ----------------------
@@ -250,3 +307,9 @@ if HAS_CUSTOM_OPS:
 
     feature_grads.register_kernel("cuda")(feature_grads_cuda)
     feature_grads.register_fake(lambda grad, dq, dk, *rest: (torch.empty_like(dq), torch.empty_like(dk)))
+
+    # The steps' autocast rules (feature_grads, a backward's operator, runs on what the forward's step saved).
+    _LIB = torch.library.Library("contrastive_torch", "FRAGMENT")
+    for _name in ("softmax_step", "sigmoid_step"):
+        for _device_type in ("cpu", "cuda"):
+            _register_autocast(_name, _device_type)

@@ -368,6 +368,42 @@ def test_one_rank_group_equals_one_process(exchange, seed):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("exchange", ["engine", "gather"])
+def test_one_rank_group_under_autocast(exchange, seed):
+    # torch.autocast over a group: float32 features run at the region's dtype, cast before the exchange (the ranks
+    # agree on and move bfloat16), so the loss and gradients are those of the features cast beforehand, bit for bit;
+    # the gradients come back float32; the scalars stay float32 (SigLIP's bias too).
+    import torch.distributed as dist
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    dist = _one_rank_group("gloo")
+    try:
+        img, txt = _draw(12, 16, seed)
+        for name, fn, extra in (("ClipLoss", ct.ClipLoss(threads=1, group=dist.group.WORLD, exchange=exchange), ()),
+                                ("SigLipLoss", ct.SigLipLoss(threads=1, group=dist.group.WORLD, exchange=exchange),
+                                 (-7.3,))):
+            def step(i, t, region):
+                i, t = i.clone().requires_grad_(), t.clone().requires_grad_()
+                s = torch.tensor(14.3, requires_grad=True)
+                with region:
+                    loss = fn(i, t, s, *extra)
+                loss.backward()
+                return loss.detach(), i.grad, t.grad, s.grad
+
+            region = torch.autocast("cpu", dtype=torch.bfloat16)
+            got = step(img, txt, region)
+            want = step(img.bfloat16(), txt.bfloat16(), torch.autocast("cpu", dtype=torch.bfloat16))
+            plain = step(img, txt, torch.autocast("cpu", enabled=False))
+            where = f"{name}, {exchange} (seed {seed})"
+            assert [x.dtype for x in got] == [torch.float32] * 4, where
+            assert want[1].dtype == torch.bfloat16, where
+            for what, a, b in zip(("loss", "d image", "d text", "d logit_scale"), got, want):
+                assert torch.equal(a, b.float()), f"{where}: {what} differs from the bfloat16 features' run"
+            assert not torch.equal(got[0], plain[0]), f"{where}: the loss is float32's: nothing was cast"
+    finally:
+        dist.destroy_process_group()
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
 
 
