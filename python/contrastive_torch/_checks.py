@@ -28,14 +28,18 @@ def algorithm(value, allow_none=False):
     return value
 
 
-def resolve_algorithm(value, device):
-    """The softmax objectives' algorithm: None is 'automatic' on the CPU (the library's algorithm::automatic:
-    'materialized' where its buffers fit the memory budget, else 'fused'; float16 always 'fused') and 'fused' on
-    CUDA."""
+def resolve_algorithm(value, device, distributed=False):
+    """The softmax objectives' algorithm (`value` checked: None or a name in ALGORITHMS). None is 'automatic' in one
+    process: on the CPU the library's algorithm::automatic ('materialized' where its buffers fit the memory budget,
+    else 'fused'; float16 always 'fused'), on CUDA the device's (the chunked algorithm, its chunk chosen by a memory
+    budget: all logits in one chunk where they fit). Over a process group (`distributed`) None is 'fused' on the CPU
+    (the distributed engine's algorithm) and 'chunked' on CUDA. 'automatic' itself is never a user's value."""
     value = algorithm(value, allow_none=True)
-    if value is None:
-        return "automatic" if device.type == "cpu" else "fused"
-    return value
+    if value is not None:
+        return value
+    if distributed:
+        return "chunked" if device.type == "cuda" else "fused"
+    return "automatic"
 
 
 def memory_budget(value):

@@ -194,7 +194,7 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         if objective == "sigmoid":
             algorithm = _checks.sigmoid_algorithm(algorithm, q.device)
         else:
-            algorithm = algorithm or "fused"
+            algorithm = _checks.resolve_algorithm(algorithm, q.device, distributed=True)
         if expected is not None and expected[1] > 1 and expected[1] != size:
             raise ValueError(f"world_size: {expected[1]}, but the process group has {size} ranks")
         if expected is not None and expected[1] > 1 and expected[0] != rank:

@@ -109,7 +109,7 @@ class ClipLoss(_Loss):
         if self.distributed:  # the bias is checked there, inside the ranks' agreement
             grad_ranks = None if (self.gather_with_grad or self.local_loss) else 1
             loss = _distributed.global_loss("symmetric", image_features, text_features, logit_scale, logit_bias,
-                                            self.algorithm or "fused", self.threads, self.fused_tiles, self.group,
+                                            self.algorithm, self.threads, self.fused_tiles, self.group,
                                             grad_ranks, self.exchange, report, expected=(self.rank, self.world_size))
         else:
             if logit_bias is not None:

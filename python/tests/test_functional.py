@@ -203,6 +203,29 @@ def test_host_kernels_name_what_runs():
         assert kernels["bfloat16"] in ("avx512_bf16", "amx_bf16", "amx_bf16 (emulated)"), kernels
 
 
+def test_algorithm_none_by_device_and_group():
+    # None: 'automatic' in one process (the host's algorithm::automatic on the CPU, the device's chunk choice on
+    # CUDA); over a process group 'fused' on the CPU (the distributed engine's) and 'chunked' on CUDA. A name is kept.
+    from contrastive_torch import _checks
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    assert _checks.resolve_algorithm(None, cpu) == _checks.resolve_algorithm(None, cuda) == "automatic"
+    assert _checks.resolve_algorithm(None, cpu, distributed=True) == "fused"
+    assert _checks.resolve_algorithm(None, cuda, distributed=True) == "chunked"
+    for name in ("fused", "materialized", "chunked"):
+        for device in (cpu, cuda):
+            assert _checks.resolve_algorithm(name, device) == _checks.resolve_algorithm(name, device, True) == name
+    assert _checks.sigmoid_algorithm(None, cpu) == "fused" and _checks.sigmoid_algorithm(None, cuda) == "chunked"
+    # 'automatic' is what None means, not a name a caller passes.
+    for device in (cpu, cuda):
+        with pytest.raises(ValueError, match="algorithm: 'automatic' is not one of 'fused', 'materialized', 'chunked'"):
+            _checks.resolve_algorithm("automatic", device)
+    with pytest.raises(ValueError, match="algorithm: 'automatic'"):
+        ct.ClipLoss(algorithm="automatic")
+    with pytest.raises(ValueError, match="algorithm: 'fastest' is not one of"):
+        CF.info_nce_loss(unit(4, 8, 1), unit(4, 8, 2), 10.0, algorithm="fastest")
+
+
 def test_memory_budget_errors():
     for bad in (-1, 1.5, True, "1", 2**63):
         with pytest.raises(ValueError, match="bytes"):
