@@ -11,13 +11,19 @@ and logit_bias. Features are 2-D (batch x dim), contiguous, float32, bfloat16 or
 (s = 1/tau) and logit_bias are numbers or one-element tensors. CPU tensors run the library's host engine, CUDA
 tensors its device step; eager and torch.compile calls run the same operators (contrastive_torch._ops).
 
+Under torch.autocast (CPU or CUDA), float32 features run at the region's dtype, as torch.matmul's would: they are
+cast to it before the step (their gradients come back float32); logit_scale and logit_bias stay float32, 16-bit
+features are left as they are, and the loss is float32.
+
 Common keyword arguments:
-    algorithm  None (the default): on CPU tensors 'materialized' where its buffers fit the memory budget
-               (contrastive_torch.set_memory_budget; default a quarter of the available memory), else 'fused';
-               float16 always 'fused'; on CUDA tensors and over a group 'fused'; SigLIP: 'fused' on the CPU,
-               'chunked' on CUDA. Or one of 'fused' (never the n x n logits: 8 n^2 d flops, memory O(n d)),
-               'materialized' (the logits in the features' dtype: 6 n^2 d flops, the fastest host path where they
-               fit), 'chunked' (row chunks; cuBLAS products on GPUs, the one device algorithm of the sigmoid loss)
+    algorithm  None (the default): the fastest path that fits. On CPU tensors 'materialized' where its buffers fit
+               the memory budget (contrastive_torch.set_memory_budget; default a quarter of the available memory),
+               else 'fused'; float16 always 'fused'. On CUDA tensors the device's automatic choice: 'chunked' with
+               its chunk chosen by a memory budget (all logits in one chunk where they fit). Over a group 'fused' on
+               CPU tensors and 'chunked' on CUDA. SigLIP: 'fused' on the CPU, 'chunked' on CUDA. Or one of 'fused'
+               (never the n x n logits: 8 n^2 d flops, memory O(n d)), 'materialized' (the logits in the features'
+               dtype: 6 n^2 d flops, the fastest host path where they fit), 'chunked' (row chunks; cuBLAS products
+               on GPUs, the one device algorithm of the sigmoid loss)
     threads    host threads (0: all cores)
     fused_tiles  CUDA, 'chunked', 16-bit features: tensor-core logits tiles consumed in registers
     report     a dict to fill with the step's diagnosis: 'loss', 'max_logit', 'first_nonfinite_code' (tensors; no
