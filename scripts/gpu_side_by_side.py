@@ -810,8 +810,10 @@ def supervise(args, argv):
                                       "reason": f"the worker: {status}"})
         late = args.wall_limit and time.time() > t0 + args.wall_limit
         if late or (env and time.time() > env["t_ready"] + args.budget):
+            done = {r.get("key") for r in read_records(args.json) if r.get("kind") == "row"}
+            left = [row_key(*p) for p in Worker(args).plan() if row_key(*p) not in done]
             append_record(args.json, {"kind": "stop", "reason": "wall limit" if late else "budget spent",
-                                      "not_run": []})
+                                      "not_run": left})
             break
     with contextlib.suppress(OSError):
         os.remove(args.json + ".current")

@@ -8,6 +8,11 @@
 #
 # Limits (seconds): TORCH_BUILD_LIMIT (default 360) for both builds, TORCH_TEST_LIMIT (default 180) for the tests.
 # Output: OUT_DIR/torch.log, and one summary line per stage on stdout.
+#
+# TORCH_SIDE_BY_SIDE=1 adds a third stage, scripts/gpu_side_by_side.py (the losses beside eager PyTorch, torch.compile,
+# Inf-CL and siglip-kernel) on the extension just built, with the peers' wheels from .whl/ where present (installed
+# into a temporary --target, nothing else touched): at most TORCH_SIDE_BY_SIDE_LIMIT seconds (default 300; its
+# --wall-limit), extra arguments in TORCH_SIDE_BY_SIDE_ARGS; OUT_DIR/side_by_side.md, .jsonl and .log.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-./gpu-out}}
@@ -40,4 +45,21 @@ timeout "${TORCH_TEST_LIMIT:-180}" "$py" -m pytest -q -p no:cacheprovider -rs -k
 rc=$?
 echo "torch-tests $([ $rc -eq 0 ] && echo PASS || echo FAIL) $((SECONDS - s))s rc $rc: $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
 grep -E '^(FAILED|ERROR)' "$log" | head -20
+if [ "${TORCH_SIDE_BY_SIDE:-0}" = 1 ]; then
+  s=$SECONDS
+  if compgen -G "$root/.whl/*.whl" >/dev/null; then
+    site=$(mktemp -d)
+    if "$py" -m pip install -q --no-index --no-deps --target "$site" "$root"/.whl/*.whl >>"$log" 2>&1; then
+      export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+  fi
+  limit=${TORCH_SIDE_BY_SIDE_LIMIT:-300}
+  # shellcheck disable=SC2086 # TORCH_SIDE_BY_SIDE_ARGS: words on purpose
+  timeout $((limit + 60)) "$py" "$root/scripts/gpu_side_by_side.py" --out "$out/side_by_side.md" \
+    --wall-limit "$limit" ${TORCH_SIDE_BY_SIDE_ARGS:-} >"$out/side_by_side.log" 2>&1
+  rc=$?
+  rows=$(grep -cE '^\| (bf16|autocast) ' "$out/side_by_side.md" 2>/dev/null)
+  echo "side-by-side $([ $rc -eq 0 ] && echo PASS || echo FAIL) $((SECONDS - s))s rc $rc: ${rows:-0} rows" \
+       "($out/side_by_side.md)"
+fi
 exit 0
