@@ -412,7 +412,13 @@ class Worker:
 
                 def fn(img, txt, log_s, bias):
                     return CF.siglip_loss(img, txt, log_s.exp(), bias, algorithm=alg)
-            return fn, (f"None: {self.resolved(objective)}" if alg is None else "")
+            note = f"None: {self.resolved(objective)}" if alg is None else ""
+            if mode == "autocast":
+                from contrastive_torch import _ops
+
+                cast = "cast to bf16 (its autocast rule)" if hasattr(_ops, "autocast_features") else "float32"
+                note = (note + "; " if note else "") + cast
+            return fn, note
         fn, version, why = self.peers[contender]
         if fn is None:
             raise Skip(why)
