@@ -475,7 +475,7 @@ class Worker:
         if prior:
             n0, step_s, overhead_s = prior
             step = step_s * (n / n0) ** 2
-            cost = overhead_s + (2 + min(a.reps, 3)) * step
+            cost = overhead_s + (2 + min(a.warmup, 2) + min(a.reps, 3)) * step  # first, warm-up, R, memory
             left = self.deadline - time.time()
             if cost > left:
                 return (f"predicted {cost:.0f} s ({step * 1e3:.0f} ms a step: N^2 from N = {n0}), "
@@ -533,10 +533,9 @@ class Worker:
         row["first_call_s"] = time.perf_counter() - t0
         budget_s = a.row_timeout * 0.6 - row["first_call_s"]
         warm = [self.timed(step)]
-        while len(warm) < a.warmup or (2 <= len(warm) < a.max_warmup and sum(warm) < budget_s / 3
-                                       and abs(warm[-1] - warm[-2]) > 0.05 * warm[-1]):
-            if sum(warm) + warm[-1] > budget_s:
-                break
+        # At least --warmup steps, more until two agree within 5%; a third of the row's time at most.
+        while sum(warm) + warm[-1] <= budget_s / 3 and (len(warm) < a.warmup or (
+                2 <= len(warm) < a.max_warmup and abs(warm[-1] - warm[-2]) > 0.05 * warm[-1])):
             warm.append(self.timed(step))
         reps = max(1, min(a.reps, int((budget_s - sum(warm)) / max(warm[-1], 1e-9))))
         times = [self.timed(step) for _ in range(reps)]
