@@ -414,9 +414,7 @@ class Worker:
                     return CF.siglip_loss(img, txt, log_s.exp(), bias, algorithm=alg)
             note = f"None: {self.resolved(objective)}" if alg is None else ""
             if mode == "autocast":
-                from contrastive_torch import _ops
-
-                cast = "cast to bf16 (its autocast rule)" if hasattr(_ops, "autocast_features") else "float32"
+                cast = "cast to bf16 (its autocast rule)" if self.ours_casts() else "float32"
                 note = (note + "; " if note else "") + cast
             return fn, note
         fn, version, why = self.peers[contender]
@@ -442,6 +440,15 @@ class Worker:
             pass
         return (lambda img, txt, log_s, bias: fn(img, txt, log_s, bias)), note
 
+    def ours_casts(self):
+        """Whether our operators cast float32 features under autocast (their autocast rule)."""
+        try:
+            from contrastive_torch import _ops
+
+            return hasattr(_ops, "autocast_features")
+        except Exception:  # noqa: BLE001
+            return False
+
     def resolved(self, objective):
         """What algorithm None runs here (contrastive_torch's choice; '?' where it cannot be read)."""
         try:
@@ -462,7 +469,7 @@ class Worker:
             what = "None runs fused here; " if contender == "ours" else ""
             return f"{what}fused above N = {a.fused_max_n} (--fused-max-n)"
         if self.cuda:
-            elem = 2 if mode == "bf16" else 4
+            elem = 2 if mode == "bf16" or self.ours_casts() else 4
             need, what = 0, ""
             if contender in ("eager", "compile"):
                 need, what = 4 * n * n, "2 N^2 x 2 B: the bf16 logits and their gradient"
