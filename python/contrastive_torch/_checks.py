@@ -202,15 +202,16 @@ def labels_int32(value, device=None):
     return value.to(device=device if device is not None else value.device, dtype=torch.int32).contiguous()
 
 
-def device_values(q, k, labels32, objective):
+def device_values(q, k, labels32, objective, read=True):
     """What the device engine does not check (reading values would synchronise inside its step), checked once:
-    finiteness, the label range, the shapes each objective needs. One synchronisation."""
+    finiteness, the label range (one synchronisation), the shapes each objective needs. `read=False`: the shapes
+    only (the sync-free device step reports bad values in its record instead)."""
     names = ("query", "keys") if objective == "info_nce" else ("image_features", "text_features")
-    for name, x in zip(names, (q, k)):
+    for name, x in zip(names, (q, k) if read else ()):
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name}: holds a non-finite value")
     if labels32 is not None:
-        if labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
+        if read and labels32.numel() and (int(labels32.min()) < 0 or int(labels32.max()) >= k.shape[0]):
             raise ValueError(f"labels: values outside [0, {k.shape[0]}) (the number of keys)")
     elif objective == "info_nce" and q.shape[0] > k.shape[0]:
         raise ValueError(f"labels: None means the diagonal, which needs n_q <= n_k ({q.shape[0]} > {k.shape[0]})")

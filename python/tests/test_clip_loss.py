@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import contrastive_torch as ct
+import contrastive_torch.functional as CF
 
 
 def reference_clip(img, txt, logit_scale):
@@ -243,10 +244,28 @@ def test_cuda_bad_input_raises():
     img = features(8, 4).cuda()
     bad = img.clone()
     bad[0, 0] = float("nan")
+    s = torch.tensor(10.0, device="cuda")
+    out_of_range = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9], device="cuda")
+    # 'fused' and 'materialized' read the values first (one synchronisation) and raise, naming the argument.
     with pytest.raises(ValueError, match="non-finite"):
-        ct.ClipLoss(algorithm="chunked")(bad, img, torch.tensor(10.0, device="cuda"))
+        ct.ClipLoss(algorithm="fused")(bad, img, s)
     with pytest.raises(ValueError, match="labels"):
-        ct.InfoNCELoss(algorithm="chunked")(img, img, torch.tensor(10.0, device="cuda"),
-                                            torch.tensor([0, 1, 2, 3, 4, 5, 6, 9], device="cuda"))
+        ct.InfoNCELoss(algorithm="fused")(img, img, s, out_of_range)
+    with pytest.raises(ValueError, match="logit_scale"):
+        ct.ClipLoss(algorithm="materialized")(img, img, torch.tensor(-1.0, device="cuda"))
+    # The sync-free algorithms (the default 'automatic', and 'chunked') never read a value on the host: the step
+    # reports it (a NaN or infinite loss and the first non-finite site), as a diverged step does.
+    for algorithm in (None, "chunked"):
+        report = {}
+        assert math.isnan(float(CF.clip_loss(bad, img, s, algorithm=algorithm, report=report)))
+        assert CF.NONFINITE_SITES[int(report["first_nonfinite_code"])] == "logits"
+        report = {}
+        assert not math.isfinite(float(CF.info_nce_loss(img, img, s, out_of_range, algorithm=algorithm,
+                                                        report=report)))
+        assert int(report["first_nonfinite_code"]) != 0
+        report = {}
+        assert math.isnan(float(CF.clip_loss(img, img, torch.tensor(-1.0, device="cuda"), algorithm=algorithm,
+                                             report=report)))
+        assert CF.NONFINITE_SITES[int(report["first_nonfinite_code"])] == "logits"
     with pytest.raises(ValueError, match="devices"):
         ct.ClipLoss()(img, img.cpu(), torch.tensor(10.0))

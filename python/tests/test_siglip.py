@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import contrastive_torch as ct
+import contrastive_torch.functional as CF
 from conftest import require
 from test_distributed import PG_TIMEOUT_S, WORLDS, _draw, _open_clip_loss_module, _rel, run_ranks
 
@@ -328,8 +329,12 @@ def test_cuda_algorithm_choice_and_errors():
             ct.SigLipLoss(algorithm=algorithm)(I, T, t, b)
     bad = I.clone()
     bad[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="non-finite"):
-        ct.SigLipLoss()(bad, T, t, b)
+    # The device's sigmoid step never reads a value on the host: a NaN feature or bias makes the loss NaN and the
+    # step's record names the logits.
+    for args in ((bad, T, t, b), (I, T, t, torch.tensor(float("inf"), device="cuda"))):
+        report = {}
+        assert math.isnan(float(CF.siglip_loss(*args, report=report)))
+        assert CF.NONFINITE_SITES[int(report["first_nonfinite_code"])] == "logits"
     with pytest.raises(ValueError, match="devices"):
         ct.SigLipLoss()(I, txt, t, b)
     with pytest.raises(ValueError, match="diagonal"):

@@ -322,12 +322,11 @@ public:
           needed = w.total;
           return st;
         }));
-    if (d_temp == nullptr)
+    if (d_temp != nullptr) // the pass (a size query goes on to write the bytes it needs)
     {
-      return {};
+      kernels::read_device_scalars<values_type><<<1, 1, 0, stream>>>(d_values, from);
+      CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(cudaPeekAtLastError(), "read_device_scalars"));
     }
-    kernels::read_device_scalars<values_type><<<1, 1, 0, stream>>>(d_values, from);
-    CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(cudaPeekAtLastError(), "read_device_scalars"));
     return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
   }
 };

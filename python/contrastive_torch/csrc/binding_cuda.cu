@@ -2,9 +2,11 @@
 //
 // PyTorch binding of the device path: one call runs the library's policy-free device call (device::core: forward and
 // backward at the given logit scale and bias, loss scale 1) on CUDA tensors, on PyTorch's current stream, with
-// PyTorch's cuBLAS handle and caching allocator (the workspace and the results are uint8 CUDA tensors). Nothing
-// synchronizes: the loss, d loss / d log s (and, for SigLIP's sigmoid objective, d loss / d b), the max logit and the
-// first non-finite site come back as 0-dim CUDA tensors viewing the step record in device memory.
+// PyTorch's cuBLAS handle and caching allocator (the workspace and the results are uint8 CUDA tensors). The logit
+// scale and bias come as one-element float32 CUDA tensors; chunked and automatic read them on the device
+// (device::device_scalars), fused and materialized read them once on the host. Otherwise nothing synchronizes: the
+// loss, d loss / d log s (and, for SigLIP's sigmoid objective, d loss / d b), the max logit and the first non-finite
+// site come back as 0-dim CUDA tensors viewing the step record in device memory.
 #include <torch/extension.h>
 
 #include "errors.hpp"
@@ -40,16 +42,27 @@ torch::Tensor field(const torch::Tensor& state, std::ptrdiff_t offset, std::int6
   return state.narrow(0, offset, bytes).view(dtype).reshape({});
 }
 
-/// What one call runs: objective, logit scale s, logit bias b (sigmoid), loss scale, and the chunked options.
+/// What one call runs: objective, logit scale s and logit bias b (sigmoid; undefined: 0) as one-element float32
+/// tensors on the features' device, loss scale, and the chunked options.
 struct call
 {
   cl::objective obj;
-  double scale;
-  double bias;
+  torch::Tensor scale;
+  torch::Tensor bias;
   double loss_scale;
   std::int64_t chunk_rows;
   bool fused_tiles;
 };
+
+/// A one-element float32 tensor on `device` (the Python side prepares it so; checked here all the same).
+void check_scalar(const torch::Tensor& t, const char* name, const torch::Device& device)
+{
+  if (!t.defined() || t.numel() != 1 || t.scalar_type() != torch::kFloat32 || t.device() != device)
+  {
+    throw std::invalid_argument(std::string("contrastive: ") + name +
+                                ": expected a one-element float32 tensor on the features' device");
+  }
+}
 
 /// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code), d loss / d b} of one device pass: the
 /// library's policy-free device call (device::core), whose results stay in a uint8 CUDA tensor the returned scalars
@@ -70,18 +83,30 @@ run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels,
   torch::Tensor dq = torch::empty_like(q), dk = torch::empty_like(k);
   T* dq_p = reinterpret_cast<T*>(dq.data_ptr());
   T* dk_p = reinterpret_cast<T*>(dk.data_ptr());
-  const float s = static_cast<float>(c.scale), b = static_cast<float>(c.bias), ls = static_cast<float>(c.loss_scale);
+  const float ls = static_cast<float>(c.loss_scale);
+  check_scalar(c.scale, "logit_scale", q.device());
+  if (c.bias.defined())
+  {
+    check_scalar(c.bias, "logit_bias", q.device());
+  }
 
   std::size_t bytes = 0;
   const auto pass = [&](void* temp) -> cl::status
   {
     if constexpr (C::needs_handle)
     {
+      // chunked and automatic read s and b on the device (no synchronisation; a refused value is reported by the
+      // step's record).
       const cl::chunk_options o{static_cast<std::size_t>(c.chunk_rows), 0, c.fused_tiles};
-      return C::step(temp, bytes, p, s, b, ls, dq_p, dk_p, d_values, at::cuda::getCurrentCUDABlasHandle(), stream, o);
+      const cl::device::device_scalars from{c.scale.data_ptr<float>(),
+                                            c.bias.defined() ? c.bias.data_ptr<float>() : nullptr};
+      return C::step(temp, bytes, p, from, ls, dq_p, dk_p, d_values, at::cuda::getCurrentCUDABlasHandle(), stream, o);
     }
     else
     {
+      // fused and materialized take host numbers: one read of each (a synchronisation).
+      const float s = c.scale.item<float>();
+      const float b = c.bias.defined() ? c.bias.item<float>() : 0.0f;
       return C::step(temp, bytes, p, s, b, ls, dq_p, dk_p, d_values, stream);
     }
   };
@@ -107,7 +132,7 @@ run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels,
 }
 
 /// run<T, Algorithm> for the algorithm named `algorithm` (the names come from cl::algorithm::all, as the host
-/// binding's).
+/// binding's, and 'automatic': device::loss<..., algorithm::automatic>, what algorithm=None runs on CUDA tensors).
 template <class T>
 std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         const torch::Tensor& q,
@@ -116,6 +141,10 @@ std::vector<torch::Tensor> by_algorithm(const std::string& algorithm,
                                         const call& c)
 {
   std::vector<torch::Tensor> out;
+  if (algorithm == cl::algorithm::automatic::name) // the device's automatic: chunked, the logits kept where they fit
+  {
+    return run<T, cl::algorithm::automatic>(q, k, labels, c);
+  }
   const bool known = cl::algorithm::dispatch(algorithm.c_str(),
                                              [&](auto tag)
                                              {
@@ -151,7 +180,7 @@ std::vector<torch::Tensor> by_dtype(const std::string& algorithm,
 /// {loss, dq, dk, d loss / d log s, max logit, first non-finite site (code)}; dq and dk at `loss_scale`.
 std::vector<torch::Tensor> step(const torch::Tensor& q,
                                 const torch::Tensor& k,
-                                double scale,
+                                const torch::Tensor& scale,
                                 const c10::optional<torch::Tensor>& labels,
                                 bool symmetric,
                                 const std::string& algorithm,
@@ -161,7 +190,7 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
 {
   const cl::objective obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
   std::vector<torch::Tensor> out =
-      by_dtype(algorithm, q, k, labels, call{obj, scale, 0.0, loss_scale, chunk_rows, fused_tiles});
+      by_dtype(algorithm, q, k, labels, call{obj, scale, torch::Tensor(), loss_scale, chunk_rows, fused_tiles});
   out.pop_back(); // d loss / d b: the softmax objectives have none
   return out;
 }
@@ -171,13 +200,14 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
 /// `loss_scale`.
 std::vector<torch::Tensor> sigmoid_step(const torch::Tensor& q,
                                         const torch::Tensor& k,
-                                        double scale,
-                                        double bias,
+                                        const torch::Tensor& scale,
+                                        const c10::optional<torch::Tensor>& bias,
                                         const c10::optional<torch::Tensor>& labels,
                                         std::int64_t chunk_rows,
                                         double loss_scale)
 {
-  return by_dtype("chunked", q, k, labels, call{cl::objective::sigmoid, scale, bias, loss_scale, chunk_rows, false});
+  const torch::Tensor b = bias.has_value() ? *bias : torch::Tensor();
+  return by_dtype("chunked", q, k, labels, call{cl::objective::sigmoid, scale, b, loss_scale, chunk_rows, false});
 }
 } // namespace
 
