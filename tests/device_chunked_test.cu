@@ -1294,3 +1294,120 @@ TEST(DeviceCore, RefusesBadNumbersAndArgumentsBeforeAnyCudaCall)
     EXPECT_EQ(v.step, 0);
   }
 }
+
+// device_scalars: s and b read from device memory give the host numbers' pass bit for bit; a value the host call
+// refuses is reported by the step (NaN loss, site logits); a captured graph reads the values current at each replay.
+TEST(DeviceCore, DeviceScalarsEqualHostNumbersAndReportBadValues)
+{
+  CONTRASTIVE_SKIP_WITHOUT_DEVICE();
+  using T = __nv_bfloat16;
+  const std::size_t n_q = 300, dim = 64;
+  handle h;
+  ASSERT_NE(h.h, nullptr);
+  auto check = [&](auto algorithm, cl::objective obj)
+  {
+    using A = decltype(algorithm);
+    using C = dcore<T, A>;
+    SCOPED_TRACE(std::string(A::name) + " " + cl::to_string(obj));
+    const std::size_t n_k = obj == cl::objective::sigmoid ? 340 : n_q;
+    device_inputs<T> in(n_q, n_k, dim, 9100 + static_cast<std::uint32_t>(obj));
+    ASSERT_TRUE(in.ready());
+    const cl::problem<T> p{in.d_q.ptr, in.d_k.ptr, n_q, n_k, dim, nullptr, obj};
+    const float b = obj == cl::objective::sigmoid ? -10.0f : 0.0f;
+    ct::device_buffer<float> d_s(1), d_b(1);
+    ct::device_buffer<typename C::values_type> d_values(1);
+    const cl::device::device_scalars from{d_s.ptr, obj == cl::objective::sigmoid ? d_b.ptr : nullptr};
+    auto set = [&](float s)
+    {
+      EXPECT_EQ(cudaMemcpy(d_s.ptr, &s, sizeof s, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(d_b.ptr, &b, sizeof b, cudaMemcpyHostToDevice), cudaSuccess);
+    };
+    auto read = [&]()
+    {
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      typename C::values_type v;
+      EXPECT_EQ(cudaMemcpy(&v, d_values.ptr, sizeof v, cudaMemcpyDeviceToHost), cudaSuccess);
+      return std::make_tuple(v.record, in.d_dq.download(), in.d_dk.download());
+    };
+    std::size_t bytes = 0;
+    ASSERT_TRUE(C::step(nullptr, bytes, p, from, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h).ok());
+    ASSERT_GT(bytes, 0u); // the size query writes the bytes the pass needs
+    ct::device_buffer<char> temp(bytes);
+    for (const float s : {14.3f, 100.0f})
+    {
+      std::size_t host_bytes = 0;
+      ASSERT_TRUE(C::step(nullptr, host_bytes, p, s, b, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h).ok());
+      ct::device_buffer<char> host_temp(host_bytes);
+      ASSERT_TRUE(
+          C::step(host_temp.ptr, host_bytes, p, s, b, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h).ok());
+      const auto [hr, hdq, hdk] = read();
+      ASSERT_EQ(in.d_dq.poison(0xff), cudaSuccess);
+      set(s);
+      ASSERT_TRUE(C::step(temp.ptr, bytes, p, from, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h).ok());
+      const auto [dr, ddq, ddk] = read();
+      EXPECT_EQ(dr.loss, hr.loss);
+      EXPECT_EQ(dr.grad_logit_scale, hr.grad_logit_scale);
+      EXPECT_EQ(dr.grad_logit_bias, hr.grad_logit_bias);
+      EXPECT_EQ(0, std::memcmp(ddq.data(), hdq.data(), ddq.size() * sizeof(T)));
+      EXPECT_EQ(0, std::memcmp(ddk.data(), hdk.data(), ddk.size() * sizeof(T)));
+      EXPECT_EQ(dr.first_nonfinite, cl::nonfinite_site::none);
+    }
+    for (const float bad : {-1.0f, 0.0f, NAN, INFINITY})
+    {
+      set(bad);
+      ASSERT_TRUE(C::step(temp.ptr, bytes, p, from, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h).ok());
+      const auto [r, dq, dk] = read();
+      EXPECT_TRUE(std::isnan(r.loss)) << bad;
+      EXPECT_EQ(r.first_nonfinite, cl::nonfinite_site::logits) << bad;
+    }
+    // A graph captured once reads the scale current at each replay.
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    EXPECT_TRUE(C::step(temp.ptr, bytes, p, from, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h, stream).ok());
+    ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    for (const float s : {14.3f, 100.0f})
+    {
+      set(s);
+      ASSERT_EQ(cudaGraphLaunch(ge, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const auto [gr, gdq, gdk] = read();
+      set(s);
+      ASSERT_TRUE(C::step(temp.ptr, bytes, p, from, 256.0f, in.d_dq.ptr, in.d_dk.ptr, d_values.ptr, h.h).ok());
+      const auto [er, edq, edk] = read();
+      EXPECT_EQ(gr.loss, er.loss) << s;
+      EXPECT_EQ(0, std::memcmp(gdq.data(), edq.data(), gdq.size() * sizeof(T)));
+    }
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(stream);
+  };
+  check(cl::algorithm::automatic{}, cl::objective::symmetric);
+  check(cl::algorithm::chunked{}, cl::objective::symmetric);
+  check(cl::algorithm::chunked{}, cl::objective::sigmoid);
+}
+
+// device_scalars without a device: a null logit_scale pointer is refused, named, before any CUDA call.
+TEST(DeviceCore, DeviceScalarsRefuseANullScale)
+{
+  using C = dcore<__nv_bfloat16, cl::algorithm::automatic>;
+  alignas(16) unsigned char dummy[64] = {};
+  const auto* q = reinterpret_cast<const __nv_bfloat16*>(dummy);
+  auto* d = reinterpret_cast<__nv_bfloat16*>(dummy + 32);
+  const cl::problem<__nv_bfloat16> p{q, q + 4, 2, 2, 2, nullptr, cl::objective::symmetric};
+  std::size_t bytes = 0;
+  const cl::status st = C::step(nullptr,
+                                bytes,
+                                p,
+                                cl::device::device_scalars{},
+                                1.0f,
+                                d,
+                                d + 4,
+                                reinterpret_cast<C::values_type*>(dummy),
+                                reinterpret_cast<cublasHandle_t>(dummy));
+  EXPECT_EQ(st.code(), cl::errc::null_pointer);
+  EXPECT_EQ(st.argument(), "logit_scale");
+}
