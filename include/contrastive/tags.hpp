@@ -89,21 +89,23 @@ struct chunked
 /// Accuracy: materialized rounds A = Q K^T and S = s A to the element type, as frameworks' autocast does, so a logit
 /// is off by up to |S| u / 2 (u: the element type's relative spacing, 2^-8 for bfloat16; |S| <= s for L2-normalised
 /// features) and its gradients' error grows with s; fused keeps every logit in float. So: float runs materialized
-/// whenever it fits (its logits are float); bfloat16 only while s <= `max_element_logit_scale` (100, open_clip's
-/// clamp, where the logit error is at most 100 * 2^-9 ~ 0.2, what PyTorch's autocast gives there; measured on
-/// N = 1000, D = 512 (loss_test's AutomaticAccuracy, docs/algorithms.md): dQ within 0.016 of float64 at s = 100 where
-/// fused is within 0.004, and 0.12 against 0.003 at s = 2000); __half always fused (materialized float16 logits
-/// overflow at large logit scales, the seed's failure). s is the call's, so a learnable temperature that crosses the
-/// threshold changes the choice from one step to the next. `algorithm_used()` of the loss names the algorithm the last
-/// call ran, `materializes(p, s)` the one a call would run now. Not one of `all`: the bindings and the device take a
-/// concrete algorithm.
+/// whenever it fits (its logits are float); bfloat16 only while s <= `max_element_logit_scale` (128: every logit
+/// |S| <= 128 lies in bfloat16's binade [64, 128] or below, rounded by at most 1/4, the bound PyTorch's autocast has
+/// at open_clip's clamp s = 100, whose float32 exp(ln 100) = 100.0000076 it admits; measured on N = 1000, D = 512
+/// (loss_test's AutomaticAccuracy, docs/algorithms.md): dQ within 0.016 of float64 at s = 100 where fused is within
+/// 0.004, and 0.12 against 0.003 at s = 2000); __half always fused (materialized float16 logits overflow at large
+/// logit scales, the seed's failure). s is the call's, so a learnable temperature that crosses the threshold changes
+/// the choice from one step to the next. `algorithm_used()` of the loss names the algorithm the last call ran,
+/// `materializes(p, s)` the one a call would run now. Not one of `all`: the bindings and the device take a concrete
+/// algorithm.
 struct automatic
 {
   static constexpr const char* name = "automatic"; ///< its name in messages
   static constexpr bool element_logits = false;    ///< decided per call (materialized: yes, fused: no)
-  /// 16-bit (bfloat16) elements: the largest logit scale s at which automatic may run materialized (open_clip's clamp
-  /// of s; above it the element-type logits cost more accuracy than autocast's at that clamp, and fused runs).
-  static constexpr float max_element_logit_scale = 100.0f;
+  /// 16-bit (bfloat16) elements: the largest logit scale s at which automatic may run materialized, 2^7 (its logits
+  /// then round by at most 1/4, as autocast's do at open_clip's clamp s = 100; above it they cost more, and fused
+  /// runs).
+  static constexpr float max_element_logit_scale = 128.0f;
 };
 
 /// Every algorithm, in the order the bindings list them: the one table their names come from.

@@ -54,7 +54,7 @@ public:
     return driver_.memory_budget();
   }
   /// algorithm::automatic: whether a call on `p` at logit scale `s` (s = 1/tau) now would run materialized (false for
-  /// the other algorithms): its buffers fit the memory budget and, for bfloat16, s <= 100
+  /// the other algorithms): its buffers fit the memory budget and, for bfloat16, s <= 128
   /// (algorithm::automatic::max_element_logit_scale).
   bool materializes(const problem_type& p, float s) const noexcept
   {
