@@ -17,9 +17,9 @@
 #include "random_rows.hpp"
 #include "support.hpp"
 
+#include <contrastive/comm/mpi.hpp>
 #include <contrastive/contrastive.hpp>
 #include <contrastive/distributed/loss.hpp>
-#include <contrastive/distributed/mpi.hpp>
 
 #include <benchmark/benchmark.h>
 #include <mpi.h>

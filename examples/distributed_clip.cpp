@@ -9,9 +9,9 @@
 // weight gradients and all-reduces those (as DDP does). Rank 0 also trains an identical model on the whole batch
 // with the one-process contrastive::loss and prints both loss curves side by side: they agree to float rounding.
 
+#include <contrastive/comm/mpi.hpp>
 #include <contrastive/contrastive.hpp>
 #include <contrastive/distributed/loss.hpp>
-#include <contrastive/distributed/mpi.hpp>
 
 #include <mpi.h>
 

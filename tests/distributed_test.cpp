@@ -11,7 +11,7 @@
 #include <contrastive/distributed/loss.hpp>
 
 #if defined(CONTRASTIVE_TEST_MPI)
-#include <contrastive/distributed/mpi.hpp>
+#include <contrastive/comm/mpi.hpp>
 #include <mpi.h>
 #endif
 

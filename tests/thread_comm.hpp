@@ -16,7 +16,7 @@
 /// rank has left (its thread returned: `run_ranks` marks it), and a meeting that waits longer than `patience` (a
 /// watchdog against a hang, not a timed assertion: a correct program never waits that long).
 
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/status.hpp>
 
 #include <chrono>

@@ -13,7 +13,7 @@
 /// Over a communicator (`Comm` other than comm::self) every call is a collective of the global batch, as for
 /// `distributed::loss`: bad input on one rank is refused on every rank, naming it.
 
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 #include <contrastive/step/front.hpp>

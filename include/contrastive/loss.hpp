@@ -10,7 +10,7 @@
 /// Element: float, __half or __nv_bfloat16. Policies come last, with defaults; the last, Gemm, chooses the host GEMM
 /// core (gemm::builtin, or gemm::cblas with <contrastive/host/cblas_gemm.hpp>).
 
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
 #include <contrastive/problem.hpp>

@@ -15,8 +15,8 @@
 /// status and every rank returns it, naming that rank.
 /// `Comm` needs `rank()`, `size()`, and host-memory `allgather(mine, bytes, all)` and `broadcast(buf, bytes, root)`.
 
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/detail/checked.hpp>
-#include <contrastive/distributed/communicator.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 

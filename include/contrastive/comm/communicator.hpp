@@ -3,7 +3,7 @@
 
 /// \file
 /// The communicator policy of `distributed::loss`: the few collectives the global-batch loss needs, on host
-/// buffers. `comm::local` (one process, no library) is here; `comm::mpi` is in <contrastive/distributed/mpi.hpp>
+/// buffers. `comm::local` (one process, no library) is here; `comm::mpi` is in <contrastive/comm/mpi.hpp>
 /// (include it and link MPI, CMake `contrastive::mpi`). A communicator is a small copyable handle; every rank must
 /// call every collective in the same order (the distributed loss does so on every path, errors included).
 ///

@@ -11,7 +11,7 @@
 /// comes back as errc::communication_error with MPI's message instead of aborting. Copies share the duplicate; the
 /// last one frees it (also a collective, at destruction: destroy the loss on every rank, before MPI_Finalize).
 
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/status.hpp>
 
 #include <climits>

@@ -2,13 +2,13 @@
 #pragma once
 
 /// \file
-/// `distributed::comm::nccl`: the communicator policy (distributed/communicator.hpp) over NCCL, with collectives on
+/// `distributed::comm::nccl`: the communicator policy (comm/communicator.hpp) over NCCL, with collectives on
 /// device buffers and a stream; the host-memory collectives of the agreement go through a device staging buffer.
 /// The device loss over it is distributed/nccl.cuh. Include it in a .cu file and link NCCL (CMake:
 /// `contrastive::nccl`).
 
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/detail/cuda_status.cuh>
-#include <contrastive/distributed/communicator.hpp>
 #include <contrastive/status.hpp>
 
 #include <cstddef>

@@ -9,7 +9,7 @@
 ///
 /// What moves per step on rank r (every rank calls it; every path, errors included, runs the same collectives):
 ///   agreement  the ranks' calls, step counts, iterations and shapes are all-gathered (ranks out of step are refused
-///              on every rank at the first wrong call: distributed/agreement.hpp); every check runs (shapes,
+///              on every rank at the first wrong call: comm/agreement.hpp); every check runs (shapes,
 ///              pointers, labels against the global key count, finiteness, policies, sizes) and a failure on any rank
 ///              is returned on every rank, naming the rank ("rank 2: k[5][0] is not finite"), before any feature
 ///              moves. Allocation failures are agreed on the same way.
@@ -30,10 +30,10 @@
 ///
 /// Unequal n_local per rank works. The symmetric objective needs n_q == n_k on each rank (pairs) and positives on the
 /// global diagonal; info_nce labels are global key indices (null: the global diagonal). Comm: comm::local (one
-/// process through this algorithm's copies, no library) or comm::mpi (<contrastive/distributed/mpi.hpp>), or any type
-/// with the collectives of distributed/communicator.hpp.
+/// process through this algorithm's copies, no library) or comm::mpi (<contrastive/comm/mpi.hpp>), or any type
+/// with the collectives of comm/communicator.hpp.
 
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
 #include <contrastive/problem.hpp>

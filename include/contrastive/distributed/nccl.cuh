@@ -4,13 +4,13 @@
 /// \file
 /// The global-batch loss on GPUs: `distributed::device_loss<Element, Temperature, Scaler>`, the device counterpart of
 /// `distributed::loss` built on the chunked device algorithm (device/chunked.cuh, cuBLAS), over `distributed::
-/// comm::nccl` (NCCL collectives on device buffers and a stream; distributed/nccl_comm.cuh), with the small kernels
+/// comm::nccl` (NCCL collectives on device buffers and a stream; comm/nccl.cuh), with the small kernels
 /// around its collectives in distributed/nccl_kernels.cuh. Include this header in a .cu file and link NCCL and cuBLAS
 /// (CMake: `contrastive::nccl`). Users of anything else need neither.
 ///
 /// The step is the host distributed loss's (docs/distributed.md), with device buffers:
 ///   agreement (call, step count, the caller's iteration, shapes and every host-side check, all-gathered through
-///   NCCL; ranks out of step and errors are refused on every rank, naming the ranks: distributed/agreement.hpp) -> K
+///   NCCL; ranks out of step and errors are refused on every rank, naming the ranks: comm/agreement.hpp) -> K
 ///   all-gathered (grouped broadcasts, so ranks may hold unequal rows) -> the rank's block of rows through the chunked
 ///   runner with the global coefficients -> symmetric: column partials combined (all-reduce max of N floats, sum of 2
 ///   N) -> backward -> dK partials reduce-scattered (grouped reduces) and rounded -> sums and flags all-reduced -> the
@@ -31,11 +31,11 @@
 /// logits, and the step is skipped on every rank). NCCL's max of a NaN is unspecified: a NaN logit is still flagged
 /// (the step is skipped) but the recorded max logit may not show it.
 
+#include <contrastive/comm/agreement.hpp>
+#include <contrastive/comm/communicator.hpp>
+#include <contrastive/comm/nccl.cuh>
 #include <contrastive/device/chunked.cuh>
 #include <contrastive/device/loss.cuh>
-#include <contrastive/distributed/agreement.hpp>
-#include <contrastive/distributed/communicator.hpp>
-#include <contrastive/distributed/nccl_comm.cuh>
 #include <contrastive/distributed/nccl_kernels.cuh>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/online_lse.hpp>

@@ -27,12 +27,12 @@
 ///
 /// `Comm`: `distributed::comm::self` (one process: every collective is elided at compile time, K is read in place and
 /// the gradients are written directly), `comm::local` (one process through the distributed algorithm's copies, which
-/// tests it without MPI), `comm::mpi`, or any type with the collectives of distributed/communicator.hpp.
+/// tests it without MPI), `comm::mpi`, or any type with the collectives of comm/communicator.hpp.
 
 #include <contrastive/checks.hpp>
+#include <contrastive/comm/agreement.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/detail/checked.hpp>
-#include <contrastive/distributed/agreement.hpp>
-#include <contrastive/distributed/communicator.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/loss_math.hpp>
@@ -74,7 +74,7 @@ class driver
   static_assert(is_gemm_v<Gemm>, "Gemm must be gemm::builtin or gemm::cblas");
   static_assert(distributed::is_communicator_v<Comm>,
                 "Comm must be a communicator (distributed::comm::self, comm::local, or comm::mpi from "
-                "<contrastive/distributed/mpi.hpp>)");
+                "<contrastive/comm/mpi.hpp>)");
 
 public:
   using problem_type = problem<Element>;
@@ -456,7 +456,7 @@ private:
     return {};
   }
 
-  /// Phase 2 for ranks (distributed/agreement.hpp); `scalars`: this rank's {s, b}, which every rank must share.
+  /// Phase 2 for ranks (comm/agreement.hpp); `scalars`: this rank's {s, b}, which every rank must share.
   status agree_on_problem(const problem_type& p,
                           std::int64_t step,
                           std::int64_t iteration,

@@ -26,8 +26,8 @@
 /// step is only seen if the caller also gives `iteration` (its own step number, the same on every rank): the loss
 /// cannot know which batch a call is for.
 
-#include <contrastive/distributed/agreement.hpp>
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/agreement.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/policy/bias.hpp>
 #include <contrastive/policy/scaler.hpp>

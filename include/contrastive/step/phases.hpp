@@ -7,9 +7,9 @@
 /// what only ranks hold and do (the gathered K, the rows' global labels, float partials; the per-rank results
 /// gathered and combined in rank order, so that every rank computes the same bits).
 
+#include <contrastive/comm/agreement.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/detail/checked.hpp>
-#include <contrastive/distributed/agreement.hpp>
-#include <contrastive/distributed/communicator.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
 #include <contrastive/numeric/math.hpp>

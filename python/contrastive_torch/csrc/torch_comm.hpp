@@ -14,7 +14,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
-#include <contrastive/distributed/communicator.hpp>
+#include <contrastive/comm/communicator.hpp>
 #include <contrastive/status.hpp>
 
 #include <algorithm>

@@ -1,0 +1,7 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Deprecated path: include <contrastive/comm/communicator.hpp>, where this header now lives.
+
+#include <contrastive/comm/communicator.hpp>
