@@ -96,8 +96,9 @@ struct chunked
 /// 0.004, and 0.12 against 0.003 at s = 2000); __half always fused (materialized float16 logits overflow at large
 /// logit scales, the seed's failure). s is the call's, so a learnable temperature that crosses the threshold changes
 /// the choice from one step to the next. `algorithm_used()` of the loss names the algorithm the last call ran,
-/// `materializes(p, s)` the one a call would run now. Not one of `all`: the bindings and the device take a concrete
-/// algorithm.
+/// `materializes(p, s)` the one a call would run now. On the device (device/chunked.cuh) automatic is the chunked loss
+/// sized by memory, whose logits are float at any s. Not one of `all`, the concrete algorithms the bindings dispatch
+/// on.
 struct automatic
 {
   static constexpr const char* name = "automatic"; ///< its name in messages
