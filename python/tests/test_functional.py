@@ -183,6 +183,24 @@ def test_algorithm_none_is_materialized_within_the_budget_else_fused(seed, dtype
         ct.set_memory_budget(0)
 
 
+def test_algorithm_none_weighs_the_logit_scale_for_bfloat16():
+    """bfloat16 CPU features: materialized rounds the logits to bfloat16, so algorithm=None runs it only while
+    logit_scale <= 128 (open_clip's clamp, 100, included) and fused above; float32 keeps materialized at any scale."""
+    try:
+        ct.set_memory_budget(1 << 40)
+        for dtype, scale, want in ((torch.bfloat16, 100.0, "materialized"), (torch.bfloat16, 300.0, "fused"),
+                                   (torch.bfloat16, 2000.0, "fused"), (torch.float32, 2000.0, "materialized")):
+            q, k = unit(40, 16, 3, dtype), unit(40, 16, 4, dtype)
+            report = {}
+            got = grads(lambda *a: CF.clip_loss(*a, report=report), q, k, scale)
+            assert report["algorithm"] == want, (dtype, scale)
+            ref = grads(lambda *a: CF.clip_loss(*a, algorithm=want), q, k, scale)
+            for a, w in zip(got, ref):
+                assert torch.equal(a, w), (dtype, scale)
+    finally:
+        ct.set_memory_budget(0)
+
+
 def test_host_kernels_name_what_runs():
     kernels = ct.host_kernels()
     assert set(kernels) == {"float", "bfloat16", "amx"}
