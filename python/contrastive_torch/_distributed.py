@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from . import _checks, _host
+from . import _checks, _host, _steps
 from ._checks import DTYPE_NAMES, scale_value, bias_value
 from ._extension import extension
 from ._ops import autocast_features
@@ -375,8 +375,6 @@ def _gather_rows(x, group, counts, rank):
 def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report):
     import torch.distributed as dist
 
-    from .functional import _sigmoid, _softmax
-
     rank = group.rank()
     # This rank's rows carry the share P_r = w_r (l_1 + l_2) of the global loss G = sum_r P_r (w_r = n_r / 2N for
     # CLIP's two directions, n_r / N for SigLIP). The one-process steps see the caller's incoming gradient g itself
@@ -397,10 +395,11 @@ def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, 
     keys = features(_gather_rows(k, group, counts, rank))
     if objective == "symmetric":
         images = features(_gather_rows(q, group, counts, rank))
-        local = (_softmax(features(q), keys, s_used, None, False, algorithm, threads, fused_tiles, reports[0]) +
-                 _softmax(features(k), images, s_used, None, False, algorithm, threads, fused_tiles, reports[1]))
+        step = _steps.softmax
+        local = (step(features(q), keys, s_used, None, False, algorithm, threads, fused_tiles, reports[0]) +
+                 step(features(k), images, s_used, None, False, algorithm, threads, fused_tiles, reports[1]))
     else:
-        local = _sigmoid(features(q), keys, s_used, scalar(b), algorithm, threads, reports[0])
+        local = _steps.sigmoid(features(q), keys, s_used, scalar(b), algorithm, threads, reports[0])
     shared = torch.stack([local.detach() * weight, torch.zeros_like(local.detach())])
     if reports[0]:
         shared[1] = torch.stack([r["max_logit"].float().to(shared.device) for r in reports if r]).max()

@@ -37,54 +37,10 @@ turns into the exact gradient)."""
 
 import torch
 
-from . import _checks, _distributed
-from ._extension import require_custom_ops
-from . import _host
+from . import _checks, _distributed, _steps
 from ._host import NONFINITE_SITES
 
 __all__ = ["clip_loss", "siglip_loss", "info_nce_loss", "NONFINITE_SITES"]
-
-
-def _compiling():
-    """True while torch.compile (dynamo) traces the caller."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
-
-
-def _wants_grads(*tensors):
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
-def _fill(report, out, q):
-    """The step's diagnosis into `report` (a dict; None: nothing)."""
-    if report is None or _compiling():
-        return
-    loss, max_logit, site = out[0], out[-2], out[-1]
-    report.update({"loss": loss.detach(), "max_logit": max_logit.detach(), "first_nonfinite_code": site})
-    if q.device.type == "cpu":
-        report["first_nonfinite"] = NONFINITE_SITES[int(site)]
-        report["algorithm"] = _host.last_algorithm()
-
-
-def _softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report):
-    """One process: the softmax objectives (symmetric, InfoNCE) through contrastive_torch::softmax_step."""
-    require_custom_ops()
-    s = _checks.scalar("logit_scale", logit_scale, q.device)
-    labels = _checks.labels(labels, q.shape[0], q.device)
-    out = torch.ops.contrastive_torch.softmax_step(q, k, s, labels, symmetric, algorithm, threads, fused_tiles,
-                                                   _wants_grads(q, k, s))
-    _fill(report, out, q)
-    return out[0]
-
-
-def _sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report):
-    require_custom_ops()
-    s = _checks.scalar("logit_scale", logit_scale, q.device)
-    b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
-                       "None, a number or a one-element tensor")
-    out = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, algorithm, threads, _wants_grads(q, k, s, b))
-    _fill(report, out, q)
-    return out[0]
 
 
 def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, threads=0, fused_tiles=False,
@@ -103,7 +59,8 @@ def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, thr
     _checks.boolean("fused_tiles", fused_tiles)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
     algorithm = _checks.resolve_algorithm(algorithm, image_features.device)
-    return _softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles, report)
+    return _steps.softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles,
+                          report)
 
 
 def info_nce_loss(query, keys, logit_scale, labels=None, *, algorithm=None, threads=0, fused_tiles=False,
@@ -114,7 +71,7 @@ def info_nce_loss(query, keys, logit_scale, labels=None, *, algorithm=None, thre
     _checks.boolean("fused_tiles", fused_tiles)
     _checks.feature_pair(query, keys, ("query", "keys"))
     algorithm = _checks.resolve_algorithm(algorithm, query.device)
-    return _softmax(query, keys, logit_scale, labels, False, algorithm, threads, fused_tiles, report)
+    return _steps.softmax(query, keys, logit_scale, labels, False, algorithm, threads, fused_tiles, report)
 
 
 def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, algorithm=None, threads=0,
@@ -129,4 +86,4 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     _checks.threads(threads)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
     algorithm = _checks.sigmoid_algorithm(algorithm, image_features.device)
-    return _sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report)
+    return _steps.sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report)

@@ -4,7 +4,7 @@ modules over contrastive_torch.functional. Each keeps the diagnosis of its last 
 
 import torch
 
-from . import _checks, _distributed, functional
+from . import _checks, _distributed, _steps, functional
 from ._host import NONFINITE_SITES
 
 
@@ -39,7 +39,7 @@ class _Loss(torch.nn.Module):
 
     def _report(self):
         """A fresh report for this call (None while torch.compile traces: the module is not mutated there)."""
-        if functional._compiling():
+        if _steps.compiling():
             return None
         self.last_step = StepReport()
         return self.last_step
