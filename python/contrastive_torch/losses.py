@@ -28,13 +28,11 @@ def _open_clip_dtype(loss, features):
 
 
 class _Loss(torch.nn.Module):
-    def __init__(self, algorithm, threads, fused_tiles, custom_ops=False):
+    def __init__(self, algorithm, threads, fused_tiles):
         super().__init__()
         self.algorithm = _checks.algorithm(algorithm, allow_none=True)
         self.threads = _checks.threads(threads)
         self.fused_tiles = _checks.boolean("fused_tiles", fused_tiles)
-        # Kept for compatibility: every call runs the torch.library operators (what torch.compile traces).
-        self.use_custom_ops = _checks.boolean("custom_ops", custom_ops)
         self.last_step = StepReport()
 
     def _report(self):
@@ -90,9 +88,8 @@ class ClipLoss(_Loss):
     on every rank. The loss is float32, or the features' dtype for 16-bit features outside autocast (open_clip's)."""
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
-                 use_horovod=False, *, algorithm=None, threads=0, fused_tiles=False, custom_ops=False, group=None,
-                 exchange=None):
-        super().__init__(algorithm, threads, fused_tiles, custom_ops)
+                 use_horovod=False, *, algorithm=None, threads=0, fused_tiles=False, group=None, exchange=None):
+        super().__init__(algorithm, threads, fused_tiles)
         self.local_loss = _checks.flag("local_loss", local_loss)
         self.gather_with_grad = _checks.flag("gather_with_grad", gather_with_grad)
         self.cache_labels = _checks.flag("cache_labels", cache_labels)
@@ -142,8 +139,8 @@ class SigLipLoss(_Loss):
     _DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 
     def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, chunk_size=0, *, algorithm=None,
-                 threads=0, custom_ops=False, group=None, exchange=None):
-        super().__init__(algorithm, threads, False, custom_ops)
+                 threads=0, group=None, exchange=None):
+        super().__init__(algorithm, threads, False)
         self.cache_labels = _checks.flag("cache_labels", cache_labels)
         if dist_impl is not None and dist_impl not in self._DIST_IMPLS:
             raise ValueError(f"dist_impl: '{dist_impl}' is not one of "
@@ -173,8 +170,8 @@ class InfoNCELoss(_Loss):
     """One-directional InfoNCE (functional.info_nce_loss): mean_i CE(s q_i . K^T, labels[i]); keys may outnumber
     queries (a MoCo queue); labels=None means the diagonal (needs n_q <= n_k)."""
 
-    def __init__(self, *, algorithm=None, threads=0, fused_tiles=False, custom_ops=False):
-        super().__init__(algorithm, threads, fused_tiles, custom_ops)
+    def __init__(self, *, algorithm=None, threads=0, fused_tiles=False):
+        super().__init__(algorithm, threads, fused_tiles)
 
     def forward(self, query, keys, logit_scale, labels=None):
         """The InfoNCE loss of `query` against `keys` at scale s = logit_scale; labels[i] is row i's positive key."""
