@@ -1,6 +1,6 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 //
-// `contrastive_torch::torch_comm`: the library's communicator policy (contrastive/distributed/communicator.hpp) over a
+// `contrastive_torch::torch_comm`: the library's communicator policy (contrastive/comm/communicator.hpp) over a
 // torch.distributed process group (c10d::ProcessGroup, e.g. gloo), so that contrastive::core computes the loss of the
 // global batch with PyTorch's own collectives. Host buffers are wrapped as CPU tensors (from_blob: no copy) and each
 // collective is waited for before it returns (call it with the GIL released). A failing collective (a c10 exception:
@@ -301,5 +301,5 @@ private:
 };
 
 static_assert(contrastive::distributed::is_communicator_v<torch_comm>,
-              "torch_comm must offer the collectives of contrastive/distributed/communicator.hpp");
+              "torch_comm must offer the collectives of contrastive/comm/communicator.hpp");
 } // namespace contrastive_torch
