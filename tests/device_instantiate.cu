@@ -1,5 +1,7 @@
-// Compiles the device API for every element type x temperature policy x scaler policy x algorithm the host path
-// supports, for every architecture in CMAKE_CUDA_ARCHITECTURES, so CI (no GPU) still proves the whole product builds.
+// Compiles device::loss (device/loss.cuh) for every architecture in CMAKE_CUDA_ARCHITECTURES, so CI (no GPU) still
+// proves these build: element types float, __half, __nv_bfloat16 x temperature policies fixed, learnable, clamped,
+// scheduled, range_guard x scaler policies static_scale, dynamic x algorithms fused, materialized. Not instantiated
+// here: temperature::freeze_then_learn (scheduled derives from it) and algorithm::chunked (device/chunked.cuh).
 
 #include <contrastive/device/loss.cuh>
 
