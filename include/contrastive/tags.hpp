@@ -51,7 +51,7 @@ namespace algorithm
 /// Builds the n_q x n_k logits in the element type, as frameworks' autocast does: A = round_T(Q K^T) (float
 /// accumulation), S = round_T(s * A), cross-entropy in float; backward forms dS = round_T(loss_scale * dL/dS) and
 /// dA = round_T(s * dS) in the element type, then dQ = round_T(dA K), dK = round_T(dA^T Q). Memory O(n_q n_k).
-/// On this path a large s overflows fp16 logits exactly as in the seed.
+/// On this path a large s overflows fp16 logits exactly as framework autocast does.
 struct materialized
 {
   static constexpr const char* name = "materialized"; ///< its name in the bindings and in messages
@@ -94,7 +94,7 @@ struct chunked
 /// at open_clip's clamp s = 100, whose float32 exp(ln 100) = 100.0000076 it admits; measured on N = 1000, D = 512
 /// (loss_test's AutomaticAccuracy, docs/algorithms.md): dQ within 0.016 of float64 at s = 100 where fused is within
 /// 0.004, and 0.12 against 0.003 at s = 2000); __half always fused (materialized float16 logits overflow at large
-/// logit scales, the seed's failure). s is the call's, so a learnable temperature that crosses the threshold changes
+/// logit scales: the fp16 collapse). s is the call's, so a learnable temperature that crosses the threshold changes
 /// the choice from one step to the next. `algorithm_used()` of the loss names the algorithm the last call ran,
 /// `materializes(p, s)` the one a call would run now. On the device (device/chunked.cuh) automatic is the chunked loss
 /// sized by memory, whose logits are float at any s. Not one of `all`, the concrete algorithms the bindings dispatch

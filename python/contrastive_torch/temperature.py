@@ -2,7 +2,7 @@
 """The temperature a PyTorch model owns (open_clip's `logit_scale`: theta = log s, s = 1/tau) under mixed precision.
 
     clamp_logit_scale(p)           open_clip's clamp of theta to [0, ln 100]
-    freeze_then_learn(p, step, n)  the seed's remedy: tau fixed for the first n steps
+    freeze_then_learn(p, step, n)  the usual warm-up remedy: tau fixed for the first n steps
     RangeGuard(p, optimizer, scaler)
                                    the library's `temperature::range_guard` on the parameter: a ceiling on s from the
                                    dtype's range, lowered by the run's own overflow events (no hand-picked bound)
@@ -39,7 +39,7 @@ def clamp_logit_scale(logit_scale_param, max_scale=100.0, min_scale=1.0):
 
 
 def freeze_then_learn(logit_scale_param, step, unfreeze_step):
-    """The seed's remedy: the temperature stays fixed (requires_grad False) until `unfreeze_step` finite steps."""
+    """The usual warm-up remedy: the temperature stays fixed (requires_grad False) until `unfreeze_step` finite steps."""
     logit_scale_param.requires_grad_(step >= unfreeze_step)
 
 
@@ -361,7 +361,7 @@ class CollapseMonitor:
     loss only 'loss' for a non-finite loss, else 'parameters' for a skipped step), the largest logit (the report's;
     without one its bound s = exp(logit_scale), exact for L2-normalised features), the loss scale before and after
     the update, and tau. It warns (CollapseWarning, once per episode) when
-      - the pattern that precedes the seed's collapse appears: at least `backoffs` back-offs within the last `window`
+      - the pattern that precedes the fp16 collapse appears: at least `backoffs` back-offs within the last `window`
         steps while tau fell over that window and the largest logit passed `near` of the dtype's largest finite value
         (float16: 65504 / 16 = 4094 by default); the episode ends after `window` steps without a back-off;
       - the collapse itself: the loss scale fell below 1 after `backoffs` or more consecutive skipped steps (from there

@@ -105,7 +105,7 @@ struct chunked_loss
                  : ld * (sizeof(float) + (sixteen_bit ? sizeof(Element) : 0));
   }
 
-  /// The fixed default of earlier versions, now the floor of the default: S_c and G_c fill at most 384 MiB, and at
+  /// The floor of the default chunk: S_c and G_c fill at most 384 MiB, and at
   /// least 256 rows (a multiple of 64, at most n_q rounded up).
   static std::size_t floor_rows_for(const problem<Element>& p, bool tiles) noexcept
   {

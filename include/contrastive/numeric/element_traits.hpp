@@ -45,8 +45,8 @@ CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float bits_float(std::uint32_t u
 
 /// IEEE binary16 -> binary32, exact (every half is a float). Branch-free so that loops over it vectorise, and free of
 /// float subnormals: arithmetic on one takes a microcode assist on Intel cores, and the gradients a materialized half
-/// step stores are often half subnormals. (Measured on a Xeon, family 6 model 207, AVX-512: the earlier conversion,
-/// which multiplied the subnormal float by 2^112, took 5-9x as long over half subnormals as over normal halves; this
+/// step stores are often half subnormals. (Measured on a Xeon, family 6 model 207, AVX-512: a conversion
+/// that multiplies the subnormal float by 2^112, takes 5-9x as long over half subnormals as over normal halves; this
 /// one takes about the same time for both.)
 CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE float half_bits_to_float(std::uint16_t h) noexcept
 {

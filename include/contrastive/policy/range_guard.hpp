@@ -9,8 +9,8 @@
 /// falling once the training batches are separated (lowering tau is the cheapest way to lower the loss), and in fp16
 /// the logits overflow once s > 65504 (theta = log s > 11.09). From then on every step is non-finite whatever the loss
 /// scale, every step is skipped, a skipped step freezes theta, and the dynamic scaler halves its scale each step until
-/// it underflows to 0: the seed's collapse. Frameworks freeze *all* parameters on a skipped step, including the one
-/// that caused the overflow.
+/// it underflows to 0: the fp16 temperature collapse. Frameworks freeze *all* parameters on a skipped step, including
+/// the one that caused the overflow.
 ///
 /// The rule, applied in `observe` after every finished step (skipped ones included):
 ///   1. range bound: theta <= log(max_finite / headroom), from the element type's largest finite value (fp16 with the

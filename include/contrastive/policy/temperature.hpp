@@ -255,7 +255,7 @@ struct clamped : learnable
   }
 };
 
-/// Learnable after a frozen start (the seed author's remedy): tau fixed at its initial value for `unfreeze_step`
+/// Learnable after a frozen start (the usual warm-up remedy): tau fixed at its initial value for `unfreeze_step`
 /// finite steps, then learnt like `clamped`, within [tau_min, tau_max] (unbounded by default). `steps` counts finite
 /// steps, so skipped steps do not bring the unfreezing closer. The optimiser's state starts at the unfreezing.
 struct freeze_then_learn : clamped

@@ -36,7 +36,7 @@ namespace device
 /// one-process chunked loss and the NCCL loss.
 namespace chunked_phases
 {
-/// The default chunk's floor: S_c and G_c in at most this (and default_min_rows), what earlier versions always used.
+/// The default chunk's floor: S_c and G_c in at most this (and default_min_rows).
 inline constexpr std::size_t default_budget = std::size_t(384) << 20;
 /// Default chunks hold at least this many rows: below about dim / 2 rows per chunk, re-reading K for every chunk's
 /// products costs more memory traffic than the chunk itself (matters from N ~ 500k at dim = 512).
