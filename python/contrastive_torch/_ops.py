@@ -27,7 +27,7 @@ would round s itself), 16-bit features are left as they are, and outside autocas
 as always, and the cast's backward brings the features' gradients back to float32. Eager calls and torch.compile both
 dispatch through the rule (compile traces it into the graph)."""
 
-from typing import Optional, Tuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -272,44 +272,81 @@ def _fake_step(q, k, grads, sigmoid):
     return (scalar, dq, dk, wide) + extra + (torch.empty_like(scalar), q.new_empty((), dtype=torch.int32))
 
 
+class Operator(NamedTuple):
+    """One operator of the table below: everything its registration needs. Adding an objective's operator is one
+    row: its schema, its CPU and CUDA kernels (module-level functions, looked up by name at each call so that the
+    tests can route them), its fake (shapes for torch.compile), its autograd formula and whether torch.autocast casts
+    its float32 features."""
+
+    name: str  # contrastive_torch::<name>
+    schema: str  # the operator's signature, without its name
+    cpu: str  # the CPU kernel's name in this module
+    cuda: str  # the CUDA kernel's name in this module
+    fake: Callable
+    backward: Optional[Callable] = None  # the autograd formula, with setup_context; None: not differentiable
+    setup_context: Optional[Callable] = None
+    autocast: bool = False  # an AutocastCPU/AutocastCUDA rule that casts q and k (the first two arguments)
+
+
+_STEP_OUTPUTS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+OPERATORS = (
+    Operator("softmax_step",
+             "(Tensor q, Tensor k, Tensor logit_scale, Tensor? labels, bool symmetric, str algorithm, SymInt threads, "
+             "bool fused_tiles, bool grads) -> " + _STEP_OUTPUTS,
+             "softmax_step_cpu", "softmax_step_cuda",
+             lambda q, k, s, labels, sym, alg, threads, tiles, grads: _fake_step(q, k, grads, False),
+             _softmax_backward, _softmax_setup_context, autocast=True),
+    Operator("sigmoid_step",
+             "(Tensor q, Tensor k, Tensor logit_scale, Tensor logit_bias, str algorithm, SymInt threads, bool grads) -> "
+             "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+             "sigmoid_step_cpu", "sigmoid_step_cuda",
+             lambda q, k, s, b, alg, threads, grads: _fake_step(q, k, grads, True),
+             _sigmoid_backward, _sigmoid_setup_context, autocast=True),
+    # The float16 backward (reads the incoming gradient, may rerun the step): runs on what the forward's step saved,
+    # so it has no autocast rule.
+    Operator("feature_grads",
+             "(Tensor grad, Tensor dq, Tensor dk, Tensor? q, Tensor? k, Tensor logit_scale, Tensor? logit_bias, "
+             "Tensor? labels, bool symmetric, str algorithm, SymInt threads, bool fused_tiles) -> (Tensor, Tensor)",
+             "feature_grads_cpu", "feature_grads_cuda",
+             lambda grad, dq, dk, *rest: (torch.empty_like(dq), torch.empty_like(dk))),
+)
+
+
+def _late(kernel_name):
+    """The module-level kernel `kernel_name`, looked up at each call."""
+
+    def call(*args):
+        return globals()[kernel_name](*args)
+
+    call.__name__ = kernel_name
+    return call
+
+
+def _register(op):
+    """Registers one row of OPERATORS: the operator with its CPU kernel, its CUDA kernel, its fake, its autograd
+    formula and its autocast rules. Returns the operator."""
+    # The CUDA kernels of 'fused' and 'materialized', and float16's backward, read values on the host (one
+    # synchronisation), which CUDA graph capture cannot hold: tagged so that torch.compile's cudagraphs leave these
+    # operators out of a captured graph.
+    tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+    custom = torch.library.custom_op("contrastive_torch::" + op.name, _late(op.cpu), mutates_args=(),
+                                     schema=op.schema, tags=tags)
+    custom.register_kernel("cuda")(_late(op.cuda))
+    custom.register_fake(op.fake)
+    if op.backward is not None:
+        custom.register_autograd(op.backward, setup_context=op.setup_context)
+    return custom
+
+
 if HAS_CUSTOM_OPS:
-    Tensor = torch.Tensor
+    _REGISTERED = {op.name: _register(op) for op in OPERATORS}
+    softmax_step = _REGISTERED["softmax_step"]
+    sigmoid_step = _REGISTERED["sigmoid_step"]
+    feature_grads = _REGISTERED["feature_grads"]
 
-    # The CUDA kernels read values (the checks, one synchronisation), which CUDA graph capture cannot hold: tagged so
-    # that torch.compile's cudagraphs leave these operators out of a captured graph.
-    _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-
-    @torch.library.custom_op("contrastive_torch::softmax_step", mutates_args=(), tags=_TAGS)
-    def softmax_step(q: Tensor, k: Tensor, logit_scale: Tensor, labels: Optional[Tensor], symmetric: bool,
-                     algorithm: str, threads: int, fused_tiles: bool,
-                     grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return softmax_step_cpu(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads)
-
-    softmax_step.register_kernel("cuda")(softmax_step_cuda)
-    softmax_step.register_fake(lambda q, k, s, labels, sym, alg, threads, tiles, grads: _fake_step(q, k, grads, False))
-    softmax_step.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
-
-    @torch.library.custom_op("contrastive_torch::sigmoid_step", mutates_args=(), tags=_TAGS)
-    def sigmoid_step(q: Tensor, k: Tensor, logit_scale: Tensor, logit_bias: Tensor, algorithm: str, threads: int,
-                     grads: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return sigmoid_step_cpu(q, k, logit_scale, logit_bias, algorithm, threads, grads)
-
-    sigmoid_step.register_kernel("cuda")(sigmoid_step_cuda)
-    sigmoid_step.register_fake(lambda q, k, s, b, alg, threads, grads: _fake_step(q, k, grads, True))
-    sigmoid_step.register_autograd(_sigmoid_backward, setup_context=_sigmoid_setup_context)
-
-    @torch.library.custom_op("contrastive_torch::feature_grads", mutates_args=(), tags=_TAGS)
-    def feature_grads(grad: Tensor, dq: Tensor, dk: Tensor, q: Optional[Tensor], k: Optional[Tensor],
-                      logit_scale: Tensor, logit_bias: Optional[Tensor], labels: Optional[Tensor], symmetric: bool,
-                      algorithm: str, threads: int, fused_tiles: bool) -> Tuple[Tensor, Tensor]:
-        return feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
-                                 fused_tiles)
-
-    feature_grads.register_kernel("cuda")(feature_grads_cuda)
-    feature_grads.register_fake(lambda grad, dq, dk, *rest: (torch.empty_like(dq), torch.empty_like(dk)))
-
-    # The steps' autocast rules (feature_grads, a backward's operator, runs on what the forward's step saved).
+    # The steps' autocast rules.
     _LIB = torch.library.Library("contrastive_torch", "FRAGMENT")
-    for _name in ("softmax_step", "sigmoid_step"):
-        for _device_type in ("cpu", "cuda"):
-            _register_autocast(_name, _device_type)
+    for _op in OPERATORS:
+        if _op.autocast:
+            for _device_type in ("cpu", "cuda"):
+                _register_autocast(_op.name, _device_type)
