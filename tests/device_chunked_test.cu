@@ -599,6 +599,27 @@ TEST(DeviceAutomatic, DefaultKeepsEveryRowWhereTheWorkspaceFits)
       EXPECT_EQ(step.total, query.total);
       // Options with a chunk size run chunked's sizing.
       EXPECT_EQ(A::chunk_rows_for(p, {512, 0, false}, false, free_bytes), C::chunk_rows_for(p, {512, 0, false}));
+      // budget_bytes is the one chunk's budget instead of a quarter of free memory: the whole workspace must fit
+      // (as the sizing counts it: CUB's few KiB left out, as a size query without a device leaves them out).
+      std::size_t no_cub = 1;
+      cd::layout sized{};
+      ASSERT_EQ(A::layout_for_rows(p, false, n, no_cub, sized), cudaSuccess);
+      for (const std::size_t budget : {sized.total - 1, sized.total})
+      {
+        const std::size_t r = A::chunk_rows_for(p, {0, budget, false}, false, free_bytes);
+        if (budget >= sized.total)
+        {
+          EXPECT_GE(r, n);
+        }
+        else
+        {
+          EXPECT_EQ(r, C::chunk_rows_for(p, {}, false, free_bytes));
+        }
+        cd::layout q{}, s{};
+        ASSERT_EQ(A::layout_for_rows(p, false, r, cub, q), cudaSuccess);
+        ASSERT_EQ(A::layout_to_fit(p, false, q.total, cub, s), cudaSuccess);
+        EXPECT_EQ(s.chunk_rows, q.chunk_rows);
+      }
     }
   }
   // What the H200 (139 GiB free) gets at D = 768: one chunk up to N = 65536 (about 24 GiB), 4096 rows beyond.

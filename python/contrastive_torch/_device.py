@@ -11,6 +11,7 @@ CUDA graph (torch.compile's mode="reduce-overhead") can capture a training step 
 
 import torch
 
+from . import _host
 from ._checks import bias_value, device_values, labels_int32, scale_value
 from ._extension import cuda_extension
 
@@ -58,8 +59,11 @@ def step(q, k, logit_scale, logit_bias, labels, objective, algorithm, fused_tile
             q, k, scale, bias, None, 0, loss_scale)
         dbias = dbias.clone()
     else:
+        # 'automatic' keeps the logits in one chunk where its workspace fits the memory budget (set_memory_budget;
+        # 0: a quarter of the free device memory).
+        budget = _host.memory_budget() if algorithm == "automatic" else 0
         loss, dq, dk, dlogs, max_logit, site = cuda_extension().step(
-            q, k, scale, labels32, objective == "symmetric", algorithm, 0, fused_tiles, loss_scale)
+            q, k, scale, labels32, objective == "symmetric", algorithm, 0, fused_tiles, loss_scale, budget)
         dbias = None
     # The scalars view the step's state buffer: an operator's outputs must not alias it, so they are copied.
     return loss.clone(), dq, dk, dlogs.clone(), dbias, max_logit.clone(), site.clone()

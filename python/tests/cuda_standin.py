@@ -39,10 +39,12 @@ class StandIn:
         self.exact = exact
         self.calls = []
         self.args = []
+        self.budgets = []  # step's memory_budget per call
 
     def clear(self):
         self.calls.clear()
         self.args.clear()
+        self.budgets.clear()
 
     def _out(self, q, k, loss_scale, args):
         self.calls.append(loss_scale)
@@ -58,5 +60,7 @@ class StandIn:
     def sigmoid_step(self, q, k, scale, bias, labels, chunk_rows, loss_scale=1.0):
         return self._out(q, k, loss_scale, ("sigmoid", scale, bias, labels, chunk_rows))
 
-    def step(self, q, k, scale, labels, symmetric, algorithm, chunk_rows, fused_tiles, loss_scale=1.0):
+    def step(self, q, k, scale, labels, symmetric, algorithm, chunk_rows, fused_tiles, loss_scale=1.0,
+             memory_budget=0):
+        self.budgets.append(memory_budget)
         return self._out(q, k, loss_scale, ("softmax", scale, labels, symmetric, algorithm, chunk_rows, fused_tiles))[:6]

@@ -99,3 +99,22 @@ def test_fused_and_materialized_check_values_and_raise(monkeypatch, algorithm):
     _forbid_reads(monkeypatch)
     _ops.softmax_step_cuda(bad, k, torch.tensor(-1.0), None, True, "automatic", 0, False, True)
     assert len(ext.args) == 1
+
+
+def test_memory_budget_reaches_the_device_automatic(monkeypatch):
+    # set_memory_budget governs algorithm=None on CUDA too: 'automatic' keeps every row in one chunk where that
+    # workspace fits the budget (0: a quarter of the free device memory); 'chunked' sizes its chunks by itself.
+    import contrastive_torch as ct
+
+    ext = StandIn(1.0e-3)
+    monkeypatch.setattr(_device, "cuda_extension", lambda: ext)
+    q, k = _draw(8, 4, 7), _draw(8, 4, 8)
+    try:
+        for budget in (0, 3 << 30):
+            ct.set_memory_budget(budget)
+            for algorithm, want in (("automatic", budget), ("chunked", 0)):
+                ext.clear()
+                _ops.softmax_step_cuda(q, k, torch.tensor(SCALE), None, True, algorithm, 0, False, True)
+                assert ext.budgets == [want], (algorithm, budget)
+    finally:
+        ct.set_memory_budget(0)

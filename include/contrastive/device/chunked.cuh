@@ -120,25 +120,33 @@ struct chunked_loss
   /// chunk buffers do not fit in 1/4 of what is free after the step's other workspace buffers, never fewer than
   /// floor_rows_for (free_bytes = 0, unknown, gives that floor), at most every row. A multiple of 64, at most n_q
   /// rounded up. See docs/performance.md ("Chunk size on the device").
-  static std::size_t default_rows_for(const problem<Element>& p, bool tiles, std::size_t free_bytes) noexcept
+  /// automatic (KeepLogits): every row where that whole workspace fits `keep_budget` bytes (0: a quarter of
+  /// `free_bytes`), else the above.
+  static std::size_t
+  default_rows_for(const problem<Element>& p, bool tiles, std::size_t free_bytes, std::size_t keep_budget = 0) noexcept
   {
     namespace cd = chunked_phases;
     constexpr std::size_t align = cd::row_align;
     const std::size_t all = (p.n_q + align - 1) / align * align;
     const std::size_t floor = floor_rows_for(p, tiles);
-    cd::layout fixed{};
     std::size_t cub = 1; // CUB's few KiB do not matter to the budget (and asking CUB would need a device)
-    if (free_bytes == 0 || layout_for_rows(p, tiles, 0, cub, fixed) != cudaSuccess || free_bytes <= fixed.total)
-    {
-      return floor; // <= all
-    }
     if constexpr (KeepLogits)
     {
+      const std::size_t budget = keep_budget != 0 ? keep_budget : free_bytes / cd::free_divisor;
       cd::layout every{};
-      if (layout_for_rows(p, tiles, all, cub, every) == cudaSuccess && every.total <= free_bytes / cd::free_divisor)
+      if (budget != 0 && layout_for_rows(p, tiles, all, cub, every) == cudaSuccess && every.total <= budget)
       {
         return all; // one chunk: S is computed once
       }
+    }
+    else
+    {
+      (void)keep_budget;
+    }
+    cd::layout fixed{};
+    if (free_bytes == 0 || layout_for_rows(p, tiles, 0, cub, fixed) != cudaSuccess || free_bytes <= fixed.total)
+    {
+      return floor; // <= all
     }
     const std::size_t per_row = chunk_bytes_per_row(p, tiles) + p.dim * sizeof(float); // + the row's dQ_c
     const std::size_t fit = (free_bytes - fixed.total) / cd::free_divisor / per_row / align * align;
@@ -166,16 +174,17 @@ struct chunked_loss
   {
     if (is_default(o))
     {
-      return default_rows_for(p, tiles, free_bytes);
+      return default_rows_for(p, tiles, free_bytes, KeepLogits ? o.budget_bytes : 0);
     }
     return detail::chunk_rows_for(
         o, p.n_q, chunk_bytes_per_row(p, tiles), chunked_phases::row_align, chunked_phases::default_budget);
   }
 
-  /// No chunk size given: the default sizing applies.
+  /// No chunk size given: the default sizing applies (automatic: budget_bytes is the memory budget of its one-chunk
+  /// choice, not a chunk size, so only `rows` leaves the default).
   static constexpr bool is_default(const chunk_options& o) noexcept
   {
-    return o.rows == 0 && o.budget_bytes == 0;
+    return o.rows == 0 && (KeepLogits || o.budget_bytes == 0);
   }
 
   /// The workspace layout for `rows` per chunk (clamped to n_q and, on the tile path, to the tile grid's limit;
@@ -451,8 +460,9 @@ struct loss<Element, Temperature, Scaler, algorithm::chunked>
 /// default chunk (options with neither rows nor budget_bytes) holds every row where that workspace fits a quarter of
 /// the device memory free at the size query, so the logits are computed once and kept between the passes
 /// (6 n_q n_k d flops, the materialized algorithm's count, with chunked's float logits and exact positive term);
-/// else the chunked default (4096-row chunks, the logits recomputed in the backward: 8 n_q n_k d). Options that set
-/// rows or budget_bytes run the chunked loss with them. The accuracy is chunked's either way (float logits), unlike
+/// else the chunked default (4096-row chunks, the logits recomputed in the backward: 8 n_q n_k d). `budget_bytes`
+/// replaces the quarter of free memory as the one chunk's budget (the whole workspace must fit it); `rows` runs the
+/// chunked loss with that many rows per chunk. The accuracy is chunked's either way (float logits), unlike
 /// the host's automatic, whose materialized choice rounds the logits to the element type.
 template <class Element, class Temperature, class Scaler>
 struct loss<Element, Temperature, Scaler, algorithm::automatic>

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace cl = contrastive;
@@ -52,6 +53,7 @@ struct call
   double loss_scale;
   std::int64_t chunk_rows;
   bool fused_tiles;
+  std::int64_t memory_budget = 0; ///< automatic: the one chunk's budget in bytes (0: a quarter of free memory)
 };
 
 /// A one-element float32 tensor on `device` (the Python side prepares it so; checked here all the same).
@@ -97,7 +99,9 @@ run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels,
     {
       // chunked and automatic read s and b on the device (no synchronisation; a refused value is reported by the
       // step's record).
-      const cl::chunk_options o{static_cast<std::size_t>(c.chunk_rows), 0, c.fused_tiles};
+      const std::size_t budget =
+          std::is_same_v<Algorithm, cl::algorithm::automatic> ? static_cast<std::size_t>(c.memory_budget) : 0;
+      const cl::chunk_options o{static_cast<std::size_t>(c.chunk_rows), budget, c.fused_tiles};
       const cl::device::device_scalars from{c.scale.data_ptr<float>(),
                                             c.bias.defined() ? c.bias.data_ptr<float>() : nullptr};
       return C::step(temp, bytes, p, from, ls, dq_p, dk_p, d_values, at::cuda::getCurrentCUDABlasHandle(), stream, o);
@@ -186,11 +190,16 @@ std::vector<torch::Tensor> step(const torch::Tensor& q,
                                 const std::string& algorithm,
                                 std::int64_t chunk_rows,
                                 bool fused_tiles,
-                                double loss_scale)
+                                double loss_scale,
+                                std::int64_t memory_budget)
 {
   const cl::objective obj = symmetric ? cl::objective::symmetric : cl::objective::info_nce;
-  std::vector<torch::Tensor> out =
-      by_dtype(algorithm, q, k, labels, call{obj, scale, torch::Tensor(), loss_scale, chunk_rows, fused_tiles});
+  std::vector<torch::Tensor> out = by_dtype(
+      algorithm,
+      q,
+      k,
+      labels,
+      call{obj, scale, torch::Tensor(), loss_scale, chunk_rows, fused_tiles, memory_budget < 0 ? 0 : memory_budget});
   out.pop_back(); // d loss / d b: the softmax objectives have none
   return out;
 }
@@ -226,7 +235,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         py::arg("algorithm"),
         py::arg("chunk_rows"),
         py::arg("fused_tiles"),
-        py::arg("loss_scale") = 1.0);
+        py::arg("loss_scale") = 1.0,
+        py::arg("memory_budget") = 0);
   m.def("sigmoid_step",
         &sigmoid_step,
         "One device pass of SigLIP's sigmoid loss (algorithm::chunked; forward and backward, dq, dk at loss_scale) on "
