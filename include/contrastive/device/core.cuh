@@ -251,28 +251,8 @@ public:
                      cudaStream_t stream = 0,
                      const chunk_options& opts = {})
   {
-    CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
-        d_temp,
-        temp_bytes,
-        p.obj,
-        logit_scale,
-        bias,
-        loss_scale,
-        d_values,
-        stream,
-        [&]
-        {
-          return loss_type::check(p, dq, dk, d_values, handle);
-        },
-        [&](std::size_t& needed)
-        {
-          typename loss_type::layout_type w{};
-          const status st =
-              detail::cuda_status(loss_type::layout_to_fit(p, opts, temp_bytes, w), "the workspace layout");
-          needed = w.total;
-          return st;
-        }));
-    return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
+    return chunked_pass(
+        d_temp, temp_bytes, p, logit_scale, bias, loss_scale, dq, dk, d_values, handle, stream, opts, nullptr);
   }
 
   /// algorithm::chunked and automatic with s and b read from device memory (device_scalars): the same pass without
@@ -301,12 +281,33 @@ public:
     }
     // The host numbers stand in (s = 1, b = 0, valid) for the checks and the upload; the kernel then writes the
     // device values over them before the pass, in stream order.
+    return chunked_pass(d_temp, temp_bytes, p, 1.0f, 0.0f, loss_scale, dq, dk, d_values, handle, stream, opts, &from);
+  }
+
+private:
+  /// The chunked and automatic pass: checks and upload at the host numbers (s, b), then, where `from` is given and
+  /// this is the pass (not the size query), s and b from device memory over them, then forward and backward.
+  template <class Handle>
+  static status chunked_pass(void* d_temp,
+                             std::size_t& temp_bytes,
+                             const problem<Element>& p,
+                             float logit_scale,
+                             float bias,
+                             float loss_scale,
+                             Element* dq,
+                             Element* dk,
+                             values_type* d_values,
+                             Handle handle,
+                             cudaStream_t stream,
+                             const chunk_options& opts,
+                             const device_scalars* from)
+  {
     CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
         d_temp,
         temp_bytes,
         p.obj,
-        1.0f,
-        0.0f,
+        logit_scale,
+        bias,
         loss_scale,
         d_values,
         stream,
@@ -322,9 +323,9 @@ public:
           needed = w.total;
           return st;
         }));
-    if (d_temp != nullptr) // the pass (a size query goes on to write the bytes it needs)
+    if (from != nullptr && d_temp != nullptr) // the pass (a size query goes on to write the bytes it needs)
     {
-      kernels::read_device_scalars<values_type><<<1, 1, 0, stream>>>(d_values, from);
+      kernels::read_device_scalars<values_type><<<1, 1, 0, stream>>>(d_values, *from);
       CONTRASTIVE_RETURN_IF_ERROR(detail::cuda_status(cudaPeekAtLastError(), "read_device_scalars"));
     }
     return loss_type::forward_backward_status(d_temp, temp_bytes, p, dq, dk, d_values, handle, stream, opts);
