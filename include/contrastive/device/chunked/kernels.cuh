@@ -101,15 +101,6 @@ inline cudaError_t from_cublas(cublasStatus_t s) noexcept
   }
 }
 
-struct lse_merge
-{
-  __device__ online_lse operator()(online_lse a, const online_lse& b) const noexcept
-  {
-    a.merge(b);
-    return a;
-  }
-};
-
 /// fp16 only: G_c is stored times 2^k. |G| <= 2 max(coef) (the positive's term), and the softmax entries P ~ 1/n
 /// carry a further max(coef); k lifts max(coef) to [0.5, 1) and then by 2^min(ceil(log2 n), 12), which keeps |G 2^k|
 /// below 2^15 and P ~ 1/n near 2^-4 .. 2^0. bf16 (float's exponent range) and float keep k = 0.
@@ -181,27 +172,32 @@ constexpr long long stat_row_tiles(long long rows) noexcept
   return (rows + stat_rows - 1) / stat_rows;
 }
 
-/// Four scaled logits s * S_c[r][j0 .. j0 + 3] (one 16-byte load where the four are inside the row and the row is
-/// 16-byte aligned; -inf for columns at or past n_k).
+/// Four floats x[0 .. 3] of which the first n (>= 1) exist: one 16-byte load where all four do and `vec` (x is
+/// 16-byte aligned), else element by element with `fill` past the n-th. `Stream`: an evict-first load, for data read
+/// once.
+template <bool Stream = false>
+__device__ CONTRASTIVE_FORCEINLINE float4 load4(const float* x, int n, bool vec, float fill) noexcept
+{
+  if (vec && n >= 4)
+  {
+    const auto* p = reinterpret_cast<const float4*>(x);
+    return Stream ? __ldcs(p) : *p;
+  }
+  return make_float4(x[0], n > 1 ? x[1] : fill, n > 2 ? x[2] : fill, n > 3 ? x[3] : fill);
+}
+
+/// Four scaled logits s * S_c[r][j0 .. j0 + 3] (load4, streamed past L2: read once; -inf for columns at or past
+/// n_k).
 __device__ CONTRASTIVE_FORCEINLINE float4 load_scaled4(const float* row, int j0, int n_k, float s, bool vec) noexcept
 {
-  float4 v;
-  if (vec && j0 + 3 < n_k)
+  const int n = n_k - j0;
+  constexpr float none = -detail::infinity_f;
+  if (n <= 0)
   {
-    v = __ldcs(reinterpret_cast<const float4*>(row + j0)); // read once: streamed past L2
-    v.x *= s;
-    v.y *= s;
-    v.z *= s;
-    v.w *= s;
+    return make_float4(none, none, none, none);
   }
-  else
-  {
-    v.x = j0 < n_k ? s * row[j0] : -detail::infinity_f;
-    v.y = j0 + 1 < n_k ? s * row[j0 + 1] : -detail::infinity_f;
-    v.z = j0 + 2 < n_k ? s * row[j0 + 2] : -detail::infinity_f;
-    v.w = j0 + 3 < n_k ? s * row[j0 + 3] : -detail::infinity_f;
-  }
-  return v;
+  const float4 v = load4<true>(row + j0, n, vec, 0.0f);
+  return make_float4(s * v.x, n > 1 ? s * v.y : none, n > 2 ? s * v.z : none, n > 3 ? s * v.w : none);
 }
 
 /// Component c of v (c in [0, 4); a compile-time c after unrolling, or a run-time one: selects, no local memory).
@@ -411,32 +407,14 @@ __global__ void __launch_bounds__(threads)
   }
   const bool vec = (a.ld % 4) == 0;
   const int n = a.n_k - j0;
-  float4 cl = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (symmetric)
-  {
-    cl.x = a.col_lse[j0];
-    cl.y = n > 1 ? a.col_lse[j0 + 1] : 0.0f;
-    cl.z = n > 2 ? a.col_lse[j0 + 2] : 0.0f;
-    cl.w = n > 3 ? a.col_lse[j0 + 3] : 0.0f;
-  }
+  // The column log-sum-exps (256-byte aligned, j0 a multiple of 4: 16-byte loads).
+  const float4 cl = symmetric ? load4(a.col_lse + j0, n, true, 0.0f) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int r = blockIdx.y; r < rows; r += gridDim.y)
   {
     const long long i = c0 + r;
     const long long p = positive_of(a, i) - j0;
     const float lr = a.row_lse[i];
-    const float* x = a.logits + static_cast<long long>(r) * a.ld + j0;
-    float4 v;
-    if (vec && n >= 4)
-    {
-      v = *reinterpret_cast<const float4*>(x);
-    }
-    else
-    {
-      v.x = x[0];
-      v.y = n > 1 ? x[1] : 0.0f;
-      v.z = n > 2 ? x[2] : 0.0f;
-      v.w = n > 3 ? x[3] : 0.0f;
-    }
+    const float4 v = load4(a.logits + static_cast<long long>(r) * a.ld + j0, n, vec, 0.0f);
     float4 gv;
     gv.x = logit_gradient(s * v.x, lr, cl.x, gc, symmetric != 0) * factor;
     gv.y = logit_gradient(s * v.y, lr, cl.y, gc, symmetric != 0) * factor;
@@ -494,18 +472,7 @@ __global__ void __launch_bounds__(threads)
   for (int j0 = threadIdx.x * 4; j0 < a.n_k; j0 += threads * 4)
   {
     const int n = a.n_k - j0;
-    float4 v;
-    if (vec && n >= 4)
-    {
-      v = *reinterpret_cast<const float4*>(x + j0);
-    }
-    else
-    {
-      v.x = x[j0];
-      v.y = n > 1 ? x[j0 + 1] : 0.0f;
-      v.z = n > 2 ? x[j0 + 2] : 0.0f;
-      v.w = n > 3 ? x[j0 + 3] : 0.0f;
-    }
+    const float4 v = load4(x + j0, n, vec, 0.0f);
     float4 gv;
 #pragma unroll
     for (int c = 0; c < 4; ++c)
