@@ -12,7 +12,7 @@ CUDA graph (torch.compile's mode="reduce-overhead") can capture a training step 
 import torch
 
 from . import _host
-from ._checks import bias_value, device_values, labels_int32, scale_value
+from ._checks import device_values, labels_int32, scale_value
 from ._extension import cuda_extension
 
 SYNC_FREE = ("automatic", "chunked")
@@ -39,18 +39,12 @@ def step(q, k, logit_scale, logit_bias, labels, objective, algorithm, fused_tile
     """(loss, dq, dk, d loss/d log s, d loss/d b or None, max logit, first non-finite site code) as device tensors;
     dq and dk at `loss_scale`. `checked`: the values were checked by this step's forward (a backward's rerun), so
     they are not read again."""
-    sync_free = objective == "sigmoid" or algorithm in SYNC_FREE
-    if sync_free:
-        labels32 = _labels_on_device(labels, q, k.shape[0])
-        device_values(q, k, labels32, objective, read=False)
-    elif checked:
-        labels32 = None if labels is None else labels.to(device=q.device, dtype=torch.int32).contiguous()
-    else:
-        labels32 = labels_int32(labels, q.device)
-        device_values(q, k, labels32, objective)
+    # Only 'fused' and 'materialized' read values, and a backward's rerun not again (its forward read them).
+    reads = not checked and objective != "sigmoid" and algorithm not in SYNC_FREE
+    labels32 = labels_int32(labels, q.device) if reads else _labels_on_device(labels, q, k.shape[0])
+    device_values(q, k, labels32, objective, read=reads)
+    if reads:
         scale_value(logit_scale)
-        if objective == "sigmoid":
-            bias_value(logit_bias)
     scale = _device_scalar(logit_scale, q.device)
     # The extension raises by the library's error code (csrc/errors.hpp): ValueError for a refused argument.
     if objective == "sigmoid":

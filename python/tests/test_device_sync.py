@@ -27,7 +27,6 @@ def _forbid_reads(monkeypatch):
         return shapes_only(q, k, labels32, objective, read=False)
 
     monkeypatch.setattr(_device, "scale_value", read)
-    monkeypatch.setattr(_device, "bias_value", read)
     monkeypatch.setattr(_device, "labels_int32", read)
     monkeypatch.setattr(_device, "device_values", device_values)
 
