@@ -188,6 +188,26 @@ warmup settle(events& ev, Op& op, int count, double tolerance, double max_second
   return w;
 }
 
+/// A ceiling's measurement: `settle`, then each benchmark iteration the median of `count` calls (its manual time);
+/// returns the median over the iterations and records the warm-up's counters (rounds, seconds, settled).
+template <class Op>
+double ceiling_median(benchmark::State& state, Op& op, int count, double max_warmup_seconds)
+{
+  events ev;
+  const warmup w = settle(ev, op, count, 0.02, max_warmup_seconds);
+  std::vector<double> times;
+  for (auto _ : state)
+  {
+    const double t = median_seconds(ev, op, count);
+    state.SetIterationTime(t);
+    times.push_back(t);
+  }
+  state.counters["warmup_rounds"] = w.rounds;
+  state.counters["warmup_s"] = w.seconds;
+  state.counters["settled"] = w.settled ? 1.0 : 0.0;
+  return median_of(times);
+}
+
 /// C = op(A) op(B), bf16 in and out, fp32 accumulation (column-major, cuBLAS conventions).
 cublasStatus_t bf16_gemm(cublasHandle_t h,
                          cublasOperation_t op_a,
@@ -401,28 +421,16 @@ void roofline_matmul(benchmark::State& state)
       const cublasStatus_t st = bf16_gemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, a, n, b, n, c, n);
       status = status == CUBLAS_STATUS_SUCCESS ? st : status;
     };
-    events ev;
-    const warmup w = settle(ev, gemm, 5, 0.02, 3.0);
-    std::vector<double> times;
-    for (auto _ : state)
-    {
-      const double t = median_seconds(ev, gemm, 5);
-      state.SetIterationTime(t);
-      times.push_back(t);
-    }
+    const double med = ceiling_median(state, gemm, 5, 3.0);
     if (status != CUBLAS_STATUS_SUCCESS || cudaGetLastError() != cudaSuccess)
     {
       state.SkipWithError("cublasGemmEx failed");
     }
     else
     {
-      const double med = median_of(times);
       g_matmul_peak = med > 0.0 ? flop / med : 0.0;
       state.counters["FLOP/s"] = benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
       state.counters["median_FLOP/s"] = g_matmul_peak;
-      state.counters["warmup_rounds"] = w.rounds;
-      state.counters["warmup_s"] = w.seconds;
-      state.counters["settled"] = w.settled ? 1.0 : 0.0;
     }
   }
   if (h != nullptr)
@@ -452,22 +460,10 @@ void roofline_copy(benchmark::State& state)
   {
     cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
   };
-  events ev;
-  const warmup w = settle(ev, copy, 3, 0.02, 2.0);
-  std::vector<double> times;
-  for (auto _ : state)
-  {
-    const double t = median_seconds(ev, copy, 3);
-    state.SetIterationTime(t);
-    times.push_back(t);
-  }
-  const double med = median_of(times);
+  const double med = ceiling_median(state, copy, 3, 2.0);
   g_copy_peak = med > 0.0 ? 2.0 * double(bytes) / med : 0.0;
   state.counters["bytes/s"] = benchmark::Counter(2.0 * bytes, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["median_bytes/s"] = g_copy_peak;
-  state.counters["warmup_rounds"] = w.rounds;
-  state.counters["warmup_s"] = w.seconds;
-  state.counters["settled"] = w.settled ? 1.0 : 0.0;
   cudaFree(a);
   cudaFree(b);
 }
