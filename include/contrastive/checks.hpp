@@ -139,7 +139,24 @@ status check_problem(const problem<T>& p,
   {
     return {errc::invalid_argument, "obj", "unknown objective"};
   }
-  if (p.obj == objective::symmetric)
+  if (p.grouped())
+  {
+    if (p.query_groups == nullptr)
+    {
+      return {errc::null_pointer, "query_groups", "key_groups given without query_groups: give both or neither"};
+    }
+    if (p.key_groups == nullptr)
+    {
+      return {errc::null_pointer, "key_groups", "query_groups given without key_groups: give both or neither"};
+    }
+    if (p.labels != nullptr)
+    {
+      return {errc::invalid_argument,
+              "labels",
+              "labels and group ids together: the positives come from one or the other; pass null labels"};
+    }
+  }
+  else if (p.obj == objective::symmetric)
   {
     if (p.n_q != p.n_k)
     {
@@ -153,7 +170,7 @@ status check_problem(const problem<T>& p,
       return {errc::invalid_argument, "labels", "the symmetric loss takes its positives from the diagonal; pass null"};
     }
   }
-  else if (p.labels == nullptr && p.n_q > p.n_k)
+  else if (p.obj != objective::symmetric && p.labels == nullptr && p.n_q > p.n_k)
   {
     return {errc::shape_mismatch,
             "labels",
@@ -188,6 +205,21 @@ status check_problem(const problem<T>& p,
   if (check_labels)
   {
     return check_label_range(p.labels, p.n_q, p.n_k, false);
+  }
+  return {};
+}
+
+/// What the device paths refuse besides check_problem: group ids (several positives per row), which the host paths
+/// compute (numeric/groups.hpp).
+template <class T>
+status check_device_problem(const problem<T>& p)
+{
+  if (p.grouped())
+  {
+    return {errc::invalid_argument,
+            p.query_groups != nullptr ? "query_groups" : "key_groups",
+            "group ids (several positives per row) run on the host paths; the device paths take labels or the "
+            "diagonal"};
   }
   return {};
 }

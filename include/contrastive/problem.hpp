@@ -72,6 +72,19 @@ struct problem
   /// The symmetric objective takes the diagonal and refuses labels.
   const std::int32_t* labels = nullptr;
   objective obj = objective::symmetric; ///< the loss taken over the logits
+  /// Several positives per row (give both or neither; not with `labels`): a group id per query (n_q entries) and per
+  /// key (n_k entries); the pair (i, j) is positive when query_groups[i] == key_groups[j]. The softmax objectives then
+  /// take each row's cross-entropy against the uniform distribution over its positives, averaged over the rows that
+  /// have one (symmetric: likewise over the columns, and n_q may differ from n_k); the sigmoid objective labels every
+  /// positive pair +1 and every other -1. docs/multi_positive.md gives the formulas. Host memory; host paths only.
+  const std::int64_t* query_groups = nullptr;
+  const std::int64_t* key_groups = nullptr;
+
+  /// Whether the positives come from group ids.
+  bool grouped() const noexcept
+  {
+    return query_groups != nullptr || key_groups != nullptr;
+  }
 };
 
 } // namespace contrastive

@@ -51,7 +51,7 @@ struct call_msg
   std::int64_t kind;                           ///< call_kind
   std::int64_t step;                           ///< the loss's step count (finished steps)
   std::int64_t iteration;                      ///< the caller's iteration, or no_iteration
-  std::int64_t n_q, n_k, dim, obj, has_labels; ///< forward_backward: this rank's problem
+  std::int64_t n_q, n_k, dim, obj, has_labels; ///< forward_backward: this rank's problem (has_labels 2: group ids)
   std::int64_t has_scalars;                    ///< forward_backward: whether the next two are known (host)
   std::int64_t scale_bits, bias_bits;          ///< the logit scale s and bias b (float bit patterns)
   std::int64_t pending, site;                  ///< finish_step: the record's state
@@ -191,7 +191,7 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
     else if (s.obj != all[0].obj || s.has_labels != all[0].has_labels)
     {
       g.bad_rank = rr;
-      (void)(g.why = status{errc::invalid_argument, "obj", "objective or labels differ from rank 0's"});
+      (void)(g.why = status{errc::invalid_argument, "obj", "objective, labels or group ids differ from rank 0's"});
     }
     else if (s.has_scalars != 0 && all[0].has_scalars != 0 && s.scale_bits != all[0].scale_bits)
     {
@@ -238,7 +238,8 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
                             "n_k",
                             "the global batch exceeds 2^31 - 1 queries or keys (int32 labels and counts)"});
     }
-    else if (all[0].obj == static_cast<std::int64_t>(objective::symmetric) && nq.value != nk.value)
+    else if (all[0].obj == static_cast<std::int64_t>(objective::symmetric) && all[0].has_labels != 2 &&
+             nq.value != nk.value)
     {
       g.bad_rank = 0;
       (void)(g.why = status{errc::shape_mismatch,
@@ -338,7 +339,7 @@ status agree_on_problem(const Comm& comm,
   mine.n_k = static_cast<std::int64_t>(p.n_k);
   mine.dim = static_cast<std::int64_t>(p.dim);
   mine.obj = static_cast<std::int64_t>(p.obj);
-  mine.has_labels = p.labels != nullptr ? 1 : 0;
+  mine.has_labels = p.labels != nullptr ? 1 : (p.grouped() ? 2 : 0);
   if (scalars != nullptr)
   {
     mine.has_scalars = 1;

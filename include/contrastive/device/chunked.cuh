@@ -328,6 +328,7 @@ struct chunked_loss
       const problem<Element>& p, const Element* dq, const Element* dk, const state_type* d_state, cublasHandle_t handle)
   {
     CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, true, /*check_labels=*/false));
+    CONTRASTIVE_RETURN_IF_ERROR(check_device_problem(p));
     if (d_state == nullptr || handle == nullptr)
     {
       return {errc::null_pointer,

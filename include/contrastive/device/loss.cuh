@@ -141,6 +141,7 @@ struct loss
   static status check(const problem<Element>& p, const Element* dq, const Element* dk, const state_type* d_state)
   {
     CONTRASTIVE_RETURN_IF_ERROR(check_problem(p, dq, dk, true, /*check_labels=*/false));
+    CONTRASTIVE_RETURN_IF_ERROR(check_device_problem(p));
     if (d_state == nullptr)
     {
       return {errc::null_pointer, "d_state", "null device state (make_state, then upload_state)"};

@@ -138,6 +138,10 @@ public:
   {
     comm_.set_stream(stream);
     status local = check_problem(p, dq, dk, true, /*check_labels=*/false);
+    if (local.ok())
+    {
+      (void)(local = check_device_problem(p));
+    }
     if (local.ok() && small_ == nullptr)
     {
       (void)(local = no_small_buffer());

@@ -62,6 +62,41 @@ bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
   return any;
 }
 
+/// Row i's statistics from its chunk row x of a grouped step (numeric/groups.hpp): nothing is masked; the ids tell
+/// the positives.
+template <class T, class Gemm>
+void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
+{
+  const float m = lane_max(st.n_k,
+                           -detail::infinity_f,
+                           [&](std::size_t j)
+                           {
+                             return x[j];
+                           });
+  if (st.sigmoid())
+  {
+    const std::int64_t id = st.groups.q_ids[i];
+    float loss = 0.0f;
+    for (std::size_t j = 0; j < st.n_k; ++j)
+    {
+      loss += (st.groups.k_ids[j] == id ? sigmoid_positive(x[j]) : sigmoid_negative(x[j])).loss;
+    }
+    set_sigmoid_row(st, i, loss, m, false);
+    return;
+  }
+  online_lse all{};
+  all.rebase(m);
+  const float shift = all.shift();
+  all.sum = lane_sum(st.n_k,
+                     [&](std::size_t j)
+                     {
+                       return detail::exp_approx(x[j] - shift);
+                     });
+  st.pos[i] = 0.0f;
+  st.add_positives(i, 0, st.n_k, x);
+  st.set_grouped_row(i, all);
+}
+
 /// Forward statistics of the chunk in the buffer: each row's negatives and positive (the positive's slot is set to
 /// -inf, as the fused tiles do), and, symmetric, the chunk's column partials merged into the running state.
 template <class T, class Gemm>
@@ -77,6 +112,11 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                  {
                    const std::size_t i = c0 + r;
                    float* x = &st.chunk[r * st.nk_pad];
+                   if (st.grouped())
+                   {
+                     grouped_chunk_row(st, i, x);
+                     continue;
+                   }
                    const std::size_t p = st.positive_of(i);
                    st.pos[i] = x[p];
                    x[p] = -detail::infinity_f;

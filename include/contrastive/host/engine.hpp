@@ -303,6 +303,7 @@ public:
     s.nk_pad = round_up(s.n_k, block_n);
     s.obj = p.obj;
     s.labels = p.labels;
+    s.groups = group_view{}; // a grouped step's driver gives the view after prepare (set_groups)
     s.workers = workers_for(p);
     s.out_dq = s.out_dk = nullptr;
     constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
@@ -428,6 +429,12 @@ public:
   float positive(std::size_t i) const noexcept
   {
     return st_.pos[i];
+  }
+  /// A grouped step (numeric/groups.hpp), after `prepare` and before `forward_rows`: its rows' and keys' ids and
+  /// weights, kept (not copied) until the backward. An empty view: one positive per row (labels or the diagonal).
+  void set_groups(const group_view& g) noexcept
+  {
+    st_.groups = g;
   }
   /// Column j's finished statistics, before `backward`.
   void set_column(std::size_t j, const contrastive::row_loss& rl) noexcept

@@ -14,6 +14,7 @@
 #include <contrastive/host/thread_pool.hpp>
 #include <contrastive/host/tile_math.hpp>
 #include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/groups.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
@@ -46,6 +47,9 @@ struct engine_state
   std::size_t n_q = 0, n_k = 0, d = 0, dp = 0, nq_pad = 0, nk_pad = 0;
   objective obj = objective::symmetric;
   const std::int32_t* labels = nullptr;
+  /// Several positives per row (numeric/groups.hpp): nothing is kept apart; pos[i] holds the sum of row i's positive
+  /// logits (softmax objectives) and the tiles test each pair's ids.
+  group_view groups;
   float scale = 1.0f;
   float bias = 0.0f;          ///< sigmoid: the logit bias b of z = S + b (0 otherwise)
   double sigmoid_g_sum = 0.0; ///< sigmoid, fused: sum of the unnormalised G the forward formed (d loss / d b)
@@ -81,6 +85,44 @@ struct engine_state
   std::size_t positive_of(std::size_t i) const noexcept
   {
     return labels != nullptr ? static_cast<std::size_t>(labels[i]) : i;
+  }
+  bool grouped() const noexcept
+  {
+    return groups.q_ids != nullptr;
+  }
+  /// Grouped: whether (i, j) is a positive pair.
+  bool positive_pair(std::size_t i, std::size_t j) const noexcept
+  {
+    return groups.q_ids[i] == groups.k_ids[j];
+  }
+  /// Called by every forward before its tiles: a grouped step's positive sums start at 0.
+  void begin_forward() noexcept
+  {
+    if (grouped())
+    {
+      std::fill(pos.begin(), pos.end(), 0.0f);
+    }
+  }
+  /// Grouped softmax: the sum of row i's positive logits among the cols of row x (keys from j0) into pos[i].
+  void add_positives(std::size_t i, std::size_t j0, std::size_t cols, const float* x) noexcept
+  {
+    const std::int64_t id = groups.q_ids[i];
+    const std::int64_t* k_ids = groups.k_ids + j0;
+    float sum = 0.0f;
+    for (std::size_t jj = 0; jj < cols; ++jj)
+    {
+      sum += k_ids[jj] == id ? x[jj] : 0.0f;
+    }
+    pos[i] += sum;
+  }
+  /// Grouped softmax: row i's finished statistics from its state over every logit (positives included) and the sum
+  /// of its positives in pos[i]: loss = lse - mean positive, formed as log_sum + (shift - mean); 0 without a positive.
+  void set_grouped_row(std::size_t i, const online_lse& all) noexcept
+  {
+    contrastive::row_loss rl = finish_row(all, -detail::infinity_f);
+    const float inv = groups.row_inv[i];
+    rl.loss = inv > 0.0f ? rl.log_sum + (rl.shift - pos[i] * inv) : 0.0f;
+    set_row(i, rl, all.max);
   }
 
   /// Runs f(i0, rows, ws, w) for every row block [i0, i0 + rows), one block per task, on worker w with its scratch ws
@@ -183,6 +225,10 @@ struct engine_state
   /// the softmax statistics and the sigmoid negatives' sums then skip it, and the positive is treated apart.
   void mask_positives(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, bool save)
   {
+    if (grouped()) // the positives stay among the logits (sigmoid: the tile tests the ids; softmax: add_positives)
+    {
+      return;
+    }
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
       const std::size_t p = positive_of(i0 + ii);
@@ -224,6 +270,10 @@ struct engine_state
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
       const float* x = &tile[ii * block_n];
+      if (grouped())
+      {
+        add_positives(i0 + ii, j0, cols, x);
+      }
       const float m = lane_max(cols,
                                -detail::infinity_f,
                                [&](std::size_t jj)
@@ -288,6 +338,10 @@ struct engine_state
     {
       set_sigmoid_row(*this, i, sig_loss, sig_max, true);
     }
+    else if (grouped())
+    {
+      set_grouped_row(i, row_state);
+    }
     else
     {
       set_row(i, finish_row(row_state, pos[i]), row_state.max);
@@ -348,6 +402,11 @@ struct engine_state
       sigmoid_gradient_tile(*this, i0, j0, rows, cols, gc, ws);
       return;
     }
+    if (grouped())
+    {
+      grouped_gradient_tile(i0, j0, rows, cols, gc, ws);
+      return;
+    }
     const bool sym = symmetric();
     for (std::size_t ii = 0; ii < block_m; ++ii)
     {
@@ -381,6 +440,60 @@ struct engine_state
         g[p - j0] = exact_positive ? exact_positive_gradient(row_loss[i0 + ii], sym ? col_loss[p] : 0.0f, gc, sym)
                                    : positive_gradient(g[p - j0], gc);
       }
+    }
+  }
+
+  /// Grouped softmax, G of a tile: a_i P_ij + b_j C_ij - [i ~ j] (a_i / |P(i)| + b_j / |Q(g(j))|) with a_i =
+  /// row_coef where row i has a positive (else 0) and b_j = col_coef where column j has one (numeric/groups.hpp).
+  void grouped_gradient_tile(std::size_t i0,
+                             std::size_t j0,
+                             std::size_t rows,
+                             std::size_t cols,
+                             const grad_coefficients& gc,
+                             worker_scratch& ws) const noexcept
+  {
+    const bool sym = symmetric();
+    float b[block_n], bp[block_n];
+    for (std::size_t jj = 0; jj < cols && sym; ++jj)
+    {
+      const float inv = groups.col_inv[j0 + jj];
+      b[jj] = inv > 0.0f ? gc.col_coef : 0.0f;
+      bp[jj] = b[jj] * inv;
+    }
+    const std::int64_t* k_ids = groups.k_ids + j0;
+    for (std::size_t ii = 0; ii < block_m; ++ii)
+    {
+      float* g = &ws.tile[ii * block_n];
+      if (ii >= rows)
+      {
+        std::fill(g, g + block_n, 0.0f);
+        continue;
+      }
+      const std::size_t i = i0 + ii;
+      const float inv = groups.row_inv[i];
+      const float a = inv > 0.0f ? gc.row_coef : 0.0f, ap = a * inv;
+      const float rs = row_max[i], rl = row_log_sum[i];
+      const std::int64_t id = groups.q_ids[i];
+      if (sym)
+      {
+        const float* cs = &col_shift[j0];
+        const float* cl = &col_log_sum[j0];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          const float x = g[jj];
+          const float v = a * detail::exp_approx((x - rs) - rl) + b[jj] * detail::exp_approx((x - cs[jj]) - cl[jj]);
+          g[jj] = k_ids[jj] == id ? v - (ap + bp[jj]) : v;
+        }
+      }
+      else
+      {
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          const float v = a * detail::exp_approx((g[jj] - rs) - rl);
+          g[jj] = k_ids[jj] == id ? v - ap : v;
+        }
+      }
+      std::fill(g + cols, g + block_n, 0.0f);
     }
   }
 
@@ -418,6 +531,7 @@ struct engine_state
   {
     scale = s;
     sigmoid_g_sum = 0.0;
+    begin_forward();
     reset_column_partials();
     unsigned char bad[max_threads] = {};
     parallel_for(pool,
@@ -461,14 +575,21 @@ struct engine_state
   {
     row_pass r;
     r.logits_nonfinite = logits_nonfinite;
-    double row_sum = 0.0;
+    double row_sum = 0.0, col_positives = 0.0;
     float max_logit = -detail::infinity_f;
+    const bool gr = grouped();
     for (std::size_t i = 0; i < n_q; ++i)
     {
       row_sum += row_loss[i];
       r.logits_nonfinite |= !(pos[i] - pos[i] == 0.0f);
-      max_logit = detail::max_nan(max_logit, detail::max_nan(row_max[i], pos[i]));
+      // Grouped: row_max covers every logit, and pos holds a sum (numeric/groups.hpp's column term needs it).
+      max_logit = detail::max_nan(max_logit, gr ? row_max[i] : detail::max_nan(row_max[i], pos[i]));
+      if (gr && symmetric())
+      {
+        col_positives += static_cast<double>(pos[i]) * static_cast<double>(groups.row_col_inv[i]);
+      }
     }
+    r.column_positives = col_positives;
     r.row_loss_sum = row_sum;
     r.max_logit = max_logit;
     return r;

@@ -39,6 +39,7 @@ row_pass fused_forward_rows(engine_state<T, Gemm>& st, float s)
   const std::size_t row_blocks = st.nq_pad / block_m;
   const unsigned workers =
       static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(st.workers, row_blocks)));
+  st.begin_forward();
   st.reset_column_partials();
   std::fill(st.row_max.begin(), st.row_max.end(), -detail::infinity_f);
   std::fill(st.row_lse.begin(), st.row_lse.end(), 0.0f);

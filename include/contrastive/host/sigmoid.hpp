@@ -28,6 +28,7 @@ template <class T, class Gemm>
 row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
+  st.begin_forward();
   const unsigned groups = fused_groups(st);
   // The caller's float outputs (row stride d) where prepare was given them, else the engine's (stride dp).
   const bool in_place = st.out_dq != nullptr;

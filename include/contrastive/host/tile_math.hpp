@@ -90,6 +90,29 @@ double sigmoid_tile(const State& st,
                                          {
                                            return x[jj];
                                          }));
+    if (st.grouped()) // every positive pair is in the tile, told by its ids
+    {
+      const std::int64_t id = st.groups.q_ids[i0 + ii];
+      const std::int64_t* k_ids = st.groups.k_ids + j0;
+      float loss = 0.0f, g = 0.0f;
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        const sigmoid_term t = k_ids[jj] == id ? sigmoid_positive(x[jj]) : sigmoid_negative(x[jj]);
+        loss += t.loss;
+        if (grads)
+        {
+          x[jj] = t.grad;
+          g += t.grad;
+        }
+      }
+      loss_acc[ii] += loss;
+      if (grads)
+      {
+        std::fill(x + cols, x + block_n, 0.0f);
+        g_sum += static_cast<double>(g);
+      }
+      continue;
+    }
     if (grads)
     {
       loss_acc[ii] += lane_sum(cols,
@@ -131,6 +154,7 @@ double sigmoid_tile(const State& st,
 template <class State>
 void set_sigmoid_row(State& st, std::size_t i, float negatives_loss, float negatives_max, bool add_positive) noexcept
 {
+  add_positive = add_positive && !st.grouped(); // grouped: every pair's term is in negatives_loss already
   const float l = add_positive ? negatives_loss + sigmoid_positive(st.pos[i]).loss : negatives_loss;
   st.row_lse[i] = l;
   st.row_loss[i] = l;
@@ -157,6 +181,17 @@ void sigmoid_gradient_tile(const State& st,
     if (ii >= rows)
     {
       std::fill(g, g + block_n, 0.0f);
+      continue;
+    }
+    if (st.grouped())
+    {
+      const std::int64_t id = st.groups.q_ids[i0 + ii];
+      const std::int64_t* k_ids = st.groups.k_ids + j0;
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        g[jj] = c * (k_ids[jj] == id ? sigmoid_positive(g[jj]) : sigmoid_negative(g[jj])).grad;
+      }
+      std::fill(g + cols, g + block_n, 0.0f);
       continue;
     }
     for (std::size_t jj = 0; jj < cols; ++jj)

@@ -35,6 +35,7 @@
 #include <contrastive/detail/checked.hpp>
 #include <contrastive/host/engine.hpp>
 #include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/numeric/groups.hpp>
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
@@ -168,7 +169,7 @@ public:
   /// Host bytes held between calls: the engine, and for ranks the gathered K, labels and float partials.
   std::size_t bytes_held() const noexcept
   {
-    return engine_.bytes_held() + ranks_.bytes_held();
+    return engine_.bytes_held() + ranks_.bytes_held() + groups_.bytes_held();
   }
 
   /// The caller's iteration of the last accepted forward (no_iteration if it gave none): what its backward and the
@@ -262,11 +263,18 @@ public:
       ready_ = false;
       CONTRASTIVE_RETURN_IF_ERROR(gather_keys(p));
     }
+    CONTRASTIVE_RETURN_IF_ERROR(count_groups(p));
     // The engine, sized for this rank's rows against every key; one process's forward_backward passes its outputs
-    // now (the sigmoid objective's fused pass may accumulate in them).
-    const problem_type block =
+    // now (the sigmoid objective's fused pass may accumulate in them). Group ids with one positive per row run as
+    // labels (the diagonal, symmetric).
+    problem_type block =
         single ? p
                : problem_type{p.q, ranks_.k_all.data(), p.n_q, batch_.n_k_total, p.dim, ranks_.labels.data(), p.obj};
+    if (single && p.grouped())
+    {
+      block.query_groups = block.key_groups = nullptr;
+      block.labels = grouped_ || p.obj == objective::symmetric ? nullptr : groups_.labels.data();
+    }
     const bool outputs = single && need_grads;
     std::size_t bytes = 0;
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
@@ -295,7 +303,14 @@ public:
       (void)(prepared = distributed::agreement::agree(comm_, prepared));
     }
     CONTRASTIVE_RETURN_IF_ERROR(prepared);
-    gc_ = make_grad_coefficients(p.obj, batch_.n_q_total, batch_.n_k_total);
+    engine_.set_groups(grouped_ ? groups_.view(single ? p.query_groups : ranks_.q_ids.data() + batch_.q_off,
+                                               single ? p.key_groups : ranks_.k_ids.data())
+                                : group_view{});
+    gc_ =
+        grouped_
+            ? grouped_grad_coefficients(p.obj, batch_.n_q_total, groups_.rows_with_positive, groups_.cols_with_positive)
+            : make_grad_coefficients(p.obj, batch_.n_q_total, batch_.n_k_total);
+    const float* col_inv = grouped_ && p.obj == objective::symmetric ? groups_.col_inv.data() : nullptr;
     host::row_pass rp;
     const status compute = guarded(
         [&]
@@ -308,7 +323,7 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(compute);
       if (p.obj == objective::symmetric)
       {
-        col_loss_sum = finish_columns<Algorithm>(engine_, p.n_k);
+        col_loss_sum = finish_columns<Algorithm>(engine_, p.n_k, col_inv);
       }
     }
     else
@@ -316,15 +331,22 @@ public:
       if (p.obj == objective::symmetric)
       {
         CONTRASTIVE_RETURN_IF_ERROR(
-            combine_columns<Algorithm>(comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, col_loss_sum));
+            combine_columns<Algorithm>(comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, col_inv, col_loss_sum));
       }
       // Every rank's rows, combined in rank order (identical bits everywhere); a failure on any rank is agreed on.
-      const rank_forward mine{rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0};
+      const rank_forward mine{
+          rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0, rp.column_positives};
       std::vector<rank_forward> all;
       CONTRASTIVE_RETURN_IF_ERROR(gather_ranks(comm_, needs(compute, "the host engine mid-step", bytes, p), mine, all));
       rp = combine_ranks(all);
     }
-    fwd_ = {mean_loss(p.obj, batch_.n_q_total, batch_.n_k_total, rp.row_loss_sum, col_loss_sum),
+    fwd_ = {grouped_ ? grouped_mean_loss(p.obj,
+                                         batch_.n_q_total,
+                                         groups_.rows_with_positive,
+                                         groups_.cols_with_positive,
+                                         rp.row_loss_sum,
+                                         col_loss_sum - rp.column_positives)
+                     : mean_loss(p.obj, batch_.n_q_total, batch_.n_k_total, rp.row_loss_sum, col_loss_sum),
             rp.max_logit,
             rp.logits_nonfinite};
     p_ = p;
@@ -481,6 +503,7 @@ private:
         kind,
         scalars));
     batch_ = {g.n_q_total, g.n_k_total, g.q_off, g.k_off};
+    ranks_.q_rows = std::move(g.q_rows);
     ranks_.k_rows = std::move(g.k_rows);
     ranks_.dk_counts = std::move(g.dk_counts);
     return {};
@@ -505,6 +528,60 @@ private:
     for (std::size_t i = 0; i < p.n_q; ++i)
     {
       ranks_.labels[i] = static_cast<std::int32_t>(p.labels != nullptr ? p.labels[i] : batch_.q_off + i);
+    }
+    if (p.grouped()) // bytes, not gradients: every rank's ids, so that each rank counts the whole batch's groups
+    {
+      CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(comm_,
+                                                                guarded(
+                                                                    [&]
+                                                                    {
+                                                                      ranks_.q_ids.resize(batch_.n_q_total);
+                                                                      ranks_.k_ids.resize(batch_.n_k_total);
+                                                                    })));
+      CONTRASTIVE_RETURN_IF_ERROR(
+          comm_.allgatherv_rows(p.query_groups, ranks_.q_rows.data(), sizeof(std::int64_t), ranks_.q_ids.data()));
+      CONTRASTIVE_RETURN_IF_ERROR(
+          comm_.allgatherv_rows(p.key_groups, ranks_.k_rows.data(), sizeof(std::int64_t), ranks_.k_ids.data()));
+    }
+    return {};
+  }
+
+  /// The batch's groups (numeric/groups.hpp), after every rank's ids are here: grouped_ unless every query has one
+  /// positive, which then runs as labels (ranks: this rank's rows' global positives into its labels).
+  status count_groups(const problem_type& p)
+  {
+    grouped_ = false;
+    if (!p.grouped())
+    {
+      return {};
+    }
+    status counted = guarded(
+        [&]
+        {
+          if constexpr (single)
+          {
+            groups_.compute(p.query_groups, p.n_q, p.key_groups, p.n_k, 0, p.n_q, p.obj);
+          }
+          else
+          {
+            groups_.compute(ranks_.q_ids.data(),
+                            batch_.n_q_total,
+                            ranks_.k_ids.data(),
+                            batch_.n_k_total,
+                            batch_.q_off,
+                            p.n_q,
+                            p.obj);
+          }
+        });
+    if constexpr (!single)
+    {
+      (void)(counted = distributed::agreement::agree(comm_, counted));
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(counted);
+    grouped_ = !groups_.single_positive;
+    if (!single && groups_.single_positive && p.obj != objective::symmetric)
+    {
+      std::copy(groups_.labels.begin(), groups_.labels.end(), ranks_.labels.begin());
     }
     return {};
   }
@@ -539,6 +616,8 @@ private:
   bool ready_ = false;
   std::int64_t iteration_ = distributed::no_iteration;
   grad_coefficients gc_{};
+  group_weights groups_; ///< the last forward's group counts and weights (group ids only)
+  bool grouped_ = false; ///< the last forward runs the grouped tiles (group ids with a row of several positives)
   forward_values fwd_{};
   backward_values bwd_{};
   float loss_scale_ = 1.0f;

@@ -91,15 +91,30 @@ inline status with_bytes(const status& st,
           std::string(what) + " needs " + std::to_string(bytes) + sizes + "): " + st.reason()};
 }
 
+/// Column j's finished statistics from its state over every row and its positive logit; grouped (`col_inv` not
+/// null: 1 / |Q(g(j))| per column, 0 without a positive): the state holds every logit, and the column's term in the
+/// loss sum is its lse where it has a positive (the positives' part is the rows' `column_positives`).
+inline contrastive::row_loss finish_column(online_lse state, float positive, const float* col_inv, std::size_t j)
+{
+  if (col_inv == nullptr)
+  {
+    return finish_row(state, positive);
+  }
+  contrastive::row_loss rl = finish_row(state, -detail::infinity_f);
+  rl.loss = col_inv[j] > 0.0f ? rl.lse : 0.0f;
+  return rl;
+}
+
 /// Phase 5 for one process (symmetric): every column finished from the engine's own partials over all its rows;
-/// returns the sum of the column losses.
+/// returns the sum of the column losses (grouped: see finish_column).
 template <class Algorithm, class Engine>
-double finish_columns(Engine& engine, std::size_t n_k)
+double finish_columns(Engine& engine, std::size_t n_k, const float* col_inv)
 {
   double col_loss_sum = 0.0;
   for (std::size_t j = 0; j < n_k; ++j)
   {
-    const contrastive::row_loss rl = finish_row(engine.template column_partial<Algorithm>(j), engine.positive(j));
+    const contrastive::row_loss rl =
+        finish_column(engine.template column_partial<Algorithm>(j), col_inv ? 0.0f : engine.positive(j), col_inv, j);
     engine.set_column(j, rl);
     col_loss_sum += static_cast<double>(rl.loss);
   }
@@ -114,15 +129,17 @@ struct rank_buffers
   /// arrays): no float partials of dq and dk besides the gathered dK's.
   static constexpr bool float_out = std::is_same_v<Element, float>;
 
-  std::vector<int> k_rows, dk_counts;      ///< the agreed key rows of every rank (all-gather, reduce-scatter counts)
-  std::vector<Element> k_all;              ///< K gathered in the element type (n_k_total x d)
-  std::vector<std::int32_t> labels;        ///< this rank's rows' global positives
-  std::vector<float> dq_f, dk_all_f, dk_f; ///< float partials (dq_f, dk_f: 16-bit elements only)
-  std::vector<float> col_a, col_b;         ///< symmetric: the columns' maxima, then their sums and positives
+  std::vector<int> q_rows, k_rows, dk_counts; ///< every rank's query and key rows (all-gathers, reduce-scatter counts)
+  std::vector<Element> k_all;                 ///< K gathered in the element type (n_k_total x d)
+  std::vector<std::int32_t> labels;           ///< this rank's rows' global positives
+  std::vector<std::int64_t> q_ids, k_ids;     ///< grouped: every rank's query and key group ids
+  std::vector<float> dq_f, dk_all_f, dk_f;    ///< float partials (dq_f, dk_f: 16-bit elements only)
+  std::vector<float> col_a, col_b;            ///< symmetric: the columns' maxima, then their sums and positives
 
   std::size_t bytes_held() const noexcept
   {
     return k_all.capacity() * sizeof(Element) + labels.capacity() * sizeof(std::int32_t) +
+           (q_ids.capacity() + k_ids.capacity()) * sizeof(std::int64_t) +
            (dq_f.capacity() + dk_all_f.capacity() + dk_f.capacity() + col_a.capacity() + col_b.capacity()) *
                sizeof(float);
   }
@@ -154,7 +171,7 @@ struct rank_buffers
 /// What a rank's row phase contributes to the batch's forward (doubles: one all-gather of plain values).
 struct rank_forward
 {
-  double row_loss_sum, max_logit, logits_bad;
+  double row_loss_sum, max_logit, logits_bad, column_positives;
 };
 /// What a rank's backward contributes: d(loss_scale * loss)/d(log s), d(loss_scale * loss)/d b, the dQ/dK flags.
 struct rank_backward
@@ -170,6 +187,7 @@ inline host::row_pass combine_ranks(const std::vector<rank_forward>& all) noexce
   for (const rank_forward& f : all)
   {
     r.row_loss_sum += f.row_loss_sum;
+    r.column_positives += f.column_positives;
     r.max_logit = detail::max_nan(r.max_logit, static_cast<float>(f.max_logit));
     r.logits_nonfinite |= f.logits_bad != 0.0;
   }
@@ -232,6 +250,7 @@ status combine_columns(const Comm& comm,
                        std::size_t n_local,
                        std::size_t q_off,
                        const status& compute,
+                       const float* col_inv,
                        double& col_loss_sum)
 {
   const std::size_t n = b.col_a.size();
@@ -250,8 +269,8 @@ status combine_columns(const Comm& comm,
     sums[j] = st.max == -detail::infinity_f ? 0.0f : st.sum;
     pos[j] = 0.0f;
   }
-  // Column j's positive is global query j: owned by the rank whose queries start at q_off.
-  for (std::size_t i = 0; local_ok && i < n_local; ++i)
+  // Column j's positive is global query j: owned by the rank whose queries start at q_off (grouped: none apart).
+  for (std::size_t i = 0; local_ok && col_inv == nullptr && i < n_local; ++i)
   {
     pos[q_off + i] = engine.positive(i);
   }
@@ -259,7 +278,7 @@ status combine_columns(const Comm& comm,
   col_loss_sum = 0.0;
   for (std::size_t j = 0; local_ok && j < n; ++j)
   {
-    const contrastive::row_loss rl = finish_row(online_lse{b.col_a[j], sums[j]}, pos[j]);
+    const contrastive::row_loss rl = finish_column(online_lse{b.col_a[j], sums[j]}, pos[j], col_inv, j);
     engine.set_column(j, rl);
     col_loss_sum += static_cast<double>(rl.loss);
   }

@@ -1,0 +1,177 @@
+// Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Several positives per row, from group ids (problem::query_groups, key_groups): the pair (i, j) is positive when
+/// the ids are equal. With K(g) and Q(g) the keys and queries of group g, P(i) = K(g(i)) the positives of query i
+/// and R, C the numbers of queries and keys that have at least one positive:
+///   info_nce:  L = (1/R) sum_{i: P(i) nonempty} [lse_i - (1/|P(i)|) sum_{j in P(i)} S_ij]
+///   symmetric: L = (row term as info_nce over the queries + the same term over the keys' columns, each a mean over
+///              its rows with a positive) / 2; n_q may differ from n_k
+///   sigmoid:   L = -(1/n_q) sum_ij log sigmoid(l_ij z_ij), l_ij = +1 for a positive pair and -1 otherwise
+/// A softmax objective whose batch has no positive pair has loss 0 and zero gradients. The gradient of a softmax
+/// objective w.r.t. S_ij is
+///   G_ij = a_i P_ij + b_j C_ij - [i ~ j] (a_i / |K(g)| + b_j / |Q(g)|),
+/// a_i = [P(i) nonempty] row_coef, b_j = [column j has a positive] col_coef (row_coef 1/R, or 1/(2R) symmetric;
+/// col_coef 1/(2C)). This header counts the groups once per step (`group_weights`) and gives the coefficients and
+/// the mean; the engines apply them tile by tile (host/engine_state.hpp).
+
+#include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/tags.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace contrastive
+{
+/// What a grouped step's engine reads besides the logits: the ids of its rows and keys and, per row and key, the
+/// reciprocal group sizes (0 where there is no positive). Non-owning; null q_ids: not grouped.
+struct group_view
+{
+  const std::int64_t* q_ids = nullptr; ///< this engine's rows
+  const std::int64_t* k_ids = nullptr; ///< this engine's keys (a rank: every rank's keys)
+  const float* row_inv = nullptr;      ///< per row: 1 / |P(i)|, or 0
+  const float* row_col_inv = nullptr;  ///< symmetric, per row: 1 / |Q(g(i))| where P(i) is nonempty, else 0
+  const float* col_inv = nullptr;      ///< symmetric, per key: 1 / |Q(g(j))|, or 0
+};
+
+/// The counts of one grouped step over the whole batch (every rank's ids), and this engine's per-row and per-key
+/// weights. `single_positive`: every query has exactly one positive key (symmetric: query i's is key i, with no other
+/// query); the step then runs as the labelled single-positive loss (`labels`: each of this engine's rows' positive,
+/// a global key index), which computes the same loss with the single-positive paths' exact positive term.
+struct group_weights
+{
+  std::vector<float> row_inv, row_col_inv, col_inv;
+  std::vector<std::int32_t> labels;
+  std::size_t rows_with_positive = 0; ///< R, over the batch
+  std::size_t cols_with_positive = 0; ///< C, over the batch (symmetric; else 0)
+  bool single_positive = false;
+
+  /// From every query id (q_all, n_q_total) and every key id (k_all, n_k_total); this engine's rows are queries
+  /// [q_off, q_off + n_q). May throw std::bad_alloc.
+  void compute(const std::int64_t* q_all,
+               std::size_t n_q_total,
+               const std::int64_t* k_all,
+               std::size_t n_k_total,
+               std::size_t q_off,
+               std::size_t n_q,
+               objective obj)
+  {
+    struct group
+    {
+      std::size_t queries = 0, keys = 0, first_key = 0;
+    };
+    std::unordered_map<std::int64_t, group> groups;
+    groups.reserve(n_k_total + n_q_total);
+    for (std::size_t j = 0; j < n_k_total; ++j)
+    {
+      group& g = groups[k_all[j]];
+      if (g.keys++ == 0)
+      {
+        g.first_key = j;
+      }
+    }
+    for (std::size_t i = 0; i < n_q_total; ++i)
+    {
+      auto it = groups.find(q_all[i]);
+      if (it != groups.end())
+      {
+        ++it->second.queries;
+      }
+    }
+    const bool sym = obj == objective::symmetric;
+    single_positive = !sym || n_q_total == n_k_total;
+    rows_with_positive = 0;
+    for (std::size_t i = 0; i < n_q_total; ++i)
+    {
+      auto it = groups.find(q_all[i]);
+      const std::size_t keys = it == groups.end() ? 0 : it->second.keys;
+      rows_with_positive += keys != 0 ? 1 : 0;
+      single_positive = single_positive && keys == 1 && (!sym || it->second.first_key == i);
+    }
+    cols_with_positive = 0;
+    if (sym)
+    {
+      for (std::size_t j = 0; j < n_k_total; ++j)
+      {
+        cols_with_positive += groups.find(k_all[j])->second.queries != 0 ? 1 : 0;
+      }
+    }
+    row_inv.assign(n_q, 0.0f);
+    row_col_inv.assign(sym ? n_q : 0, 0.0f);
+    col_inv.assign(sym ? n_k_total : 0, 0.0f);
+    labels.assign(single_positive ? n_q : 0, 0);
+    for (std::size_t i = 0; i < n_q; ++i)
+    {
+      auto it = groups.find(q_all[q_off + i]);
+      if (it == groups.end() || it->second.keys == 0)
+      {
+        continue;
+      }
+      row_inv[i] = static_cast<float>(1.0 / static_cast<double>(it->second.keys));
+      if (sym)
+      {
+        row_col_inv[i] = static_cast<float>(1.0 / static_cast<double>(it->second.queries));
+      }
+      if (single_positive)
+      {
+        labels[i] = static_cast<std::int32_t>(it->second.first_key);
+      }
+    }
+    for (std::size_t j = 0; sym && j < n_k_total; ++j)
+    {
+      const std::size_t queries = groups.find(k_all[j])->second.queries;
+      col_inv[j] = queries == 0 ? 0.0f : static_cast<float>(1.0 / static_cast<double>(queries));
+    }
+  }
+
+  /// The engine's view, with its rows' and keys' ids.
+  group_view view(const std::int64_t* q_ids, const std::int64_t* k_ids) const noexcept
+  {
+    return {q_ids,
+            k_ids,
+            row_inv.data(),
+            row_col_inv.empty() ? nullptr : row_col_inv.data(),
+            col_inv.empty() ? nullptr : col_inv.data()};
+  }
+
+  std::size_t bytes_held() const noexcept
+  {
+    return (row_inv.capacity() + row_col_inv.capacity() + col_inv.capacity()) * sizeof(float) +
+           labels.capacity() * sizeof(std::int32_t);
+  }
+};
+
+/// The batch coefficients of a grouped step (see the file comment): row_coef a, col_coef b; pos_coef unused.
+inline grad_coefficients grouped_grad_coefficients(objective obj, std::size_t n_q_total, std::size_t r, std::size_t c)
+{
+  if (obj == objective::sigmoid)
+  {
+    return make_grad_coefficients(obj, n_q_total, n_q_total);
+  }
+  const double half = obj == objective::symmetric ? 0.5 : 1.0;
+  return {r == 0 ? 0.0f : static_cast<float>(half / static_cast<double>(r)),
+          c == 0 || obj != objective::symmetric ? 0.0f : static_cast<float>(0.5 / static_cast<double>(c)),
+          0.0f};
+}
+
+/// The batch's loss of a grouped step from the summed row terms (and, symmetric, column terms): their means over the
+/// R rows and C columns with a positive (sigmoid: over every query), an empty mean counting 0.
+inline float grouped_mean_loss(
+    objective obj, std::size_t n_q_total, std::size_t r, std::size_t c, double row_sum, double col_sum) noexcept
+{
+  if (obj == objective::sigmoid)
+  {
+    return static_cast<float>(row_sum / static_cast<double>(n_q_total));
+  }
+  const double rows = r == 0 ? 0.0 : row_sum / static_cast<double>(r);
+  if (obj != objective::symmetric)
+  {
+    return static_cast<float>(rows);
+  }
+  const double cols = c == 0 ? 0.0 : col_sum / static_cast<double>(c);
+  return static_cast<float>(0.5 * (rows + cols));
+}
+} // namespace contrastive
