@@ -173,6 +173,35 @@ def labels(value, n_q, device):
     return value
 
 
+def groups(query_groups, key_groups, n_q, n_k, device, labels=None, names=("query_groups", "key_groups")):
+    """Group ids (several positives per row: pair (i, j) is positive when the ids are equal): both or neither, not
+    with labels; each a 1-D integer tensor with one id per row of its side, on the CPU. Returns them as int64,
+    contiguous, or (None, None)."""
+    if query_groups is None and key_groups is None:
+        return None, None
+    for name, value, other in ((names[0], query_groups, names[1]), (names[1], key_groups, names[0])):
+        if value is None:
+            raise ValueError(f"{name}: None while {other} is given; give both group ids or neither")
+    if labels is not None:
+        raise ValueError(f"labels: given with {names[0]} and {names[1]}; the positives come from labels or from "
+                         "group ids, not both")
+    if device.type != "cpu":
+        raise NotImplementedError(f"{names[0]}: group ids (several positives per row) run on CPU tensors; the CUDA "
+                                  "step takes one positive per row (labels or the diagonal)")
+    out = []
+    for name, value, n in ((names[0], query_groups, n_q), (names[1], key_groups, n_k)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        if value.dim() != 1 or value.shape[0] != n:
+            raise ValueError(f"{name}: expected shape ({n},), one id per row, got {tuple(value.shape)}")
+        if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"{name}: dtype {value.dtype} is not an integer type")
+        if value.device.type != "cpu":
+            raise ValueError(f"{name}: on {value.device} while the features are on the CPU")
+        out.append(value.to(torch.int64).contiguous())
+    return tuple(out)
+
+
 # --- values (read inside the operators' kernels) ---------------------------------------------------------------------
 
 

@@ -127,6 +127,12 @@ def _check_same(got, first_name):
     if r is not None:
         raise ValueError(f"{first_name}: rank {r}: embedding size {int(got[r][7])} where rank 0 has "
                          f"{int(got[0][7])}; every rank must pass the same")
+    grouped = [int(v[6]) >> 4 & 1 for v in got]  # bit 4 of the wants code: the call has group ids
+    r = next((r for r in range(1, len(got)) if grouped[r] != grouped[0]), None)
+    if r is not None:
+        given = ("without", "with")
+        raise ValueError(f"image_groups: rank {r} calls {given[grouped[r]]} group ids where rank 0 calls "
+                         f"{given[grouped[0]]}; every rank passes its rows' ids, or none does")
     r = _first_other(got, 6)
     if r is not None:
         raise ValueError(f"{first_name}: rank {r} wants gradients for (image_features, text_features, logit_scale, "
@@ -155,12 +161,13 @@ def _eager_only(f):
 
 @_eager_only
 def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fused_tiles, group, grad_ranks,
-                exchange, report, expected=None):
+                exchange, report, expected=None, groups=(None, None)):
     """The loss of the global batch (objective 'symmetric' or 'sigmoid'); every rank of `group` calls it. Every
     argument is checked here, inside the agreement (a refusal on one rank is raised on every rank). `expected`:
     (rank, world_size) the caller was constructed with (open_clip's arguments), checked against the group. For
     'symmetric', a `logit_bias` is only checked (one value: open_clip's ClipLoss adds it to every logit, which no
-    softmax sees)."""
+    softmax sees). `groups`: this rank's rows' (image, text) group ids, or (None, None); the engine gathers every
+    rank's ids (exchange 'engine', CPU tensors)."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -199,7 +206,12 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
             raise ValueError(f"world_size: {expected[1]}, but the process group has {size} ranks")
         if expected is not None and expected[1] > 1 and expected[0] != rank:
             raise ValueError(f"rank: {expected[0]}, but this process is rank {rank} of the process group")
-        if q.shape[0] != k.shape[0]:
+        groups = _checks.groups(groups[0], groups[1], q.shape[0], k.shape[0], q.device,
+                                names=("image_groups", "text_groups"))
+        if groups[0] is not None and exchange != "engine":
+            raise NotImplementedError("image_groups: group ids over a process group run on the library's distributed "
+                                      "engine (exchange='engine', CPU tensors)")
+        if q.shape[0] != k.shape[0] and groups[0] is None:
             raise ValueError(f"features: each rank passes as many texts as images ({q.shape[0]} and {k.shape[0]})")
         if exchange == "gather":
             # The engine agrees on its own value checks; the one-process step runs after the gather, where a refusal
@@ -220,8 +232,8 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         if c < 1:
             raise ValueError(f"grad_ranks: must be >= 1, got {c}")
         values = [_DTYPE_CODES[q.dtype], _checks.ALGORITHMS.index(algorithm), _EXCHANGES.index(exchange),
-                  scale_value(s), bias_value(b), q.shape[0], sum(int(w) << i for i, w in enumerate(wants)),
-                  q.shape[1]]
+                  scale_value(s), bias_value(b), q.shape[0],
+                  sum(int(w) << i for i, w in enumerate(wants)) | int(groups[0] is not None) << 4, q.shape[1]]
     except Exception as e:  # raised below on every rank, after the agreement
         error = e
     got = agree(group, error, values)
@@ -229,7 +241,7 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
     counts = [int(v[5]) for v in got]
     if exchange == "engine":
         key = (DTYPE_NAMES[q.dtype], algorithm, threads, rank, size)
-        return _EngineFunction.apply(q, k, s, b, objective, key, group, c, report)
+        return _EngineFunction.apply(q, k, s, b, objective, key, group, c, report, *groups)
     return _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report)
 
 
@@ -238,15 +250,18 @@ class _EngineFunction(torch.autograd.Function):
     engine at loss scale grad_ranks x the incoming gradient (which every rank must share)."""
 
     @staticmethod
-    def forward(ctx, q, k, logit_scale, logit_bias, objective, key, group, c, report):
+    def forward(ctx, q, k, logit_scale, logit_bias, objective, key, group, c, report, query_groups=None,
+                key_groups=None):
         handle = _host.pool.take(key, group)
         scale = scale_value(logit_scale)
         ctx.sigmoid = objective == "sigmoid"
         try:
             if ctx.sigmoid:
-                value, _tau = handle.forward_sigmoid(q, k, scale, bias_value(logit_bias), None, group)
+                value, _tau = handle.forward_sigmoid(q, k, scale, bias_value(logit_bias), None, group,
+                                                     query_groups=query_groups, key_groups=key_groups)
             else:
-                value, _tau = handle.forward(q, k, scale, None, True, group)
+                value, _tau = handle.forward(q, k, scale, None, True, group, query_groups=query_groups,
+                                             key_groups=key_groups)
         except Exception:
             _host.pool.give(key, handle)
             raise
@@ -296,7 +311,7 @@ class _EngineFunction(torch.autograd.Function):
             d_scale = (dlogs / (c * ctx.scale)).to(scale_param.dtype).reshape(scale_param.shape)
         if dbias is not None and ctx.needs_input_grad[3] and bias_param is not None:
             d_bias = (dbias / c).to(device=bias_param.device, dtype=bias_param.dtype).reshape(bias_param.shape)
-        return dq, dk, d_scale, d_bias, None, None, None, None, None
+        return dq, dk, d_scale, d_bias, None, None, None, None, None, None, None
 
 
 def _report(report, loss, handle):

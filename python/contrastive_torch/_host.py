@@ -74,19 +74,23 @@ def last_algorithm():
     return getattr(_last, "algorithm", None)
 
 
-def step(q, k, scale, bias, labels32, objective, algorithm, threads, grads, loss_scale=1.0):
+def step(q, k, scale, bias, labels32, objective, algorithm, threads, grads, loss_scale=1.0, query_groups=None,
+         key_groups=None):
     """One host forward (and, when `grads`, backward at `loss_scale`): (loss, dq, dk, d loss/d log s, d loss/d b,
     max logit, first non-finite site) with the scalars as float64 values. `objective`: 'symmetric', 'info_nce' or
-    'sigmoid' (then `bias` is the logit bias). The engine goes back to the pool before returning."""
+    'sigmoid' (then `bias` is the logit bias); `query_groups`, `key_groups`: int64 group ids instead of labels. The
+    engine goes back to the pool before returning."""
     key = (DTYPE_NAMES[q.dtype], algorithm, threads)
     handle = pool.take(key)
     try:
         if algorithm == "automatic":
             handle.set_memory_budget(_budget)
         if objective == "sigmoid":
-            value, _tau = handle.forward_sigmoid(q, k, scale, bias, labels32)
+            value, _tau = handle.forward_sigmoid(q, k, scale, bias, labels32, query_groups=query_groups,
+                                                 key_groups=key_groups)
         else:
-            value, _tau = handle.forward(q, k, scale, labels32, objective == "symmetric")
+            value, _tau = handle.forward(q, k, scale, labels32, objective == "symmetric", query_groups=query_groups,
+                                         key_groups=key_groups)
         dq = dk = dlogs = dbias = None
         if grads:
             if objective == "sigmoid":

@@ -5,8 +5,16 @@
         -> (loss, dq, dk, dlogs, max_logit, site)                 CLIP's symmetric loss and InfoNCE
     contrastive_torch::sigmoid_step(q, k, logit_scale, logit_bias, algorithm, threads, grads)
         -> (loss, dq, dk, dlogs, dbias, max_logit, site)           SigLIP's sigmoid loss
+    contrastive_torch::grouped_softmax_step(q, k, logit_scale, query_groups, key_groups, symmetric, algorithm,
+                                            threads, grads) -> (as softmax_step)      several positives per row
+    contrastive_torch::grouped_sigmoid_step(q, k, logit_scale, logit_bias, query_groups, key_groups, algorithm,
+                                            threads, grads) -> (as sigmoid_step)
     contrastive_torch::feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm,
-                                     threads, fused_tiles) -> (dq, dk)        float16 features' backward
+                                     threads, fused_tiles, query_groups, key_groups) -> (dq, dk)
+                                                                      float16 features' backward
+
+The grouped steps take int64 group ids (one per query, one per key; a pair is positive when its ids are equal) in
+place of labels: docs/multi_positive.md. They run on CPU tensors; their CUDA kernel refuses.
 
 A step computes the loss and, when `grads`, every gradient at loss scale 1 in one engine call (the host engine's
 forward and backward, or the device's one pass): loss (float32), dq and dk (the features' dtype; 0 x dim when not
@@ -127,6 +135,28 @@ def softmax_step_cpu(q, k, logit_scale, labels, symmetric, algorithm, threads, f
     return _outputs(q, k, value, dq, dk, dlogs, None, max_logit, site, False)
 
 
+def grouped_softmax_step_cpu(q, k, logit_scale, query_groups, key_groups, symmetric, algorithm, threads, grads):
+    value, dq, dk, dlogs, _, max_logit, site = _host.step(q, k, scale_value(logit_scale), 0.0, None,
+                                                          _OBJECTIVES[symmetric], algorithm, threads, grads,
+                                                          query_groups=query_groups, key_groups=key_groups)
+    return _outputs(q, k, value, dq, dk, dlogs, None, max_logit, site, False)
+
+
+def grouped_sigmoid_step_cpu(q, k, logit_scale, logit_bias, query_groups, key_groups, algorithm, threads, grads):
+    value, dq, dk, dlogs, dbias, max_logit, site = _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias),
+                                                              None, "sigmoid", algorithm, threads, grads,
+                                                              query_groups=query_groups, key_groups=key_groups)
+    return _outputs(q, k, value, dq, dk, dlogs, dbias, max_logit, site, True)
+
+
+def grouped_step_cuda(*_args):
+    raise NotImplementedError("query_groups: group ids (several positives per row) run on CPU tensors; the CUDA "
+                              "step takes one positive per row (labels or the diagonal)")
+
+
+grouped_softmax_step_cuda = grouped_sigmoid_step_cuda = grouped_step_cuda
+
+
 def softmax_step_cuda(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads):
     out = _device.step(q, k, logit_scale, None, labels, _OBJECTIVES[symmetric], algorithm, fused_tiles)
     return _device_outputs(q, k, out, grads, False)
@@ -166,15 +196,15 @@ def _feature_grads_with(rerun, grad, dq, dk, q, k, logit_scale, logit_bias, labe
 
 
 def feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
-                      fused_tiles):
+                      fused_tiles, query_groups=None, key_groups=None):
     return _feature_grads_with(
         lambda g, objective: _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias), labels_int32(labels),
-                                        objective, algorithm, threads, True, g),
+                                        objective, algorithm, threads, True, g, query_groups, key_groups),
         grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric)
 
 
 def feature_grads_cuda(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
-                       fused_tiles):
+                       fused_tiles, query_groups=None, key_groups=None):
     # The forward checked the values: the rerun converts the labels only (no second read, no synchronisation).
     return _feature_grads_with(
         lambda g, objective: _device.step(q, k, logit_scale, logit_bias, labels, objective,
@@ -263,6 +293,47 @@ def _sigmoid_backward(ctx, grad, *_unused):
     return gq, gk, d_scale, d_bias, None, None, None
 
 
+def _grouped_softmax_setup_context(ctx, inputs, output):
+    q, k, logit_scale, query_groups, key_groups, symmetric, algorithm, threads, grads = inputs
+    _only_the_loss(ctx, output)
+    ctx.grads = grads
+    ctx.save_for_backward(*_rerun_inputs(q, k), query_groups, key_groups, *output[1:4], logit_scale)
+    ctx.call = (symmetric, algorithm, threads, False)
+
+
+def _grouped_softmax_backward(ctx, grad, *_unused):
+    _no_grads(ctx)
+    q, k, query_groups, key_groups, dq, dk, dlogs, logit_scale = ctx.saved_tensors
+    d_scale = gq = gk = None
+    if ctx.needs_input_grad[2]:
+        d_scale = _param_grad(dlogs * grad / logit_scale, logit_scale)
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        gq, gk = _feature_grads(grad, dq, dk, q, k, logit_scale, None, None, *ctx.call, query_groups, key_groups)
+    return gq, gk, d_scale, None, None, None, None, None, None
+
+
+def _grouped_sigmoid_setup_context(ctx, inputs, output):
+    q, k, logit_scale, logit_bias, query_groups, key_groups, algorithm, threads, grads = inputs
+    _only_the_loss(ctx, output)
+    ctx.grads = grads
+    ctx.save_for_backward(*_rerun_inputs(q, k), query_groups, key_groups, *output[1:5], logit_scale, logit_bias)
+    ctx.call = (True, algorithm, threads, False)
+
+
+def _grouped_sigmoid_backward(ctx, grad, *_unused):
+    _no_grads(ctx)
+    q, k, query_groups, key_groups, dq, dk, dlogs, dbias, logit_scale, logit_bias = ctx.saved_tensors
+    d_scale = d_bias = gq = gk = None
+    if ctx.needs_input_grad[2]:
+        d_scale = _param_grad(dlogs * grad / logit_scale, logit_scale)
+    if ctx.needs_input_grad[3]:
+        d_bias = _param_grad(dbias * grad, logit_bias)
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        gq, gk = _feature_grads(grad, dq, dk, q, k, logit_scale, logit_bias, None, *ctx.call, query_groups,
+                                key_groups)
+    return gq, gk, d_scale, d_bias, None, None, None, None, None
+
+
 def _fake_step(q, k, grads, sigmoid):
     scalar = q.new_empty((), dtype=torch.float32)
     dq = torch.empty_like(q) if grads else q.new_empty((0, q.shape[1]))
@@ -289,6 +360,7 @@ class Operator(NamedTuple):
 
 
 _STEP_OUTPUTS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+_SIGMOID_OUTPUTS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 OPERATORS = (
     Operator("softmax_step",
              "(Tensor q, Tensor k, Tensor logit_scale, Tensor? labels, bool symmetric, str algorithm, SymInt threads, "
@@ -298,15 +370,29 @@ OPERATORS = (
              _softmax_backward, _softmax_setup_context, autocast=True),
     Operator("sigmoid_step",
              "(Tensor q, Tensor k, Tensor logit_scale, Tensor logit_bias, str algorithm, SymInt threads, bool grads) -> "
-             "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+             + _SIGMOID_OUTPUTS,
              "sigmoid_step_cpu", "sigmoid_step_cuda",
              lambda q, k, s, b, alg, threads, grads: _fake_step(q, k, grads, True),
              _sigmoid_backward, _sigmoid_setup_context, autocast=True),
+    # Several positives per row: group ids in place of labels (CPU tensors).
+    Operator("grouped_softmax_step",
+             "(Tensor q, Tensor k, Tensor logit_scale, Tensor query_groups, Tensor key_groups, bool symmetric, "
+             "str algorithm, SymInt threads, bool grads) -> " + _STEP_OUTPUTS,
+             "grouped_softmax_step_cpu", "grouped_softmax_step_cuda",
+             lambda q, k, s, qg, kg, sym, alg, threads, grads: _fake_step(q, k, grads, False),
+             _grouped_softmax_backward, _grouped_softmax_setup_context, autocast=True),
+    Operator("grouped_sigmoid_step",
+             "(Tensor q, Tensor k, Tensor logit_scale, Tensor logit_bias, Tensor query_groups, Tensor key_groups, "
+             "str algorithm, SymInt threads, bool grads) -> " + _SIGMOID_OUTPUTS,
+             "grouped_sigmoid_step_cpu", "grouped_sigmoid_step_cuda",
+             lambda q, k, s, b, qg, kg, alg, threads, grads: _fake_step(q, k, grads, True),
+             _grouped_sigmoid_backward, _grouped_sigmoid_setup_context, autocast=True),
     # The float16 backward (reads the incoming gradient, may rerun the step): runs on what the forward's step saved,
     # so it has no autocast rule.
     Operator("feature_grads",
              "(Tensor grad, Tensor dq, Tensor dk, Tensor? q, Tensor? k, Tensor logit_scale, Tensor? logit_bias, "
-             "Tensor? labels, bool symmetric, str algorithm, SymInt threads, bool fused_tiles) -> (Tensor, Tensor)",
+             "Tensor? labels, bool symmetric, str algorithm, SymInt threads, bool fused_tiles, "
+             "Tensor? query_groups=None, Tensor? key_groups=None) -> (Tensor, Tensor)",
              "feature_grads_cpu", "feature_grads_cuda",
              lambda grad, dq, dk, *rest: (torch.empty_like(dq), torch.empty_like(dk))),
 )
@@ -342,6 +428,8 @@ if HAS_CUSTOM_OPS:
     _REGISTERED = {op.name: _register(op) for op in OPERATORS}
     softmax_step = _REGISTERED["softmax_step"]
     sigmoid_step = _REGISTERED["sigmoid_step"]
+    grouped_softmax_step = _REGISTERED["grouped_softmax_step"]
+    grouped_sigmoid_step = _REGISTERED["grouped_sigmoid_step"]
     feature_grads = _REGISTERED["feature_grads"]
 
     # The steps' autocast rules.

@@ -31,10 +31,16 @@ def _fill(report, out, q):
         report["algorithm"] = _host.last_algorithm()
 
 
-def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report):
-    """The softmax objectives (symmetric, InfoNCE) through contrastive_torch::softmax_step."""
+def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report, groups=(None, None)):
+    """The softmax objectives (symmetric, InfoNCE) through contrastive_torch::softmax_step, or grouped_softmax_step
+    with `groups` (checked int64 group ids, _checks.groups)."""
     require_custom_ops()
     s = _checks.scalar("logit_scale", logit_scale, q.device)
+    if groups[0] is not None:
+        out = torch.ops.contrastive_torch.grouped_softmax_step(q, k, s, groups[0], groups[1], symmetric, algorithm,
+                                                               threads, _wants_grads(q, k, s))
+        _fill(report, out, q)
+        return out[0]
     labels = _checks.labels(labels, q.shape[0], q.device)
     out = torch.ops.contrastive_torch.softmax_step(q, k, s, labels, symmetric, algorithm, threads, fused_tiles,
                                                    _wants_grads(q, k, s))
@@ -42,12 +48,17 @@ def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tile
     return out[0]
 
 
-def sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report):
-    """The sigmoid objective (SigLIP) through contrastive_torch::sigmoid_step."""
+def sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report, groups=(None, None)):
+    """The sigmoid objective (SigLIP) through contrastive_torch::sigmoid_step, or grouped_sigmoid_step with
+    `groups`."""
     require_custom_ops()
     s = _checks.scalar("logit_scale", logit_scale, q.device)
     b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
                        "None, a number or a one-element tensor")
-    out = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, algorithm, threads, _wants_grads(q, k, s, b))
+    if groups[0] is not None:
+        out = torch.ops.contrastive_torch.grouped_sigmoid_step(q, k, s, b, groups[0], groups[1], algorithm, threads,
+                                                               _wants_grads(q, k, s, b))
+    else:
+        out = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, algorithm, threads, _wants_grads(q, k, s, b))
     _fill(report, out, q)
     return out[0]

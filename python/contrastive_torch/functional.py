@@ -30,6 +30,15 @@ Common keyword arguments:
                synchronisation), and on the CPU 'first_nonfinite' (a NONFINITE_SITES name) and 'algorithm' (the one
                the step ran). Not filled while torch.compile traces.
 
+Several positives per row (CPU tensors): clip_loss and siglip_loss take `image_groups` and `text_groups`, info_nce_loss
+`query_groups` and `key_groups`, 1-D integer tensors with one id per row (give both or neither; not with labels). A
+pair is positive when its two ids are equal: every caption of the same image, not only the one on the diagonal.
+The softmax losses then take each row's cross-entropy against the uniform distribution over its positives, averaged
+over the rows that have one (clip_loss: over the images' rows and the texts' rows alike, and the two towers may differ
+in size, e.g. five captions per image); siglip_loss labels every positive pair +1. A batch without a positive pair
+gives 0 (the softmax losses). Ids that give each row exactly one positive give the one-positive loss bit for bit.
+docs/multi_positive.md has the formulas.
+
 clip_loss and siglip_loss take `group` (a torch.distributed ProcessGroup): every rank of the group calls with its own
 rows and gets the loss of the global batch (see contrastive_torch._distributed for the exchanges and the gradient
 convention; `grad_ranks` is the factor on the features' gradients, default the group's size, which DDP's averaging
@@ -44,8 +53,11 @@ __all__ = ["clip_loss", "siglip_loss", "info_nce_loss", "NONFINITE_SITES"]
 
 
 def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, threads=0, fused_tiles=False,
-              group=None, grad_ranks=None, exchange=None, report=None):
+              group=None, grad_ranks=None, exchange=None, report=None, image_groups=None, text_groups=None):
     """CLIP's symmetric loss (CE(s I T^T) + CE(s T I^T)) / 2 over a batch of pairs (row i of each is a pair).
+
+    `image_groups`, `text_groups`: group ids, several positives per row (see the module's text); the towers may then
+    differ in size.
 
     `group`: the loss of the global batch over a torch.distributed process group (each rank passes its own rows);
     `grad_ranks`: the features' gradient factor (default: the group's size); `exchange`: 'engine' (the library's
@@ -54,36 +66,45 @@ def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, thr
     'engine' for CPU tensors and 'gather' for CUDA tensors."""
     if group is not None:  # every argument is checked there, agreed between the ranks
         return _distributed.global_loss("symmetric", image_features, text_features, logit_scale, None, algorithm,
-                                        threads, fused_tiles, _checks.group(group), grad_ranks, exchange, report)
+                                        threads, fused_tiles, _checks.group(group), grad_ranks, exchange, report,
+                                        groups=(image_groups, text_groups))
     _checks.threads(threads)
     _checks.boolean("fused_tiles", fused_tiles)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
+    groups = _checks.groups(image_groups, text_groups, image_features.shape[0], text_features.shape[0],
+                            image_features.device, names=("image_groups", "text_groups"))
     algorithm = _checks.resolve_algorithm(algorithm, image_features.device)
     return _steps.softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles,
-                          report)
+                          report, groups)
 
 
 def info_nce_loss(query, keys, logit_scale, labels=None, *, algorithm=None, threads=0, fused_tiles=False,
-                  report=None):
+                  report=None, query_groups=None, key_groups=None):
     """One-directional InfoNCE: mean_i CE(s q_i . K^T, labels[i]). Keys may outnumber queries (a MoCo queue);
-    labels=None means the diagonal (needs n_q <= n_k); labels: int64 or int32, one per query, in [0, n_k)."""
+    labels=None means the diagonal (needs n_q <= n_k); labels: int64 or int32, one per query, in [0, n_k).
+    `query_groups`, `key_groups`: group ids instead of labels, several positives per row (see the module's text)."""
     _checks.threads(threads)
     _checks.boolean("fused_tiles", fused_tiles)
     _checks.feature_pair(query, keys, ("query", "keys"))
+    groups = _checks.groups(query_groups, key_groups, query.shape[0], keys.shape[0], query.device, labels)
     algorithm = _checks.resolve_algorithm(algorithm, query.device)
-    return _steps.softmax(query, keys, logit_scale, labels, False, algorithm, threads, fused_tiles, report)
+    return _steps.softmax(query, keys, logit_scale, labels, False, algorithm, threads, fused_tiles, report, groups)
 
 
 def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, algorithm=None, threads=0,
-                group=None, grad_ranks=None, exchange=None, report=None):
+                group=None, grad_ranks=None, exchange=None, report=None, image_groups=None, text_groups=None):
     """SigLIP's pairwise sigmoid loss (Zhai et al. 2023): logits z = s I T^T + b, loss -(1/n) sum log sigmoid(l z)
     with l = +1 on the diagonal and -1 elsewhere, n the number of images (texts may outnumber images). logit_bias None
-    means no bias. `group`, `grad_ranks`, `exchange`: as clip_loss's (the texts are gathered)."""
+    means no bias. `group`, `grad_ranks`, `exchange`: as clip_loss's (the texts are gathered). `image_groups`,
+    `text_groups`: group ids, l = +1 for every pair with equal ids (see the module's text)."""
     if group is not None:  # every argument is checked there, agreed between the ranks
         return _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
-                                        algorithm, threads, False, _checks.group(group), grad_ranks, exchange, report)
+                                        algorithm, threads, False, _checks.group(group), grad_ranks, exchange, report,
+                                        groups=(image_groups, text_groups))
     _checks.algorithm(algorithm, allow_none=True)
     _checks.threads(threads)
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
+    groups = _checks.groups(image_groups, text_groups, image_features.shape[0], text_features.shape[0],
+                            image_features.device, names=("image_groups", "text_groups"))
     algorithm = _checks.sigmoid_algorithm(algorithm, image_features.device)
-    return _steps.sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report)
+    return _steps.sigmoid(image_features, text_features, logit_scale, logit_bias, algorithm, threads, report, groups)

@@ -98,23 +98,27 @@ class ClipLoss(_Loss):
             raise NotImplementedError("use_horovod: Horovod is not supported by contrastive_torch (use_horovod=True)")
         self._distribution(rank, world_size, group, exchange)
 
-    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False, *,
+                image_groups=None, text_groups=None):
         """open_clip's forward. open_clip adds `logit_bias` to every logit; one value (open_clip's CLIP models pass
         None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
-        gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused."""
+        gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused. `image_groups`,
+        `text_groups`: group ids, several positives per row (functional.clip_loss; CPU tensors)."""
         report = self._report()
         if self.distributed:  # the bias is checked there, inside the ranks' agreement
             grad_ranks = None if (self.gather_with_grad or self.local_loss) else 1
             loss = _distributed.global_loss("symmetric", image_features, text_features, logit_scale, logit_bias,
                                             self.algorithm, self.threads, self.fused_tiles, self.group,
-                                            grad_ranks, self.exchange, report, expected=(self.rank, self.world_size))
+                                            grad_ranks, self.exchange, report, expected=(self.rank, self.world_size),
+                                            groups=(image_groups, text_groups))
         else:
             if logit_bias is not None:
                 _checks.features("image_features", image_features)
                 _checks.scalar("logit_bias", logit_bias, image_features.device, "None, a number or a one-element "
                                "tensor")
             loss = functional.clip_loss(image_features, text_features, logit_scale, algorithm=self.algorithm,
-                                        threads=self.threads, fused_tiles=self.fused_tiles, report=report)
+                                        threads=self.threads, fused_tiles=self.fused_tiles, report=report,
+                                        image_groups=image_groups, text_groups=text_groups)
         if isinstance(logit_bias, torch.Tensor) and logit_bias.requires_grad:
             loss = loss + (logit_bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
         loss = _open_clip_dtype(loss, image_features)
@@ -151,17 +155,21 @@ class SigLipLoss(_Loss):
             raise ValueError(f"chunk_size: must be >= 0, got {self.chunk_size}")
         self._distribution(rank, world_size, group, exchange)
 
-    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False, *,
+                image_groups=None, text_groups=None):
         """open_clip's SigLipLoss forward: the sigmoid loss of these features at scale s = logit_scale (a number or a
-        one-element tensor) and bias logit_bias; a dict {"contrastive_loss": loss} when output_dict."""
+        one-element tensor) and bias logit_bias; a dict {"contrastive_loss": loss} when output_dict. `image_groups`,
+        `text_groups`: group ids, every pair with equal ids positive (functional.siglip_loss; CPU tensors)."""
         report = self._report()
         if self.distributed:
             loss = _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
                                             self.algorithm, self.threads, False, self.group, None, self.exchange,
-                                            report, expected=(self.rank, self.world_size))
+                                            report, expected=(self.rank, self.world_size),
+                                            groups=(image_groups, text_groups))
         else:
             loss = functional.siglip_loss(image_features, text_features, logit_scale, logit_bias,
-                                          algorithm=self.algorithm, threads=self.threads, report=report)
+                                          algorithm=self.algorithm, threads=self.threads, report=report,
+                                          image_groups=image_groups, text_groups=text_groups)
         loss = _open_clip_dtype(loss, image_features)
         return {"contrastive_loss": loss} if output_dict else loss
 
@@ -173,7 +181,9 @@ class InfoNCELoss(_Loss):
     def __init__(self, *, algorithm=None, threads=0, fused_tiles=False):
         super().__init__(algorithm, threads, fused_tiles)
 
-    def forward(self, query, keys, logit_scale, labels=None):
-        """The InfoNCE loss of `query` against `keys` at scale s = logit_scale; labels[i] is row i's positive key."""
+    def forward(self, query, keys, logit_scale, labels=None, *, query_groups=None, key_groups=None):
+        """The InfoNCE loss of `query` against `keys` at scale s = logit_scale; labels[i] is row i's positive key, or
+        group ids give several positives per row (functional.info_nce_loss; CPU tensors)."""
         return functional.info_nce_loss(query, keys, logit_scale, labels, algorithm=self.algorithm,
-                                        threads=self.threads, fused_tiles=self.fused_tiles, report=self._report())
+                                        threads=self.threads, fused_tiles=self.fused_tiles, report=self._report(),
+                                        query_groups=query_groups, key_groups=key_groups)

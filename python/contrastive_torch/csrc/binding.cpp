@@ -43,13 +43,16 @@ class handle_base
 {
 public:
   virtual ~handle_base() = default;
-  /// The loss of (q, k) at logit scale `scale` and (sigmoid) logit bias `bias` for `obj`.
+  /// The loss of (q, k) at logit scale `scale` and (sigmoid) logit bias `bias` for `obj`; the positives from labels,
+  /// or from group ids (int64, undefined: none).
   virtual std::vector<double> forward(const torch::Tensor& q,
                                       const torch::Tensor& k,
                                       double scale,
                                       double bias,
                                       const torch::Tensor& labels,
-                                      cl::objective obj) = 0;
+                                      cl::objective obj,
+                                      const torch::Tensor& query_groups,
+                                      const torch::Tensor& key_groups) = 0;
   /// {dq, dk, d(loss_scale loss)/d log s, d(loss_scale loss)/d b} of the last forward.
   virtual std::vector<torch::Tensor> backward(double loss_scale) = 0;
   virtual std::size_t bytes_held() const = 0;
@@ -76,9 +79,11 @@ public:
                               double scale,
                               double bias,
                               const torch::Tensor& labels,
-                              cl::objective obj) override
+                              cl::objective obj,
+                              const torch::Tensor& query_groups,
+                              const torch::Tensor& key_groups) override
   {
-    const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, obj);
+    const cl::problem<T> p = contrastive_torch::problem_of<T>(q, k, labels, obj, query_groups, key_groups);
     cl::step::forward_values f;
     const cl::status st = core_.forward(p, static_cast<float>(scale), static_cast<float>(bias), f);
     if (!st.ok())
@@ -88,6 +93,8 @@ public:
     q_ = q;
     k_ = k;
     labels_ = labels;
+    query_groups_ = query_groups;
+    key_groups_ = key_groups;
     n_q_ = p.n_q;
     n_k_ = p.n_k;
     dim_ = p.dim;
@@ -105,7 +112,7 @@ public:
     {
       raise(st);
     }
-    q_ = k_ = labels_ = torch::Tensor();
+    q_ = k_ = labels_ = query_groups_ = key_groups_ = torch::Tensor();
     return {dq,
             dk,
             torch::tensor(static_cast<double>(b.grad_logit_scale), torch::kFloat64),
@@ -140,7 +147,8 @@ public:
 
 private:
   cl::core<T, Algorithm, cl::gemm::builtin, Comm> core_;
-  torch::Tensor q_, k_, labels_; // kept alive from forward to backward (the engine reads them again)
+  // Kept alive from forward to backward (the engine reads them again).
+  torch::Tensor q_, k_, labels_, query_groups_, key_groups_;
   std::size_t n_q_ = 0, n_k_ = 0, dim_ = 0;
 };
 
@@ -219,15 +227,19 @@ public:
                               double scale,
                               const c10::optional<torch::Tensor>& labels,
                               bool symmetric,
-                              const pybind11::object& group)
+                              const pybind11::object& group,
+                              const c10::optional<torch::Tensor>& query_groups,
+                              const c10::optional<torch::Tensor>& key_groups)
   {
     const bound b(*this, group);
     return impl_->forward(q,
                           k,
                           scale,
                           0.0,
-                          labels.has_value() ? *labels : torch::Tensor(),
-                          symmetric ? cl::objective::symmetric : cl::objective::info_nce);
+                          labels.value_or(torch::Tensor()),
+                          symmetric ? cl::objective::symmetric : cl::objective::info_nce,
+                          query_groups.value_or(torch::Tensor()),
+                          key_groups.value_or(torch::Tensor()));
   }
 
   /// The sigmoid objective (SigLIP): logits scale * q k^T + bias.
@@ -236,10 +248,19 @@ public:
                                       double scale,
                                       double bias,
                                       const c10::optional<torch::Tensor>& labels,
-                                      const pybind11::object& group)
+                                      const pybind11::object& group,
+                                      const c10::optional<torch::Tensor>& query_groups,
+                                      const c10::optional<torch::Tensor>& key_groups)
   {
     const bound b(*this, group);
-    return impl_->forward(q, k, scale, bias, labels.has_value() ? *labels : torch::Tensor(), cl::objective::sigmoid);
+    return impl_->forward(q,
+                          k,
+                          scale,
+                          bias,
+                          labels.value_or(torch::Tensor()),
+                          cl::objective::sigmoid,
+                          query_groups.value_or(torch::Tensor()),
+                          key_groups.value_or(torch::Tensor()));
   }
 
   std::vector<torch::Tensor> backward(double loss_scale, const pybind11::object& group)
@@ -462,6 +483,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::arg("labels"),
            pybind11::arg("symmetric"),
            pybind11::arg("group") = pybind11::none(),
+           pybind11::arg("query_groups") = pybind11::none(),
+           pybind11::arg("key_groups") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("backward",
            &Loss::backward,
@@ -476,6 +499,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            pybind11::arg("bias"),
            pybind11::arg("labels"),
            pybind11::arg("group") = pybind11::none(),
+           pybind11::arg("query_groups") = pybind11::none(),
+           pybind11::arg("key_groups") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("backward_sigmoid",
            &Loss::backward_sigmoid,

@@ -1,7 +1,8 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 //
 // The library's problem viewing PyTorch tensors, shared by the host and the CUDA binding. The Python side has checked
-// shapes, dtypes, devices and contiguity; labels are int32 (or undefined: the diagonal).
+// shapes, dtypes, devices and contiguity; labels are int32 (or undefined: the diagonal); group ids int64 CPU tensors
+// (or undefined: none).
 #pragma once
 
 #include <torch/extension.h>
@@ -14,8 +15,12 @@
 namespace contrastive_torch
 {
 template <class T>
-contrastive::problem<T>
-problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& labels, contrastive::objective obj)
+contrastive::problem<T> problem_of(const torch::Tensor& q,
+                                   const torch::Tensor& k,
+                                   const torch::Tensor& labels,
+                                   contrastive::objective obj,
+                                   const torch::Tensor& query_groups = torch::Tensor(),
+                                   const torch::Tensor& key_groups = torch::Tensor())
 {
   contrastive::problem<T> p;
   p.q = reinterpret_cast<const T*>(q.data_ptr());
@@ -25,6 +30,8 @@ problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& 
   p.dim = static_cast<std::size_t>(q.size(1));
   p.labels = labels.defined() ? labels.data_ptr<std::int32_t>() : nullptr;
   p.obj = obj;
+  p.query_groups = query_groups.defined() ? query_groups.data_ptr<std::int64_t>() : nullptr;
+  p.key_groups = key_groups.defined() ? key_groups.data_ptr<std::int64_t>() : nullptr;
   return p;
 }
 template <class T>

@@ -1,0 +1,285 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""Several positives per row from group ids (clip_loss / siglip_loss image_groups, text_groups; info_nce_loss
+query_groups, key_groups): against a float64 reference written with torch's own ops, per algorithm and dtype; ids
+that give one positive per row equal to the one-positive loss bit for bit; the modules; opcheck and torch.compile;
+the refusals; and 2 gloo ranks whose positives lie on the other rank."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import contrastive_torch as ct
+import contrastive_torch.functional as CF
+from conftest import require
+
+pytestmark = pytest.mark.usefixtures("needs_custom_ops")
+
+ALGORITHMS = (None, "fused", "materialized", "chunked")
+
+
+def unit(n, d, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(n, d, generator=g), dim=1).to(dtype)
+
+
+def draw_ids(n_q, n_k, seed, kind):
+    """'captions': query i is image i, keys its five captions (n_k = 5 n_q, shuffled); 'random': ids in [0, n_q / 3)
+    on both sides (duplicates, rows without a positive); 'none': no positive pair."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "captions":
+        return torch.arange(n_q) * 3 + 1, ((torch.arange(n_k) % n_q) * 3 + 1)[torch.randperm(n_k, generator=g)]
+    if kind == "random":
+        hi = max(2, n_q // 3)
+        return torch.randint(0, hi, (n_q,), generator=g), torch.randint(0, hi, (n_k,), generator=g)
+    return torch.arange(n_q), torch.arange(n_k) + n_q
+
+
+def reference(objective, q, k, s, qg, kg, b=0.0):
+    """The loss in float64 from its definition (docs/multi_positive.md), differentiable by torch."""
+    S = s * q.double() @ k.double().T
+    pos = qg[:, None] == kg[None, :]
+    if objective == "sigmoid":
+        return -F.logsigmoid((2 * pos.double() - 1) * (S + b)).sum() / q.shape[0]
+
+    def direction(S, pos):
+        has = pos.any(1)
+        if not bool(has.any()):
+            return S.sum() * 0
+        mean_pos = (S * pos).sum(1) / pos.sum(1).clamp(min=1)
+        return (torch.logsumexp(S, 1) - mean_pos)[has].mean()
+
+    if objective == "info_nce":
+        return direction(S, pos)
+    return (direction(S, pos) + direction(S.T, pos.T)) / 2
+
+
+def call(objective, q, k, s, qg, kg, b=None, **kw):
+    if objective == "symmetric":
+        return CF.clip_loss(q, k, s, image_groups=qg, text_groups=kg, **kw)
+    if objective == "info_nce":
+        return CF.info_nce_loss(q, k, s, query_groups=qg, key_groups=kg, **kw)
+    return CF.siglip_loss(q, k, s, b, image_groups=qg, text_groups=kg, **kw)
+
+
+def run(objective, q, k, s, qg, kg, b=None, **kw):
+    q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    s = torch.tensor(float(s), requires_grad=True)
+    b = None if b is None else torch.tensor(float(b), requires_grad=True)
+    loss = call(objective, q, k, s, qg, kg, b, **kw)
+    loss.backward()
+    return loss.detach(), q.grad, k.grad, s.grad, None if b is None else b.grad
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce", "sigmoid"])
+@pytest.mark.parametrize("kind", ["captions", "random", "none"])
+def test_matches_the_float64_reference(objective, algorithm, dtype, kind):
+    if objective == "sigmoid" and algorithm == "materialized":
+        algorithm = "fused"  # siglip_loss takes None, 'fused' or 'chunked' on the CPU
+    n_q, n_k = (12, 60) if kind == "captions" else (40, 33)
+    q, k = unit(n_q, 24, 1, dtype), unit(n_k, 24, 2, dtype)
+    qg, kg = draw_ids(n_q, n_k, 3, kind)
+    s, b = 12.0, (-4.0 if objective == "sigmoid" else None)
+    loss, dq, dk, ds, db = run(objective, q, k, s, qg, kg, b, algorithm=algorithm)
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    s64 = torch.tensor(s, dtype=torch.float64, requires_grad=True)
+    b64 = torch.tensor(b or 0.0, dtype=torch.float64, requires_grad=True)
+    want = reference(objective, q64, k64, s64, qg, kg, b64)
+    want.backward()
+    if kind == "none" and objective != "sigmoid":
+        assert float(loss) == 0.0 and not dq.any() and not dk.any() and float(ds) == 0.0
+        return
+    u = torch.finfo(dtype).eps / 2
+    # Loss: float accumulation, plus (bfloat16, algorithm None or 'materialized') logits rounded to bfloat16.
+    want = want.detach()
+    assert abs(float(loss) - float(want)) <= (1e-5 + 8 * u * s) * (1 + abs(float(want))), (float(loss), float(want))
+    for name, got, ref in (("dq", dq, q64.grad), ("dk", dk, k64.grad)):
+        assert got.dtype == dtype
+        assert rel(got, ref) <= 1e-4 + 16 * u * (1 + s / 4), f"{name}: {rel(got, ref)}"
+    assert abs(float(ds) - float(s64.grad)) <= 1e-3 + 32 * u * s * (1 + abs(float(s64.grad)))
+    if objective == "sigmoid":
+        assert abs(float(db) - float(b64.grad)) <= 1e-3 + 32 * u * s * (1 + abs(float(b64.grad)))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce", "sigmoid"])
+def test_one_positive_per_row_is_the_one_positive_loss_bit_for_bit(objective, algorithm):
+    if objective == "sigmoid" and algorithm == "materialized":
+        algorithm = "chunked"
+    n = 50
+    q, k = unit(n, 16, 4), unit(n, 16, 5)
+    ids = torch.randperm(n, generator=torch.Generator().manual_seed(6)) * 7  # distinct, equal on the diagonal
+    grouped = run(objective, q, k, 9.0, ids, ids.clone(), -2.0 if objective == "sigmoid" else None,
+                  algorithm=algorithm)
+    s = torch.tensor(9.0, requires_grad=True)
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    if objective == "symmetric":
+        loss = CF.clip_loss(qq, kk, s, algorithm=algorithm)
+    elif objective == "info_nce":
+        loss = CF.info_nce_loss(qq, kk, s, torch.arange(n), algorithm=algorithm)
+    else:
+        b = torch.tensor(-2.0, requires_grad=True)
+        loss = CF.siglip_loss(qq, kk, s, b, algorithm=algorithm)
+    loss.backward()
+    for got, want in zip(grouped, (loss.detach(), qq.grad, kk.grad, s.grad)):
+        assert torch.equal(got, want)
+
+
+def test_the_false_negative_effect():
+    # Five captions per image, every caption close to its image. With labels (caption i of image i on the diagonal)
+    # the other four captions of an image are negatives: the loss pushes them away from their own image. With group
+    # ids they are positives: the loss is at its floor (log 5, the entropy of the uniform target) and barely moves them.
+    n_img, d = 8, 32
+    img = unit(n_img, d, 7)
+    txt = F.normalize(img.repeat(5, 1) + 0.05 * unit(5 * n_img, d, 8), dim=1)
+    ids = torch.arange(n_img)
+    t1, t2 = txt.clone().requires_grad_(), txt.clone().requires_grad_()
+    grouped = CF.info_nce_loss(img, t1, 20.0, query_groups=ids, key_groups=ids.repeat(5))
+    labelled = CF.info_nce_loss(img, t2, 20.0, torch.arange(n_img))
+    grouped.backward()
+    labelled.backward()
+    others = slice(n_img, 5 * n_img)  # the captions that labels call negatives
+    assert abs(grouped.item() - float(torch.log(torch.tensor(5.0)))) < 0.05
+    assert float(t1.grad[others].norm()) < 0.1 * float(t2.grad[others].norm())
+
+
+def test_modules_take_the_same_keywords():
+    img, txt = unit(6, 8, 9), unit(18, 8, 10)
+    ig, tg = torch.arange(6), torch.arange(18) % 6
+    assert torch.equal(ct.ClipLoss()(img, txt, 10.0, image_groups=ig, text_groups=tg),
+                       CF.clip_loss(img, txt, 10.0, image_groups=ig, text_groups=tg))
+    assert torch.equal(ct.SigLipLoss()(img, txt, 10.0, -3.0, image_groups=ig, text_groups=tg),
+                       CF.siglip_loss(img, txt, 10.0, -3.0, image_groups=ig, text_groups=tg))
+    assert torch.equal(ct.InfoNCELoss()(img, txt, 10.0, query_groups=ig, key_groups=tg),
+                       CF.info_nce_loss(img, txt, 10.0, query_groups=ig, key_groups=tg))
+    out = ct.ClipLoss()(img, txt, 10.0, output_dict=True, image_groups=ig, text_groups=tg)
+    assert set(out) == {"contrastive_loss"}
+
+
+def test_refusals_name_the_argument():
+    img, txt = unit(6, 8, 11), unit(6, 8, 12)
+    ids = torch.arange(6)
+    with pytest.raises(ValueError, match="text_groups: None"):
+        CF.clip_loss(img, txt, 10.0, image_groups=ids)
+    with pytest.raises(ValueError, match="query_groups: None"):
+        CF.info_nce_loss(img, txt, 10.0, key_groups=ids)
+    with pytest.raises(ValueError, match="labels: given with"):
+        CF.info_nce_loss(img, txt, 10.0, ids, query_groups=ids, key_groups=ids)
+    with pytest.raises(ValueError, match=r"text_groups: expected shape \(6,\)"):
+        CF.clip_loss(img, txt, 10.0, image_groups=ids, text_groups=torch.arange(5))
+    with pytest.raises(TypeError, match="image_groups: dtype torch.float32"):
+        CF.siglip_loss(img, txt, 10.0, image_groups=ids.float(), text_groups=ids)
+    with pytest.raises(TypeError, match="key_groups: expected a torch.Tensor"):
+        CF.info_nce_loss(img, txt, 10.0, query_groups=ids, key_groups=[0, 1, 2, 3, 4, 5])
+    # Without ids the symmetric loss still needs as many texts as images.
+    with pytest.raises(ValueError, match="n_k"):
+        CF.clip_loss(img, unit(7, 8, 13), 10.0)
+    from contrastive_torch import _ops
+
+    with pytest.raises(NotImplementedError, match="CPU tensors"):
+        _ops.grouped_softmax_step_cuda(img, txt)
+
+
+def test_opcheck_and_compile():
+    q, k = unit(10, 8, 14), unit(25, 8, 15)
+    qg, kg = draw_ids(10, 25, 16, "random")
+    s, b = torch.tensor(9.0), torch.tensor(-2.0)
+    leaves = lambda *xs: tuple(x.clone().requires_grad_() for x in xs)  # noqa: E731
+    for algorithm in ("fused", "materialized", "chunked"):
+        torch.library.opcheck(torch.ops.contrastive_torch.grouped_softmax_step.default,
+                              (*leaves(q, k, s), qg, kg, True, algorithm, 0, True))
+        torch.library.opcheck(torch.ops.contrastive_torch.grouped_softmax_step.default,
+                              (q, k, s, qg, kg, False, algorithm, 1, False))
+    for algorithm in ("fused", "chunked"):
+        torch.library.opcheck(torch.ops.contrastive_torch.grouped_sigmoid_step.default,
+                              (*leaves(q, k, s, b), qg, kg, algorithm, 0, True))
+
+    def step(q, k, s):
+        return CF.clip_loss(q, k, s, image_groups=qg, text_groups=kg)
+
+    eager = run("symmetric", q, k, 9.0, qg, kg)
+    compiled = torch.compile(step, fullgraph=True)
+    qq, kk, ss = leaves(q, k, torch.tensor(9.0))
+    loss = compiled(qq, kk, ss)
+    loss.backward()
+    for got, want in zip((loss.detach(), qq.grad, kk.grad, ss.grad), eager):
+        assert torch.equal(got, want)
+
+
+def test_float16_under_a_loss_scale_reruns_with_the_ids():
+    # float16 features' backward under an incoming gradient g != 1 reruns the step at loss scale g: with the ids.
+    q, k = unit(16, 8, 17, torch.float16), unit(30, 8, 18, torch.float16)
+    qg, kg = draw_ids(16, 30, 19, "random")
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    (CF.info_nce_loss(qq, kk, 10.0, query_groups=qg, key_groups=kg) * 1024.0).backward()
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    (reference("info_nce", q64, k64, 10.0, qg, kg) * 1024.0).backward()
+    assert rel(qq.grad, q64.grad) <= 4e-3 and rel(kk.grad, k64.grad) <= 4e-3
+
+
+# --- two gloo ranks ------------------------------------------------------------------------------------------------
+
+
+def _worker(rank, world, port, seed, out_dir):
+    failures, checks = [], [0]
+    try:
+        import datetime
+
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        n_img, n_txt = 5, 11  # per rank: rectangular, ids that pair rows across ranks
+        img, txt = unit(n_img * world, 16, seed), unit(n_txt * world, 16, seed + 1)
+        ig, tg = draw_ids(n_img * world, n_txt * world, seed + 2, "random")
+        mi, mt = slice(rank * n_img, (rank + 1) * n_img), slice(rank * n_txt, (rank + 1) * n_txt)
+        for objective in ("symmetric", "sigmoid"):
+            b = -3.0 if objective == "sigmoid" else None
+            got = run(objective, img[mi], txt[mt], 8.0, ig[mi], tg[mt], b, group=dist.group.WORLD)
+            i64, t64 = img.double().requires_grad_(), txt.double().requires_grad_()
+            s64 = torch.tensor(8.0, dtype=torch.float64, requires_grad=True)
+            want = reference(objective, i64, t64, s64, ig, tg, b or 0.0)
+            want.backward()
+            # The features' gradients carry the group's size (grad_ranks' default), logit_scale's does not.
+            pairs = (("loss", got[0], want.detach()), ("d image", got[1], world * i64.grad[mi]),
+                     ("d text", got[2], world * t64.grad[mt]), ("d logit_scale", got[3], s64.grad))
+            for name, a, w in pairs:
+                checks[0] += 1
+                if rel(a, w) > 1e-5:
+                    failures.append(f"rank {rank}: {objective} {name}: {rel(a, w)}")
+        # One rank without ids: refused on every rank, naming the rank.
+        try:
+            CF.clip_loss(img[mi], txt[mt], 8.0, group=dist.group.WORLD, image_groups=ig[mi] if rank == 0 else None,
+                         text_groups=tg[mt] if rank == 0 else None)
+            failures.append(f"rank {rank}: a call with ids on one rank only was not refused")
+        except ValueError as e:
+            checks[0] += 1
+            if "rank 1" not in str(e):
+                failures.append(f"rank {rank}: refusal does not name rank 1: {e}")
+        dist.destroy_process_group()
+    except Exception as e:  # reported, not raised: the parent reads the report
+        failures.append(f"rank {rank}: {type(e).__name__}: {e}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"failures": failures, "checks": checks[0]}, f)
+
+
+def test_two_gloo_ranks(seed, tmp_path):
+    import torch.distributed as dist
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    from test_distributed import run_ranks
+
+    reports = run_ranks(_worker, 2, seed, tmp_path)
+    failures = [f for got in reports for f in got["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    assert [got["checks"] for got in reports] == [9, 9]
