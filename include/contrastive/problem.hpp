@@ -78,7 +78,7 @@ struct problem
   /// have one (symmetric: likewise over the columns, and n_q may differ from n_k); the sigmoid objective labels every
   /// positive pair +1 and every other -1. docs/multi_positive.md gives the formulas. Host memory; host paths only.
   const std::int64_t* query_groups = nullptr;
-  const std::int64_t* key_groups = nullptr;
+  const std::int64_t* key_groups = nullptr; ///< the keys' group ids (n_k entries); see query_groups
 
   /// Whether the positives come from group ids.
   bool grouped() const noexcept

@@ -269,7 +269,9 @@ bool all_finite(const std::vector<T>& v)
 }
 
 /// A problem read from the input: shapes below the given bounds, objective, optional labels (sometimes -1 or >= n_k),
-/// values from the input (non-finite and extreme ones included). Each buffer has one element past its end.
+/// optional group ids (few distinct values, so duplicates and rows without a positive; sometimes one side only, or
+/// with labels), values from the input (non-finite and extreme ones included). Each buffer has one element past its
+/// end.
 template <class T>
 struct fuzz_problem
 {
@@ -278,6 +280,8 @@ struct fuzz_problem
   bool with_labels;
   std::vector<T> q, k;
   std::vector<std::int32_t> labels;
+  std::size_t groups_mode = 0; // 0: none, 1: both sides, 2: query ids only, 3: key ids only
+  std::vector<std::int64_t> q_ids, k_ids;
 
   fuzz_problem(byte_reader& in, std::size_t max_q, std::size_t max_k, std::size_t max_dim)
       : n_q(in.below(max_q)), n_k(in.below(max_k)), dim(in.below(max_dim)),
@@ -296,11 +300,27 @@ struct fuzz_problem
     {
       l = static_cast<std::int32_t>(in.below(n_k + 3)) - 1;
     }
+    const std::size_t g = in.byte();
+    groups_mode = g < 192 ? 0 : (g < 240 ? 1 : 2 + g % 2);
+    q_ids.resize(n_q + 1);
+    k_ids.resize(n_k + 1);
+    const std::size_t distinct = 1 + in.below(8);
+    for (auto& id : q_ids)
+    {
+      id = static_cast<std::int64_t>(in.below(distinct)) - 3;
+    }
+    for (auto& id : k_ids)
+    {
+      id = static_cast<std::int64_t>(in.below(distinct)) - 3;
+    }
   }
 
   cl::problem<T> problem() const noexcept
   {
-    return {q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
+    cl::problem<T> p{q.data(), k.data(), n_q, n_k, dim, with_labels ? labels.data() : nullptr, obj};
+    p.query_groups = groups_mode == 1 || groups_mode == 2 ? q_ids.data() : nullptr;
+    p.key_groups = groups_mode == 1 || groups_mode == 3 ? k_ids.data() : nullptr;
+    return p;
   }
 };
 
