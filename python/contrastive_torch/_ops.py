@@ -199,7 +199,9 @@ def feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symme
                       fused_tiles, query_groups=None, key_groups=None):
     return _feature_grads_with(
         lambda g, objective: _host.step(q, k, scale_value(logit_scale), bias_value(logit_bias), labels_int32(labels),
-                                        objective, algorithm, threads, True, g, query_groups, key_groups),
+                                        objective, algorithm, threads, True, g,
+                                        **({} if query_groups is None else
+                                           {"query_groups": query_groups, "key_groups": key_groups})),
         grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric)
 
 
