@@ -14,7 +14,7 @@ import sys
 # top-level headers are named one by one.
 LAYERS = {
     "detail": 0, "status.hpp": 0, "tags.hpp": 0,
-    "numeric": 1, "record.hpp": 1, "problem.hpp": 1,
+    "numeric": 1, "objectives": 1, "record.hpp": 1, "problem.hpp": 1,
     "policy": 2, "checks.hpp": 2,
     "comm": 3,
     "host": 4,

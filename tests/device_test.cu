@@ -193,7 +193,11 @@ TYPED_TEST(DeviceTyped, MatchesHostPathAndFloat64Reference)
       // Tensor-core products round G to the element type once more than the host does: allow one more u_T.
       const double gtol = tol::grad(ref.max_abs_logit) + ct::tolerance<T, Algo>::u_t;
       // materialized: plus the positive's P_pp - 1 formed by subtraction (the frameworks' form; test_util.hpp).
-      const cl::grad_coefficients gc = cl::make_grad_coefficients(sh.obj, sh.n_q, sh.n_k);
+      const cl::grad_coefficients gc = cl::objectives::visit(sh.obj,
+                                                             [&](auto o)
+                                                             {
+                                                               return decltype(o)::coefficients(sh.n_q, sh.n_k);
+                                                             });
       const double coef_sum = double(gc.row_coef) + (sh.obj == cl::objective::symmetric ? double(gc.col_coef) : 0.0);
       EXPECT_LE(ct::max_rel_error(ddq, ref.dq, 1.0 / ls),
                 gtol + tol::positive_subtraction(s, coef_sum, max_abs(k), 1.0, max_abs(ref.dq)));

@@ -8,6 +8,7 @@
 
 #include <contrastive/detail/checked.hpp>
 #include <contrastive/numeric/math.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
@@ -80,22 +81,15 @@ inline status check_loss_scale(float s)
   return {};
 }
 
-/// The logit bias b of z = S + b: finite, and 0 unless the objective is sigmoid (a softmax is invariant to it, so a
-/// nonzero one would do nothing: refused instead).
-inline status check_logit_bias(objective obj, float bias)
+/// The logit bias b of z = S + b for the objective `code` (objectives::check_logit_bias: finite, and 0 unless the
+/// objective takes a bias).
+inline status check_logit_bias(objective code, float bias)
 {
-  if (!detail::finite(bias))
-  {
-    return {errc::invalid_argument, "logit_bias", "logit_bias = " + std::to_string(bias) + "; it must be finite"};
-  }
-  if (obj != objective::sigmoid && bias != 0.0f)
-  {
-    return {errc::invalid_argument,
-            "logit_bias",
-            "logit_bias = " + std::to_string(bias) + " with objective " + to_string(obj) +
-                ": the bias applies to objective::sigmoid only (a softmax is invariant to it); pass 0"};
-  }
-  return {};
+  return objectives::visit(code,
+                           [&](auto o)
+                           {
+                             return objectives::check_logit_bias<decltype(o)>(bias);
+                           });
 }
 
 /// Checks shapes, pointers and labels of a problem (not the finiteness of its values, which the conversion pass
@@ -135,9 +129,12 @@ status check_problem(const problem<T>& p,
   {
     return {errc::null_pointer, "dk", "null gradient output for k"};
   }
-  if (p.obj != objective::symmetric && p.obj != objective::info_nce && p.obj != objective::sigmoid)
+  if (!objectives::known(objectives::code_of(p)))
   {
-    return {errc::invalid_argument, "obj", "unknown objective"};
+    return {errc::invalid_argument,
+            objectives::field,
+            "unknown objective " + std::to_string(static_cast<int>(objectives::code_of(p))) +
+                " (symmetric, info_nce or sigmoid)"};
   }
   if (p.grouped())
   {
@@ -156,26 +153,13 @@ status check_problem(const problem<T>& p,
               "labels and group ids together: the positives come from one or the other; pass null labels"};
     }
   }
-  else if (p.obj == objective::symmetric)
+  else
   {
-    if (p.n_q != p.n_k)
-    {
-      return {errc::shape_mismatch,
-              "n_k",
-              "the symmetric loss needs n_q == n_k (got n_q = " + std::to_string(p.n_q) +
-                  ", n_k = " + std::to_string(p.n_k) + ")"};
-    }
-    if (p.labels != nullptr)
-    {
-      return {errc::invalid_argument, "labels", "the symmetric loss takes its positives from the diagonal; pass null"};
-    }
-  }
-  else if (p.obj != objective::symmetric && p.labels == nullptr && p.n_q > p.n_k)
-  {
-    return {errc::shape_mismatch,
-            "labels",
-            "null labels mean the diagonal, which needs n_q <= n_k (got n_q = " + std::to_string(p.n_q) +
-                ", n_k = " + std::to_string(p.n_k) + ")"};
+    CONTRASTIVE_RETURN_IF_ERROR(objectives::visit(p,
+                                                  [&](auto o)
+                                                  {
+                                                    return decltype(o)::check_shape(p.n_q, p.n_k, p.labels != nullptr);
+                                                  }));
   }
   // Every product of caller sizes the library forms (elements and bytes of the inputs and outputs) must fit size_t.
   const detail::checked_size q_bytes = detail::checked_size(p.n_q) * p.dim * sizeof(T);

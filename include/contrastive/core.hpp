@@ -14,6 +14,7 @@
 /// `distributed::loss`: bad input on one rank is refused on every rank, naming it.
 
 #include <contrastive/comm/communicator.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 #include <contrastive/step/front.hpp>
@@ -104,7 +105,7 @@ public:
   {
     CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(
         p, logit_scale, logit_bias, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
-    sigmoid_ = p.obj == objective::sigmoid;
+    biased_ = objectives::traits_of(p).has_bias;
     driver_.copy_lse(row_lse, col_lse);
     return {};
   }
@@ -149,7 +150,7 @@ public:
     step::forward_values f;
     CONTRASTIVE_RETURN_IF_ERROR(
         driver_.forward(p, logit_scale, logit_bias, checks, dq, dk, true, passes_, iteration, f));
-    sigmoid_ = p.obj == objective::sigmoid;
+    biased_ = objectives::traits_of(p).has_bias;
     step::backward_values b;
     CONTRASTIVE_RETURN_IF_ERROR(driver_.backward(loss_scale, dq, dk, true, passes_, b));
     passes_ = detail::saturating_increment(passes_);
@@ -162,7 +163,7 @@ public:
     out.dk_nonfinite = b.dk_nonfinite;
     out.first_nonfinite =
         detail::first_nonfinite(f.logits_nonfinite, f.loss, b.dq_nonfinite, b.dk_nonfinite, true, out.grad_logit_scale);
-    if (out.first_nonfinite == nonfinite_site::none && p.obj == objective::sigmoid &&
+    if (out.first_nonfinite == nonfinite_site::none && objectives::traits_of(p).has_bias &&
         !detail::finite(out.grad_logit_bias))
     {
       out.first_nonfinite = nonfinite_site::grad_logit_bias;
@@ -175,7 +176,7 @@ public:
   /// reports it.
   nonfinite_site diagnose(bool wants_gradient = true) const noexcept
   {
-    return base::first_nonfinite(wants_gradient, sigmoid_);
+    return base::first_nonfinite(wants_gradient, biased_);
   }
 
 private:
@@ -191,6 +192,6 @@ private:
   }
 
   std::int64_t passes_ = 0;
-  bool sigmoid_ = false; ///< the last forward's objective was sigmoid (its d loss / d b counts in diagnose)
+  bool biased_ = false; ///< the last forward's objective takes a logit bias (its d loss / d b counts in diagnose)
 };
 } // namespace contrastive

@@ -17,6 +17,7 @@
 
 #include <contrastive/comm/communicator.hpp>
 #include <contrastive/detail/checked.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
@@ -48,14 +49,15 @@ enum class call_kind : std::int64_t
 /// in the same all-gather).
 struct call_msg
 {
-  std::int64_t kind;                           ///< call_kind
-  std::int64_t step;                           ///< the loss's step count (finished steps)
-  std::int64_t iteration;                      ///< the caller's iteration, or no_iteration
-  std::int64_t n_q, n_k, dim, obj, has_labels; ///< forward_backward: this rank's problem (has_labels 2: group ids)
-  std::int64_t has_scalars;                    ///< forward_backward: whether the next two are known (host)
-  std::int64_t scale_bits, bias_bits;          ///< the logit scale s and bias b (float bit patterns)
-  std::int64_t pending, site;                  ///< finish_step: the record's state
-  std::int64_t code;                           ///< the outcome of this rank's own checks (errc)
+  std::int64_t kind;                       ///< call_kind
+  std::int64_t step;                       ///< the loss's step count (finished steps)
+  std::int64_t iteration;                  ///< the caller's iteration, or no_iteration
+  std::int64_t n_q, n_k, dim;              ///< forward_backward: this rank's problem
+  std::int64_t objective_code, has_labels; ///< its objective; labels 1, group ids 2, neither 0
+  std::int64_t has_scalars;                ///< forward_backward: whether the next two are known (host)
+  std::int64_t scale_bits, bias_bits;      ///< the logit scale s and bias b (float bit patterns)
+  std::int64_t pending, site;              ///< finish_step: the record's state
+  std::int64_t code;                       ///< the outcome of this rank's own checks (errc)
 };
 
 inline const char* call_name(std::int64_t kind) noexcept
@@ -188,10 +190,11 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
                             "dim",
                             "dim = " + std::to_string(s.dim) + " where rank 0 has " + std::to_string(all[0].dim)});
     }
-    else if (s.obj != all[0].obj || s.has_labels != all[0].has_labels)
+    else if (s.objective_code != all[0].objective_code || s.has_labels != all[0].has_labels)
     {
       g.bad_rank = rr;
-      (void)(g.why = status{errc::invalid_argument, "obj", "objective, labels or group ids differ from rank 0's"});
+      (void)(g.why = status{
+                 errc::invalid_argument, objectives::field, "objective, labels or group ids differ from rank 0's"});
     }
     else if (s.has_scalars != 0 && all[0].has_scalars != 0 && s.scale_bits != all[0].scale_bits)
     {
@@ -238,23 +241,19 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
                             "n_k",
                             "the global batch exceeds 2^31 - 1 queries or keys (int32 labels and counts)"});
     }
-    else if (all[0].obj == static_cast<std::int64_t>(objective::symmetric) && all[0].has_labels != 2 &&
-             nq.value != nk.value)
+    else if (all[0].has_labels != 2) // the objective's shape rule over the global batch (group ids have none)
     {
-      g.bad_rank = 0;
-      (void)(g.why = status{errc::shape_mismatch,
-                            "n_k",
-                            "symmetric: the global n_q (" + std::to_string(nq.value) + ") and n_k (" +
-                                std::to_string(nk.value) + ") differ"});
-    }
-    else if (all[0].obj != static_cast<std::int64_t>(objective::symmetric) && all[0].has_labels == 0 &&
-             nq.value > nk.value)
-    {
-      g.bad_rank = 0;
-      (void)(g.why = status{errc::shape_mismatch,
-                            "n_k",
-                            "global diagonal labels need n_q <= n_k over all ranks (" + std::to_string(nq.value) +
-                                " > " + std::to_string(nk.value) + ")"});
+      const status shape =
+          objectives::visit(static_cast<objective>(all[0].objective_code),
+                            [&](auto o)
+                            {
+                              return decltype(o)::check_shape(nq.value, nk.value, all[0].has_labels == 1);
+                            });
+      if (!shape.ok())
+      {
+        g.bad_rank = 0;
+        (void)(g.why = status{shape.code(), shape.argument(), "over all ranks: " + shape.reason()});
+      }
     }
   }
   g.any_failed |= g.bad_rank >= 0;
@@ -338,7 +337,7 @@ status agree_on_problem(const Comm& comm,
   mine.n_q = static_cast<std::int64_t>(p.n_q);
   mine.n_k = static_cast<std::int64_t>(p.n_k);
   mine.dim = static_cast<std::int64_t>(p.dim);
-  mine.obj = static_cast<std::int64_t>(p.obj);
+  mine.objective_code = static_cast<std::int64_t>(objectives::code_of(p));
   mine.has_labels = p.labels != nullptr ? 1 : (p.grouped() ? 2 : 0);
   if (scalars != nullptr)
   {

@@ -193,8 +193,19 @@ struct chunked_loss
   static cudaError_t layout_for_rows(
       const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_phases::layout& w)
   {
+    return objectives::visit(p,
+                             [&](auto o)
+                             {
+                               return layout_for_objective<decltype(o)>(p, tiles, rows, cub_bytes, w);
+                             });
+  }
+  /// layout_for_rows for objective O.
+  template <class O>
+  static cudaError_t layout_for_objective(
+      const problem<Element>& p, bool tiles, std::size_t rows, std::size_t& cub_bytes, chunked_phases::layout& w)
+  {
     using detail::checked_size;
-    w.tiles = tiles && p.obj != objective::sigmoid; // the tile epilogues are the softmax's
+    w.tiles = tiles && O::softmax; // the tile epilogues are the softmax's
     w.chunk_rows = std::min(rows, p.n_q);
     if (w.tiles) // the tile kernels' grid has one row of blocks per 128 chunk rows, at most 65535 rows
     {
@@ -227,14 +238,14 @@ struct chunked_loss
       CONTRASTIVE_CUDA_TRY(util::reduction_bytes(n_max, cub_bytes));
     }
     w.cub_bytes = cub_bytes;
-    const bool sym = p.obj == objective::symmetric;
+    constexpr bool sym = O::columns;
     util::carver c;
     w.row_lse = c.take(p.n_q * sizeof(float));
     w.row_loss = c.take(p.n_q * sizeof(float));
     w.row_max = c.take(p.n_q * sizeof(float));
     w.pos = c.take(p.n_q * sizeof(float));
     w.row_dot = c.take(p.n_q * sizeof(float));
-    w.row_bias = c.take(p.obj == objective::sigmoid ? p.n_q * sizeof(float) : 0);
+    w.row_bias = c.take(O::has_bias ? p.n_q * sizeof(float) : 0);
     w.col_max = c.take(sym ? p.n_k * sizeof(float) : 0);
     w.col_sum = c.take(sym ? p.n_k * sizeof(float) : 0);
     w.col_lse = c.take(sym ? p.n_k * sizeof(float) : 0);
@@ -247,7 +258,7 @@ struct chunked_loss
     w.flags = c.take(3 * sizeof(int));
     w.scalars = c.take(sizeof(kernels::step_scalars));
     w.cub = c.take(w.cub_bytes);
-    w.row_part = c.take(p.obj == objective::sigmoid ? 0 : w.chunk_rows * col_tiles * sizeof(float2));
+    w.row_part = c.take(O::softmax ? w.chunk_rows * col_tiles * sizeof(float2) : 0);
     w.col_part = c.take(sym ? row_tiles * p.n_k * sizeof(float2) : 0);
     w.total = c.offset;
     return cudaSuccess;
@@ -379,11 +390,30 @@ struct chunked_loss
     CONTRASTIVE_RETURN_IF_ERROR(util::workspace_status(d_temp, temp_bytes, w.total));
     cd::handle_guard guard{handle};
     CONTRASTIVE_RETURN_IF_ERROR(cd::cublas_status(guard.enter(stream), "handle (cublasSetStream)"));
-    cd::runner<Element> run(p, w, d_temp, handle, stream, make_grad_coefficients(p.obj, p.n_q, p.n_k));
+    return objectives::visit(p,
+                             [&](auto o)
+                             {
+                               return run_step<decltype(o)>(p, w, d_temp, dq, dk, d_state, handle, stream);
+                             });
+  }
+
+  /// The pass of forward_backward_status for objective O, its workspace laid out and the handle entered.
+  template <class O>
+  static status run_step(const problem<Element>& p,
+                         const chunked_phases::layout& w,
+                         void* d_temp,
+                         Element* dq,
+                         Element* dk,
+                         state_type* d_state,
+                         cublasHandle_t handle,
+                         cudaStream_t stream)
+  {
+    namespace cd = chunked_phases;
+    cd::runner<Element, O> run(p, w, d_temp, handle, stream, O::coefficients(p.n_q, p.n_k));
     const cudaError_t e = [&]() -> cudaError_t
     {
       CONTRASTIVE_CUDA_TRY(run.begin(d_state));
-      if (run.sym)
+      if constexpr (O::columns)
       {
         CONTRASTIVE_CUDA_TRY(run.forward_all());
         CONTRASTIVE_CUDA_TRY(run.finish_columns_local());

@@ -143,7 +143,7 @@ private:
   template <class Check, class Needed>
   static status checked_upload(void* d_temp,
                                std::size_t temp_bytes,
-                               objective obj,
+                               objective code,
                                float logit_scale,
                                float bias,
                                float loss_scale,
@@ -153,7 +153,7 @@ private:
                                Needed needed)
   {
     values_type v;
-    CONTRASTIVE_RETURN_IF_ERROR(make_values(obj, logit_scale, bias, loss_scale, v));
+    CONTRASTIVE_RETURN_IF_ERROR(make_values(code, logit_scale, bias, loss_scale, v));
     CONTRASTIVE_RETURN_IF_ERROR(check_values(d_values));
     CONTRASTIVE_RETURN_IF_ERROR(check());
     if (d_temp == nullptr)
@@ -175,7 +175,18 @@ public:
   /// finite and > 0 (invalid_scaler "loss_scale"), the logit bias finite and 0 unless the objective is sigmoid
   /// (invalid_argument "logit_bias"). The host's contrastive::core takes any finite s > 0; the device's policies keep
   /// |log s| <= 80 (s in [1.8e-35, 5.5e34]).
-  static status make_values(objective obj, float logit_scale, float bias, float loss_scale, values_type& out)
+  static status make_values(objective code, float logit_scale, float bias, float loss_scale, values_type& out)
+  {
+    return objectives::visit(code,
+                             [&](auto o)
+                             {
+                               return make_values_as<decltype(o)>(logit_scale, bias, loss_scale, out);
+                             });
+  }
+
+  /// make_values for objective O.
+  template <class O>
+  static status make_values_as(float logit_scale, float bias, float loss_scale, values_type& out)
   {
     const detail::given_logit_scale t{logit_scale};
     if (const char* why = t.validate(); why[0] != '\0')
@@ -183,10 +194,10 @@ public:
       return {errc::invalid_temperature, "logit_scale", "logit_scale = " + std::to_string(logit_scale) + "; " + why};
     }
     CONTRASTIVE_RETURN_IF_ERROR(check_loss_scale(loss_scale));
-    CONTRASTIVE_RETURN_IF_ERROR(check_logit_bias(obj, bias));
+    CONTRASTIVE_RETURN_IF_ERROR(objectives::check_logit_bias<O>(bias));
     // The sigmoid objective's bias is marked learnable so that the record flags a non-finite d loss / d b
     // (grad_logit_bias), as contrastive::core does; nothing moves it (a core call never finishes a step).
-    const logit_bias b = obj == objective::sigmoid ? logit_bias::learnable(bias) : logit_bias::fixed(bias);
+    const logit_bias b = O::has_bias ? logit_bias::learnable(bias) : logit_bias::fixed(bias);
     return loss_type::make_state(t, scaler::static_scale(loss_scale), b, out);
   }
 
@@ -218,7 +229,7 @@ public:
     CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
         d_temp,
         temp_bytes,
-        p.obj,
+        objectives::code_of(p),
         logit_scale,
         bias,
         loss_scale,
@@ -275,7 +286,7 @@ public:
     {
       return {errc::null_pointer, "logit_scale", "null device pointer to the logit scale"};
     }
-    if (p.obj != objective::sigmoid)
+    if (!objectives::traits_of(p).has_bias)
     {
       from.bias = nullptr; // the softmax objectives are invariant to a bias: b = 0
     }
@@ -305,7 +316,7 @@ private:
     CONTRASTIVE_RETURN_IF_ERROR(checked_upload(
         d_temp,
         temp_bytes,
-        p.obj,
+        objectives::code_of(p),
         logit_scale,
         bias,
         loss_scale,

@@ -19,6 +19,7 @@
 #include <contrastive/device/kernels.cuh>
 #include <contrastive/device/util.cuh>
 #include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
@@ -168,13 +169,25 @@ struct loss_dispatch
       return cudaSuccess;
     }
     const workspace ws(d_temp, w);
-    return util::static_switch(
-        [&](auto symmetric, auto labels)
+    return objectives::visit(
+        p,
+        [&](auto o) -> cudaError_t
         {
-          return run<decltype(symmetric)::value, decltype(labels)::value>(p, dq, dk, d_state, w, ws, stream);
-        },
-        p.obj == objective::symmetric,
-        p.labels != nullptr);
+          using O = decltype(o);
+          if constexpr (!O::softmax)
+          {
+            return cudaErrorInvalidValue; // refused by row_pass_objective before any work (util.cuh)
+          }
+          else
+          {
+            return util::static_switch(
+                [&](auto labels)
+                {
+                  return run<O, decltype(labels)::value>(p, dq, dk, d_state, w, ws, stream);
+                },
+                p.labels != nullptr);
+          }
+        });
   }
 
 private:
@@ -188,7 +201,7 @@ private:
     int n_q, n_k;
   };
 
-  template <bool Symmetric, bool Labels, class State>
+  template <class O, bool Labels, class State>
   static cudaError_t run(const problem<Element>& p,
                          Element* dq,
                          Element* dk,
@@ -197,6 +210,7 @@ private:
                          const workspace& ws,
                          cudaStream_t stream)
   {
+    constexpr bool Symmetric = O::columns; // the column pass and statistics run
     plan pl{};
     pl.n_q = static_cast<int>(p.n_q);
     pl.n_k = static_cast<int>(p.n_k);
@@ -218,7 +232,7 @@ private:
     pl.cols.n_a = pl.n_k;
     pl.cols.n_b = pl.n_q;
     pl.cols.pos = Labels ? kernels::positive_mode::col_label : kernels::positive_mode::diagonal;
-    pl.gc = make_grad_coefficients(p.obj, p.n_q, p.n_k);
+    pl.gc = O::coefficients(p.n_q, p.n_k);
     pl.row_grid = dim3(static_cast<unsigned>(w.nq_pad / traits::block_m));
     pl.col_grid = dim3(static_cast<unsigned>(w.nk_pad / traits::block_m));
 

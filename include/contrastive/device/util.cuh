@@ -10,6 +10,7 @@
 #include <contrastive/detail/cuda_status.cuh>
 #include <contrastive/device/kernels/args.cuh>
 #include <contrastive/numeric/math.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
@@ -63,10 +64,10 @@ reduce_max(void* tmp, std::size_t& bytes, const float* in, float* out, int n, cu
 template <class Problem>
 status row_pass_objective(const Problem& p)
 {
-  if (p.obj == objective::sigmoid)
+  if (!objectives::traits_of(p).softmax)
   {
     return {errc::invalid_argument,
-            "obj",
+            objectives::field,
             "the sigmoid objective runs on the device with algorithm::chunked (device/chunked.cuh) only; fused and "
             "materialized: on the host"};
   }

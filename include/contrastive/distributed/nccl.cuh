@@ -166,7 +166,18 @@ public:
                                                               return size_workspace(p, g);
                                                             }));
     iteration_ = iteration;
-    const bool sym = p.obj == objective::symmetric;
+    return objectives::visit(p,
+                             [&](auto o)
+                             {
+                               return run_step<decltype(o)>(p, dq, dk, d_state, stream);
+                             });
+  }
+
+  /// This rank's part of an agreed step, for objective O (forward_backward dispatches on the problem's once).
+  template <class O>
+  status run_step(const problem<Element>& p, Element* dq, Element* dk, state_type* d_state, cudaStream_t stream)
+  {
+    constexpr bool sym = O::columns;
     const std::size_t n = g_.n_k_total, d = p.dim;
     const unsigned blocks = 1024;
     auto f = [&](std::size_t off)
@@ -194,18 +205,21 @@ public:
         labels, p.labels, static_cast<long long>(p.n_q), static_cast<long long>(g_.q_off));
     note(cudaPeekAtLastError());
 
-    const problem<Element> block{p.q, k_all, p.n_q, n, d, labels, p.obj};
+    problem<Element> block = p;
+    block.k = k_all;
+    block.n_k = n;
+    block.labels = labels;
     // The global batch's coefficients (symmetric: n_q_total == n, so 0.5/n_q + 0.5/n is 2 * (0.5/n_q) exactly).
-    const grad_coefficients gc = make_grad_coefficients(p.obj, g_.n_q_total, n);
+    const grad_coefficients gc = O::coefficients(g_.n_q_total, n);
     contrastive::device::chunked_phases::handle_guard guard{handle_};
     note(contrastive::device::chunked_phases::from_cublas(guard.enter(stream)));
-    contrastive::device::chunked_phases::runner<Element> run(block, w_, ws_, handle_, stream, gc);
+    contrastive::device::chunked_phases::runner<Element, O> run(block, w_, ws_, handle_, stream, gc);
     if (local_err == cudaSuccess)
     {
       note(run.begin(d_state));
     }
 
-    if (sym)
+    if constexpr (sym)
     {
       float* gmax = f(x_.col_max);
       float* pack = f(x_.col_pack);
@@ -267,7 +281,7 @@ public:
     // The sigmoid objective's d loss / d b, summed in place (its own collective: every rank's objective is this one).
     float* dbias = reinterpret_cast<float*>(reinterpret_cast<char*>(run.sums()) +
                                             offsetof(contrastive::device::kernels::step_sums, dbias));
-    const status biases = run.sigmoid ? comm_.allreduce(dbias, 1, reduce_op::sum) : status{};
+    const status biases = O::has_bias ? comm_.allreduce(dbias, 1, reduce_op::sum) : status{};
     CONTRASTIVE_RETURN_IF_ERROR(sums);
     CONTRASTIVE_RETURN_IF_ERROR(fails);
     CONTRASTIVE_RETURN_IF_ERROR(maxes);
@@ -427,10 +441,10 @@ private:
   struct layout_key
   {
     std::size_t n_q, n_k, dim;
-    objective obj;
+    objective code;
     bool operator==(const layout_key& o) const noexcept
     {
-      return n_q == o.n_q && n_k == o.n_k && dim == o.dim && obj == o.obj;
+      return n_q == o.n_q && n_k == o.n_k && dim == o.dim && code == o.code;
     }
   };
 
@@ -439,12 +453,14 @@ private:
   {
     // The step reads K from k_all (carved from the workspace, 256-byte aligned), not from p.k: the layout (and
     // chunk_options::fused_tiles's alignment test) sees that pointer's alignment, which null stands for.
-    const problem<Element> block{p.q, nullptr, p.n_q, g.n_k_total, p.dim, p.labels, p.obj};
+    problem<Element> block = p;
+    block.k = nullptr;
+    block.n_k = g.n_k_total;
     const std::size_t n = g.n_k_total;
     // The default chunk is sized once per shape, from the free memory (this loss's own workspace counted as free:
     // it is reused or regrown) less the buffers below, and then kept: a later step's free memory, lowered by the
     // workspace itself, does not change the rows and with them the order of dK's sums.
-    const layout_key key{p.n_q, n, p.dim, p.obj};
+    const layout_key key{p.n_q, n, p.dim, objectives::code_of(p)};
     cudaError_t laid = cudaSuccess;
     if (!single::is_default(opts_))
     {

@@ -31,7 +31,7 @@ inline constexpr std::size_t default_host_chunk_budget = std::size_t(16) << 20;
 
 /// Computes S = s Q K^T for rows [c0, c0 + rows) into the chunk buffer (row stride nk_pad). Returns whether a logit
 /// is non-finite.
-template <class T, class Gemm>
+template <class O, class T, class Gemm>
 bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
 {
   unsigned char bad[max_threads] = {};
@@ -47,7 +47,7 @@ bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
                  for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
                  {
                    const std::size_t cols = std::min(block_n, st.n_k - j0);
-                   bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, r, cols, ws) ? 1 : 0;
+                   bad[w] |= st.template scaled_tile<algorithm::fused, O>(i0, j0, r, cols, ws) ? 1 : 0;
                    for (std::size_t ii = 0; ii < r; ++ii)
                    {
                      std::copy_n(&ws.tile[ii * block_n], cols, &st.chunk[(i0 - c0 + ii) * st.nk_pad + j0]);
@@ -64,7 +64,7 @@ bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
 
 /// Row i's statistics from its chunk row x of a grouped step (numeric/groups.hpp): nothing is masked; the ids tell
 /// the positives.
-template <class T, class Gemm>
+template <class O, class T, class Gemm>
 void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
 {
   const float m = lane_max(st.n_k,
@@ -73,33 +73,35 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
                            {
                              return x[j];
                            });
-  if (st.sigmoid())
+  if constexpr (!O::softmax)
   {
     const std::int64_t id = st.groups.q_ids[i];
     float loss = 0.0f;
     for (std::size_t j = 0; j < st.n_k; ++j)
     {
-      loss += (st.groups.k_ids[j] == id ? sigmoid_positive(x[j]) : sigmoid_negative(x[j])).loss;
+      loss += O::term(x[j], st.groups.k_ids[j] == id).loss;
     }
-    set_sigmoid_row(st, i, loss, m, false);
-    return;
+    set_pairwise_row<O>(st, i, loss, m, false);
   }
-  online_lse all{};
-  all.rebase(m);
-  const float shift = all.shift();
-  all.sum = lane_sum(st.n_k,
-                     [&](std::size_t j)
-                     {
-                       return detail::exp_approx(x[j] - shift);
-                     });
-  st.pos[i] = 0.0f;
-  st.add_positives(i, 0, st.n_k, x);
-  st.set_grouped_row(i, all);
+  else
+  {
+    online_lse all{};
+    all.rebase(m);
+    const float shift = all.shift();
+    all.sum = lane_sum(st.n_k,
+                       [&](std::size_t j)
+                       {
+                         return detail::exp_approx(x[j] - shift);
+                       });
+    st.pos[i] = 0.0f;
+    st.add_positives(i, 0, st.n_k, x);
+    st.set_grouped_row(i, all);
+  }
 }
 
 /// Forward statistics of the chunk in the buffer: each row's negatives and positive (the positive's slot is set to
 /// -inf, as the fused tiles do), and, symmetric, the chunk's column partials merged into the running state.
-template <class T, class Gemm>
+template <class O, class T, class Gemm>
 void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
 {
   parallel_for(st.pool,
@@ -114,13 +116,13 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                    float* x = &st.chunk[r * st.nk_pad];
                    if (st.grouped())
                    {
-                     grouped_chunk_row(st, i, x);
+                     grouped_chunk_row<O>(st, i, x);
                      continue;
                    }
                    const std::size_t p = st.positive_of(i);
                    st.pos[i] = x[p];
                    x[p] = -detail::infinity_f;
-                   if (st.sigmoid())
+                   if constexpr (!O::softmax)
                    {
                      const float neg_max = lane_max(st.n_k,
                                                     -detail::infinity_f,
@@ -131,74 +133,75 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                      const float neg_loss = lane_sum(st.n_k,
                                                      [&](std::size_t j)
                                                      {
-                                                       return sigmoid_negative(x[j]).loss;
+                                                       return O::term(x[j], false).loss;
                                                      });
-                     set_sigmoid_row(st, i, neg_loss, neg_max, true);
-                     continue;
+                     set_pairwise_row<O>(st, i, neg_loss, neg_max, true);
                    }
-                   online_lse neg{};
-                   neg.rebase(lane_max(st.n_k,
-                                       -detail::infinity_f,
-                                       [&](std::size_t j)
-                                       {
-                                         return x[j];
-                                       }));
-                   const float shift = neg.shift();
-                   neg.sum = lane_sum(st.n_k,
-                                      [&](std::size_t j)
-                                      {
-                                        return detail::exp_approx(x[j] - shift);
-                                      });
-                   st.set_row(i, finish_row(neg, st.pos[i]), neg.max);
+                   else
+                   {
+                     online_lse neg{};
+                     neg.rebase(lane_max(st.n_k,
+                                         -detail::infinity_f,
+                                         [&](std::size_t j)
+                                         {
+                                           return x[j];
+                                         }));
+                     const float shift = neg.shift();
+                     neg.sum = lane_sum(st.n_k,
+                                        [&](std::size_t j)
+                                        {
+                                          return detail::exp_approx(x[j] - shift);
+                                        });
+                     st.set_row(i, finish_row(neg, st.pos[i]), neg.max);
+                   }
                  }
                });
-  if (!st.symmetric())
+  if constexpr (O::columns)
   {
-    return;
+    st.for_key_tiles(
+        [&](std::size_t j0, std::size_t cols, worker_scratch&, unsigned)
+        {
+          float part_max[block_n];
+          float part_sum[block_n];
+          std::fill(part_max, part_max + cols, -detail::infinity_f);
+          std::fill(part_sum, part_sum + cols, 0.0f);
+          for (std::size_t r = 0; r < rows; ++r)
+          {
+            const float* x = &st.chunk[r * st.nk_pad + j0];
+            for (std::size_t jj = 0; jj < cols; ++jj)
+            {
+              part_max[jj] = detail::max_f(part_max[jj], x[jj]);
+            }
+          }
+          float shift[block_n];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            online_lse part{};
+            part.rebase(part_max[jj]);
+            shift[jj] = part.shift();
+          }
+          for (std::size_t r = 0; r < rows; ++r)
+          {
+            const float* x = &st.chunk[r * st.nk_pad + j0];
+            for (std::size_t jj = 0; jj < cols; ++jj)
+            {
+              part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+            }
+          }
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
+            run.merge(online_lse{part_max[jj], part_sum[jj]});
+            st.col_run_max[j0 + jj] = run.max;
+            st.col_run_sum[j0 + jj] = run.sum;
+          }
+        });
   }
-  st.for_key_tiles(
-      [&](std::size_t j0, std::size_t cols, worker_scratch&, unsigned)
-      {
-        float part_max[block_n];
-        float part_sum[block_n];
-        std::fill(part_max, part_max + cols, -detail::infinity_f);
-        std::fill(part_sum, part_sum + cols, 0.0f);
-        for (std::size_t r = 0; r < rows; ++r)
-        {
-          const float* x = &st.chunk[r * st.nk_pad + j0];
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            part_max[jj] = detail::max_f(part_max[jj], x[jj]);
-          }
-        }
-        float shift[block_n];
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          online_lse part{};
-          part.rebase(part_max[jj]);
-          shift[jj] = part.shift();
-        }
-        for (std::size_t r = 0; r < rows; ++r)
-        {
-          const float* x = &st.chunk[r * st.nk_pad + j0];
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
-          }
-        }
-        for (std::size_t jj = 0; jj < cols; ++jj)
-        {
-          online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
-          run.merge(online_lse{part_max[jj], part_sum[jj]});
-          st.col_run_max[j0 + jj] = run.max;
-          st.col_run_sum[j0 + jj] = run.sum;
-        }
-      });
 }
 
 /// Row phase of the chunked algorithm's forward: row statistics, the columns' running partials (`column_partial`),
 /// the rows' loss sum, max logit and non-finite flag.
-template <class T, class Gemm>
+template <class O, class T, class Gemm>
 row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
@@ -208,20 +211,19 @@ row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
   for (std::size_t c0 = 0; c0 < st.n_q; c0 += st.chunk_rows)
   {
     const std::size_t rows = std::min(st.chunk_rows, st.n_q - c0);
-    bad |= chunk_logits(st, c0, rows);
-    chunk_statistics(st, c0, rows);
+    bad |= chunk_logits<O>(st, c0, rows);
+    chunk_statistics<O>(st, c0, rows);
   }
   st.chunk_cached = st.chunk_rows >= st.n_q;
-  return st.finish_rows(bad);
+  return st.template finish_rows<O>(bad);
 }
 
 /// Backward of `loss_scale * loss` for the chunked algorithm after `chunked_forward`.
-template <class T, class Gemm, class Out>
+template <class O, class T, class Gemm, class Out>
 backward_result
 chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   const float out_scale = loss_scale * st.scale;
-  const bool sigmoid = st.sigmoid();
   backward_partials parts;
   float* dk_acc = st.dk_acc.data();
   std::fill(st.dk_acc.begin(), st.dk_acc.end(), 0.0f);
@@ -231,7 +233,7 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
     const std::size_t rows = std::min(st.chunk_rows, st.n_q - c0);
     if (!st.chunk_cached)
     {
-      chunk_logits(st, c0, rows);
+      chunk_logits<O>(st, c0, rows);
     }
     // G_c in place of S_c, and dQ_c = G_c K: one row block per task.
     parallel_for(st.pool,
@@ -249,8 +251,8 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
                    {
                      const std::size_t cols = std::min(block_n, st.n_k - j0);
                      load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, r, cols, cols, ws);
-                     st.gradient_tile(true, i0, j0, r, cols, gc, ws);
-                     if (sigmoid)
+                     st.template gradient_tile<O>(true, i0, j0, r, cols, gc, ws);
+                     if constexpr (O::has_bias)
                      {
                        parts.dbias[w] += tile_sum(r, cols, ws);
                      }

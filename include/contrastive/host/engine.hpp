@@ -198,6 +198,16 @@ public:
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for_algorithm(const Problem& p, bool outputs_known) const noexcept
   {
+    return objectives::visit(p,
+                             [&](auto o)
+                             {
+                               return bytes_for_objective<Algorithm, decltype(o)>(p, outputs_known);
+                             });
+  }
+  /// bytes_for of a concrete algorithm and objective.
+  template <class Algorithm, class O, class Problem>
+  detail::checked_size bytes_for_objective(const Problem& p, bool outputs_known) const noexcept
+  {
     using detail::checked_size;
     constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
     constexpr bool materialized = algorithm_traits<Algorithm>::whole_products;
@@ -209,7 +219,7 @@ public:
     const checked_size dp = detail::round_up(checked_size(p.dim), kernel_nr);
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
-    const bool sym = p.obj == objective::symmetric;
+    constexpr bool sym = O::columns;
     const checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
     checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(block_m * block_n);
     if (materialized)
@@ -228,8 +238,10 @@ public:
     }
     else if constexpr (!materialized)
     {
-      const bool sigmoid_in_place = outputs_known && p.obj == objective::sigmoid;
-      if (!backend::in_place_ok(p.n_k, p.dim) || (p.obj == objective::sigmoid && !sigmoid_in_place))
+      // The pairwise objective's one fused pass accumulates during the forward: in place only where the outputs are
+      // known then.
+      const bool forward_accumulates = !O::softmax;
+      if (!backend::in_place_ok(p.n_k, p.dim) || (forward_accumulates && !outputs_known))
       {
         floats = floats + (checked_size(p.n_q) + nk_pad) * dp;
       }
@@ -292,6 +304,16 @@ public:
   template <class Algorithm, class Problem>
   void prepare_algorithm(const Problem& p, T* dq, T* dk)
   {
+    objectives::visit(p,
+                      [&](auto o)
+                      {
+                        prepare_objective<Algorithm, decltype(o)>(p, dq, dk);
+                      });
+  }
+  /// prepare of a concrete algorithm and objective.
+  template <class Algorithm, class O, class Problem>
+  void prepare_objective(const Problem& p, T* dq, T* dk)
+  {
     engine_state<T, Gemm>& s = st_;
     s.q = p.q;
     s.k = p.k;
@@ -301,14 +323,13 @@ public:
     s.dp = round_up(s.d, kernel_nr);
     s.nq_pad = round_up(s.n_q, block_m);
     s.nk_pad = round_up(s.n_k, block_n);
-    s.obj = p.obj;
     s.labels = p.labels;
     s.groups = group_view{}; // a grouped step's driver gives the view after prepare (set_groups)
     s.workers = workers_for(p);
     s.out_dq = s.out_dk = nullptr;
     constexpr bool chunked = algorithm_traits<Algorithm>::chunks;
     constexpr bool materialized = algorithm_traits<Algorithm>::whole_products;
-    const bool sym = s.symmetric();
+    constexpr bool sym = O::columns;
     s.row_lse.resize(s.n_q);
     s.row_loss.resize(s.n_q);
     s.row_max.resize(s.n_q);
@@ -340,8 +361,8 @@ public:
       std::vector<T>().swap(s.logits);
       // The sigmoid objective's one pass accumulates the gradients during the forward: in place only where the
       // outputs are known then.
-      const bool sigmoid_out = s.sigmoid() && dq != nullptr && dk != nullptr && backend::in_place_ok(s.n_k, s.d);
-      const bool in_place = backend::in_place_ok(s.n_k, s.d) && (!s.sigmoid() || sigmoid_out);
+      const bool sigmoid_out = !O::softmax && dq != nullptr && dk != nullptr && backend::in_place_ok(s.n_k, s.d);
+      const bool in_place = backend::in_place_ok(s.n_k, s.d) && (O::softmax || sigmoid_out);
       if constexpr (std::is_same_v<T, float>)
       {
         s.out_dq = sigmoid_out ? dq : nullptr;
@@ -394,20 +415,21 @@ public:
   //   backward      G and the gradients with the batch's coefficients.
   // One process finishes the columns from its own partials; a rank of a distributed step combines every rank's first.
 
-  /// Forward rows with logits S = scale * Q K^T (sigmoid objective: z = S + bias; the softmax objectives ignore
-  /// `bias`); saves the row statistics for `backward`.
-  template <class Algorithm>
+  /// Forward rows of objective O (the one `prepare` was given) with logits S = scale * Q K^T (an objective with a
+  /// bias: z = S + bias; the others ignore `bias`); saves the row statistics for `backward`.
+  template <class Algorithm, class O>
   row_pass forward_rows(float scale, float bias = 0.0f)
   {
+    static_assert(objectives::is_objective_v<O>, "O must be an objective type (objectives/objectives.hpp)");
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      return materialized_ ? forward_rows<algorithm::materialized>(scale, bias)
-                           : forward_rows<algorithm::fused>(scale, bias);
+      return materialized_ ? forward_rows<algorithm::materialized, O>(scale, bias)
+                           : forward_rows<algorithm::fused, O>(scale, bias);
     }
     else
     {
-      st_.bias = st_.sigmoid() ? bias : 0.0f;
-      return algorithm_impl<Algorithm>::forward_rows(st_, scale);
+      st_.bias = O::has_bias ? bias : 0.0f;
+      return algorithm_impl<Algorithm>::template forward_rows<O>(st_, scale);
     }
   }
 
@@ -443,21 +465,21 @@ public:
   }
 
   /// Backward of `loss_scale * loss` after `forward_rows` and (symmetric) every `set_column`, with the batch's
-  /// gradient coefficients `gc` (make_grad_coefficients of the whole batch's sizes). Writes dq (n_q x dim) and dk
+  /// gradient coefficients `gc` (O::coefficients of the whole batch's sizes). Writes dq (n_q x dim) and dk
   /// (n_k x dim) in T, or in float (Out = float: unrounded partial gradients, for callers that add several before
   /// rounding once, as a rank of the distributed step does).
-  template <class Algorithm, class Out>
+  template <class Algorithm, class O, class Out>
   backward_result backward(float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
   {
     static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, float>, "gradients are written in T or in float");
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      return materialized_ ? algorithm_impl<algorithm::materialized>::backward(st_, loss_scale, gc, dq, dk)
-                           : algorithm_impl<algorithm::fused>::backward(st_, loss_scale, gc, dq, dk);
+      return materialized_ ? algorithm_impl<algorithm::materialized>::template backward<O>(st_, loss_scale, gc, dq, dk)
+                           : algorithm_impl<algorithm::fused>::template backward<O>(st_, loss_scale, gc, dq, dk);
     }
     else
     {
-      return algorithm_impl<Algorithm>::backward(st_, loss_scale, gc, dq, dk);
+      return algorithm_impl<Algorithm>::template backward<O>(st_, loss_scale, gc, dq, dk);
     }
   }
 

@@ -19,6 +19,7 @@
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
 #include <contrastive/numeric/sigmoid_math.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 
 #include <algorithm>
@@ -32,7 +33,8 @@ namespace contrastive
 namespace host
 {
 /// Everything the algorithms read and write. The caller's q and k are read in place (packed per row block or once
-/// per call); keep them alive from `forward` to `backward`.
+/// per call); keep them alive from `forward` to `backward`. The passes that depend on the objective take it as a
+/// template argument O (objectives/objectives.hpp); the engine keeps no objective of its own.
 template <class T, class Gemm>
 struct engine_state
 {
@@ -45,7 +47,6 @@ struct engine_state
   const T* q = nullptr;
   const T* k = nullptr;
   std::size_t n_q = 0, n_k = 0, d = 0, dp = 0, nq_pad = 0, nk_pad = 0;
-  objective obj = objective::symmetric;
   const std::int32_t* labels = nullptr;
   /// Several positives per row (numeric/groups.hpp): nothing is kept apart; pos[i] holds the sum of row i's positive
   /// logits (softmax objectives) and the tiles test each pair's ids.
@@ -74,14 +75,6 @@ struct engine_state
   std::vector<float> chunk, col_run_max, col_run_sum;
   bool chunk_cached = false;
 
-  bool symmetric() const noexcept
-  {
-    return obj == objective::symmetric;
-  }
-  bool sigmoid() const noexcept
-  {
-    return obj == objective::sigmoid;
-  }
   std::size_t positive_of(std::size_t i) const noexcept
   {
     return labels != nullptr ? static_cast<std::size_t>(labels[i]) : i;
@@ -166,18 +159,10 @@ struct engine_state
   /// The scaled logits of block (i0, j0) in ws.tile, computed as the forward computed them (fused: s * (q . k) in
   /// float; materialized: the chain from the stored element-type products), the sigmoid objective's bias added
   /// (z = S + b; materialized: rounded to T, as autocast adds it). Returns whether any is non-finite.
-  template <class Algorithm>
+  template <class Algorithm, class O>
   bool scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
   {
-    if (sigmoid())
-    {
-      return scaled_tile<Algorithm, true>(i0, j0, rows, cols, ws);
-    }
-    return scaled_tile<Algorithm, false>(i0, j0, rows, cols, ws);
-  }
-  template <class Algorithm, bool Biased>
-  bool scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
-  {
+    constexpr bool Biased = O::has_bias;
     float poison = 0.0f;
     const float s = scale, b = bias;
     if constexpr (algorithm_traits<Algorithm>::stores_logits)
@@ -247,7 +232,7 @@ struct engine_state
   /// Forward of tile (i0, j0) (rows x cols; the query block prepared, ws.tile holding the products where the
   /// algorithm stores logits): the rows' running statistics row_state[0, rows) (sigmoid: sig_loss, sig_max), the
   /// positives into pos, and (symmetric) the worker's column statistics. Returns whether a logit was non-finite.
-  template <class Algorithm>
+  template <class Algorithm, class O>
   bool forward_tile(std::size_t i0,
                     std::size_t j0,
                     std::size_t rows,
@@ -258,13 +243,12 @@ struct engine_state
                     float* sig_max)
   {
     const float* tile = ws.tile.data();
-    const bool sym = symmetric();
-    const bool bad = scaled_tile<Algorithm>(i0, j0, rows, cols, ws);
+    const bool bad = scaled_tile<Algorithm, O>(i0, j0, rows, cols, ws);
     // The positive is kept apart from the negatives' statistics (row and, symmetric, column: the same element).
     mask_positives(i0, j0, rows, cols, ws, true);
-    if (sigmoid())
+    if constexpr (!O::softmax)
     {
-      sigmoid_tile(*this, i0, j0, rows, cols, ws, sig_loss, sig_max, false);
+      pairwise_tile<O>(*this, i0, j0, rows, cols, ws, sig_loss, sig_max, false);
       return bad;
     }
     for (std::size_t ii = 0; ii < rows; ++ii)
@@ -293,7 +277,7 @@ struct engine_state
                            return detail::exp_approx(x[jj] - shift);
                          });
     }
-    if (sym)
+    if constexpr (O::columns)
     {
       float* cmax = &ws.col_max[j0];
       float* csum = &ws.col_sum[j0];
@@ -332,11 +316,12 @@ struct engine_state
   }
 
   /// Row i's finished statistics from its running state (sigmoid: its summed negatives' terms and largest z).
+  template <class O>
   void finish_forward_row(std::size_t i, const online_lse& row_state, float sig_loss, float sig_max) noexcept
   {
-    if (sigmoid())
+    if constexpr (!O::softmax)
     {
-      set_sigmoid_row(*this, i, sig_loss, sig_max, true);
+      set_pairwise_row<O>(*this, i, sig_loss, sig_max, true);
     }
     else if (grouped())
     {
@@ -350,7 +335,7 @@ struct engine_state
 
   /// Forward over one row block against every key tile (materialized: also stores A = round_T(Q K^T)). Returns
   /// whether a logit was non-finite.
-  template <class Algorithm>
+  template <class Algorithm, class O>
   bool forward_block_row(std::size_t i0, unsigned w)
   {
     worker_scratch& ws = scratch[w];
@@ -377,11 +362,11 @@ struct engine_state
           }
         }
       }
-      bad |= forward_tile<Algorithm>(i0, j0, rows, cols, ws, row_state, sig_loss, sig_max);
+      bad |= forward_tile<Algorithm, O>(i0, j0, rows, cols, ws, row_state, sig_loss, sig_max);
     }
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
-      finish_forward_row(i0 + ii, row_state[ii], sig_loss[ii], sig_max[ii]);
+      finish_forward_row<O>(i0 + ii, row_state[ii], sig_loss[ii], sig_max[ii]);
     }
     return bad;
   }
@@ -389,6 +374,7 @@ struct engine_state
   /// G = dL/dS of block (i0, j0) into ws.tile; the positive's term exactly (fused) or by subtraction (materialized,
   /// as frameworks) (rows x cols valid, zero elsewhere up to block_m x block_n), from the
   /// scaled logits already there.
+  template <class O>
   void gradient_tile(bool exact_positive,
                      std::size_t i0,
                      std::size_t j0,
@@ -397,17 +383,29 @@ struct engine_state
                      const grad_coefficients& gc,
                      worker_scratch& ws) const noexcept
   {
-    if (sigmoid())
+    if constexpr (!O::softmax)
     {
-      sigmoid_gradient_tile(*this, i0, j0, rows, cols, gc, ws);
-      return;
+      pairwise_gradient_tile<O>(*this, i0, j0, rows, cols, gc, ws);
     }
-    if (grouped())
+    else if (grouped())
     {
-      grouped_gradient_tile(i0, j0, rows, cols, gc, ws);
-      return;
+      grouped_gradient_tile<O>(i0, j0, rows, cols, gc, ws);
     }
-    const bool sym = symmetric();
+    else
+    {
+      softmax_gradient_tile<O>(exact_positive, i0, j0, rows, cols, gc, ws);
+    }
+  }
+  /// gradient_tile of a softmax objective with one positive per row.
+  template <class O>
+  void softmax_gradient_tile(bool exact_positive,
+                             std::size_t i0,
+                             std::size_t j0,
+                             std::size_t rows,
+                             std::size_t cols,
+                             const grad_coefficients& gc,
+                             worker_scratch& ws) const noexcept
+  {
     for (std::size_t ii = 0; ii < block_m; ++ii)
     {
       float* g = &ws.tile[ii * block_n];
@@ -417,27 +415,27 @@ struct engine_state
         continue;
       }
       const float rs = detail::max_f(row_max[i0 + ii], pos[i0 + ii]), rl = row_log_sum[i0 + ii];
-      if (sym)
+      if constexpr (O::columns)
       {
         const float* cs = &col_shift[j0];
         const float* cl = &col_log_sum[j0];
         for (std::size_t jj = 0; jj < cols; ++jj)
         {
-          g[jj] = logit_gradient(g[jj], rs, rl, cs[jj], cl[jj], gc, true);
+          g[jj] = O::gradient(g[jj], rs, rl, cs[jj], cl[jj], gc);
         }
       }
       else
       {
         for (std::size_t jj = 0; jj < cols; ++jj)
         {
-          g[jj] = logit_gradient(g[jj], rs, rl, 0.0f, 0.0f, gc, false);
+          g[jj] = O::gradient(g[jj], rs, rl, 0.0f, 0.0f, gc);
         }
       }
       std::fill(g + cols, g + block_n, 0.0f);
       const std::size_t p = positive_of(i0 + ii);
       if (p >= j0 && p < j0 + cols)
       {
-        g[p - j0] = exact_positive ? exact_positive_gradient(row_loss[i0 + ii], sym ? col_loss[p] : 0.0f, gc, sym)
+        g[p - j0] = exact_positive ? O::positive_gradient(row_loss[i0 + ii], O::columns ? col_loss[p] : 0.0f, gc)
                                    : positive_gradient(g[p - j0], gc);
       }
     }
@@ -445,6 +443,7 @@ struct engine_state
 
   /// Grouped softmax, G of a tile: a_i P_ij + b_j C_ij - [i ~ j] (a_i / |P(i)| + b_j / |Q(g(j))|) with a_i =
   /// row_coef where row i has a positive (else 0) and b_j = col_coef where column j has one (numeric/groups.hpp).
+  template <class O>
   void grouped_gradient_tile(std::size_t i0,
                              std::size_t j0,
                              std::size_t rows,
@@ -452,7 +451,7 @@ struct engine_state
                              const grad_coefficients& gc,
                              worker_scratch& ws) const noexcept
   {
-    const bool sym = symmetric();
+    constexpr bool sym = O::columns;
     float b[block_n], bp[block_n];
     for (std::size_t jj = 0; jj < cols && sym; ++jj)
     {
@@ -474,7 +473,7 @@ struct engine_state
       const float a = inv > 0.0f ? gc.row_coef : 0.0f, ap = a * inv;
       const float rs = row_max[i], rl = row_log_sum[i];
       const std::int64_t id = groups.q_ids[i];
-      if (sym)
+      if constexpr (sym)
       {
         const float* cs = &col_shift[j0];
         const float* cl = &col_log_sum[j0];
@@ -526,7 +525,7 @@ struct engine_state
 
   /// Forward over all row blocks: the finished row statistics, and (symmetric) each worker's column partials, which
   /// `column_partial` merges.
-  template <class Algorithm>
+  template <class Algorithm, class O>
   row_pass forward_rows(float s)
   {
     scale = s;
@@ -539,14 +538,14 @@ struct engine_state
                  workers,
                  [&](std::size_t t, unsigned w)
                  {
-                   bad[w] |= forward_block_row<Algorithm>(t * block_m, w) ? 1 : 0;
+                   bad[w] |= forward_block_row<Algorithm, O>(t * block_m, w) ? 1 : 0;
                  });
     bool any_bad = false;
     for (unsigned w = 0; w < workers; ++w)
     {
       any_bad |= bad[w] != 0;
     }
-    return finish_rows(any_bad);
+    return finish_rows<O>(any_bad);
   }
 
   /// Column j's negatives over every row of this engine's problem: the workers' partials merged in worker order
@@ -571,6 +570,7 @@ struct engine_state
 
   /// The row phase's result from the finished row statistics: the rows' loss sum, the largest logit and whether a
   /// logit (a positive included) was non-finite.
+  template <class O>
   row_pass finish_rows(bool logits_nonfinite) const noexcept
   {
     row_pass r;
@@ -584,7 +584,7 @@ struct engine_state
       r.logits_nonfinite |= !(pos[i] - pos[i] == 0.0f);
       // Grouped: row_max covers every logit, and pos holds a sum (numeric/groups.hpp's column term needs it).
       max_logit = detail::max_nan(max_logit, gr ? row_max[i] : detail::max_nan(row_max[i], pos[i]));
-      if (gr && symmetric())
+      if (gr && O::columns)
       {
         col_positives += static_cast<double>(pos[i]) * static_cast<double>(groups.row_col_inv[i]);
       }

@@ -31,7 +31,7 @@ namespace host
 /// Forward of the softmax objectives, fused: the finished row statistics and (symmetric) each worker's column
 /// partials, as engine_state::forward_rows gives them. The rows' running states live in row_max and row_lse until
 /// the rows are finished.
-template <class T, class Gemm>
+template <class O, class T, class Gemm>
 row_pass fused_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
@@ -65,7 +65,7 @@ row_pass fused_forward_rows(engine_state<T, Gemm>& st, float s)
                     for (std::size_t j0 = r0; j0 < r0 + run; j0 += block_n)
                     {
                       const std::size_t cols = std::min(block_n, st.n_k - j0);
-                      bad[w] |= st.template forward_tile<algorithm::fused>(
+                      bad[w] |= st.template forward_tile<algorithm::fused, O>(
                                     i0, j0, rows, cols, ws, row_state, nullptr, nullptr)
                                     ? 1
                                     : 0;
@@ -82,7 +82,7 @@ row_pass fused_forward_rows(engine_state<T, Gemm>& st, float s)
                   const std::size_t i0 = t * block_m;
                   for (std::size_t i = i0; i < std::min(i0 + block_m, st.n_q); ++i)
                   {
-                    st.finish_forward_row(i, online_lse{st.row_max[i], st.row_lse[i]}, 0.0f, 0.0f);
+                    st.template finish_forward_row<O>(i, online_lse{st.row_max[i], st.row_lse[i]}, 0.0f, 0.0f);
                   }
                 }
               });
@@ -91,11 +91,11 @@ row_pass fused_forward_rows(engine_state<T, Gemm>& st, float s)
   {
     any_bad |= bad[w] != 0;
   }
-  return st.finish_rows(any_bad);
+  return st.template finish_rows<O>(any_bad);
 }
 
 /// Backward of `loss_scale * loss` for the fused algorithm after `forward<fused>`.
-template <class T, class Gemm, class Out>
+template <class O, class T, class Gemm, class Out>
 backward_result
 fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
@@ -111,8 +111,8 @@ fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficie
                    groups,
                    [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned)
                    {
-                     st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws);
-                     st.gradient_tile(true, i0, j0, rows, cols, gc, ws);
+                     st.template scaled_tile<algorithm::fused, O>(i0, j0, rows, cols, ws);
+                     st.template gradient_tile<O>(true, i0, j0, rows, cols, gc, ws);
                      st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
                      st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
                    });

@@ -17,12 +17,12 @@ namespace contrastive
 namespace host
 {
 /// Backward of `loss_scale * loss` for the materialized algorithm after `forward<materialized>`.
-template <class T, class Gemm, class Out>
+template <class O, class T, class Gemm, class Out>
 backward_result
 materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
   using traits = element_traits<T>;
-  const bool sigmoid = st.sigmoid();
+  constexpr bool biased = O::has_bias; // z = S + b: d b = sum dS
   backward_partials parts;
 
   // 1. dA in place of A, and d(loss_scale * loss)/d log s = s * sum dS * A.
@@ -32,13 +32,13 @@ materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_co
         for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
         {
           const std::size_t cols = std::min(block_n, st.n_k - j0);
-          st.template scaled_tile<algorithm::materialized>(i0, j0, rows, cols, ws);
-          st.gradient_tile(false, i0, j0, rows, cols, gc, ws);
+          st.template scaled_tile<algorithm::materialized, O>(i0, j0, rows, cols, ws);
+          st.template gradient_tile<O>(false, i0, j0, rows, cols, gc, ws);
           for (std::size_t ii = 0; ii < rows; ++ii)
           {
             T* m = &st.logits[(i0 + ii) * st.n_k + j0];
             const float* g = &ws.tile[ii * block_n];
-            if (sigmoid) // d b = sum dS (z = S + b: dz = dS), of the element-type values a framework sums
+            if constexpr (biased) // d b = sum dS (z = S + b: dz = dS), of the element-type values a framework sums
             {
               parts.dbias[w] +=
                   static_cast<double>(lane_sum(cols,

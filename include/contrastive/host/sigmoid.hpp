@@ -24,7 +24,7 @@ namespace host
 {
 /// Forward of the sigmoid objective, fused: the loss and the unnormalised gradient accumulators (st.dq_acc,
 /// st.dk_acc, st.sigmoid_g_sum) in one pass.
-template <class T, class Gemm>
+template <class O, class T, class Gemm>
 row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
@@ -57,9 +57,9 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
       groups,
       [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned w)
       {
-        bad[w] |= st.template scaled_tile<algorithm::fused>(i0, j0, rows, cols, ws) ? 1 : 0;
+        bad[w] |= st.template scaled_tile<algorithm::fused, O>(i0, j0, rows, cols, ws) ? 1 : 0;
         st.mask_positives(i0, j0, rows, cols, ws, true);
-        g_sum[w] += sigmoid_tile(st, i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
+        g_sum[w] += pairwise_tile<O>(st, i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
         st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
         st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
       });
@@ -72,9 +72,9 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
   }
   for (std::size_t i = 0; i < st.n_q; ++i) // the positives' terms are in row_loss already
   {
-    set_sigmoid_row(st, i, st.row_loss[i], st.row_max[i], false);
+    set_pairwise_row<O>(st, i, st.row_loss[i], st.row_max[i], false);
   }
-  return st.finish_rows(any_bad);
+  return st.template finish_rows<O>(any_bad);
 }
 
 /// Backward of `loss_scale * loss` for the sigmoid objective, fused, after its forward: dQ = (loss_scale s / n) G K

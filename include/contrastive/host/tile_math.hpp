@@ -3,7 +3,7 @@
 
 /// \file
 /// Work on a worker's tile (ws.tile, block_m x block_n floats) that the host engine's passes share: a stored block
-/// loaded as float, a block's sum, and the sigmoid objective's tiles (its loss terms and G from one exponential,
+/// loaded as float, a block's sum, and the pairwise (sigmoid) objectives' tiles (loss terms and G from O::term,
 /// G alone, and a row's finished statistics), over the engine's state (host/engine_state.hpp).
 
 #include <contrastive/host/builtin_gemm.hpp>
@@ -58,21 +58,22 @@ void load_tile(
   }
 }
 
-/// Sigmoid objective, forward: adds the negatives' terms softplus(z) of a masked tile of z (rows x cols at (i0,
+/// The pairwise objectives (O::softmax false: the sigmoid objective; O::term gives one logit's loss term and gradient
+/// factor). Forward: adds the negatives' terms softplus(z) of a masked tile of z (rows x cols at (i0,
 /// j0)) to `loss_acc[ii]` and their largest z to `max_acc[ii]`; with `grads`, also turns the tile into the
 /// unnormalised G (sigmoid(z) for the negatives, -sigmoid(-z_p) for the positive of each row whose positive is
 /// in the tile, whose term is then added too) from the same exponential, zero outside rows x cols, and returns
 /// sum G.
-template <class State>
-double sigmoid_tile(const State& st,
-                    std::size_t i0,
-                    std::size_t j0,
-                    std::size_t rows,
-                    std::size_t cols,
-                    worker_scratch& ws,
-                    float* loss_acc,
-                    float* max_acc,
-                    bool grads) noexcept
+template <class O, class State>
+double pairwise_tile(const State& st,
+                     std::size_t i0,
+                     std::size_t j0,
+                     std::size_t rows,
+                     std::size_t cols,
+                     worker_scratch& ws,
+                     float* loss_acc,
+                     float* max_acc,
+                     bool grads) noexcept
 {
   double g_sum = 0.0;
   for (std::size_t ii = 0; ii < (grads ? block_m : rows); ++ii)
@@ -97,7 +98,7 @@ double sigmoid_tile(const State& st,
       float loss = 0.0f, g = 0.0f;
       for (std::size_t jj = 0; jj < cols; ++jj)
       {
-        const sigmoid_term t = k_ids[jj] == id ? sigmoid_positive(x[jj]) : sigmoid_negative(x[jj]);
+        const auto t = O::term(x[jj], k_ids[jj] == id);
         loss += t.loss;
         if (grads)
         {
@@ -118,7 +119,7 @@ double sigmoid_tile(const State& st,
       loss_acc[ii] += lane_sum(cols,
                                [&](std::size_t jj)
                                {
-                                 const sigmoid_term t = sigmoid_negative(x[jj]);
+                                 const auto t = O::term(x[jj], false);
                                  x[jj] = t.grad;
                                  return t.loss;
                                });
@@ -126,7 +127,7 @@ double sigmoid_tile(const State& st,
       const std::size_t p = st.positive_of(i0 + ii);
       if (p >= j0 && p < j0 + cols)
       {
-        const sigmoid_term t = sigmoid_positive(st.pos[i0 + ii]);
+        const auto t = O::term(st.pos[i0 + ii], true);
         x[p - j0] = t.grad;
         loss_acc[ii] += t.loss;
       }
@@ -141,7 +142,7 @@ double sigmoid_tile(const State& st,
       loss_acc[ii] += lane_sum(cols,
                                [&](std::size_t jj)
                                {
-                                 return sigmoid_negative(x[jj]).loss;
+                                 return O::term(x[jj], false).loss;
                                });
     }
   }
@@ -151,11 +152,11 @@ double sigmoid_tile(const State& st,
 /// Sigmoid objective: row i's statistics from its negatives' summed terms and largest z (the positive's z is in
 /// pos): row_lse and row_loss hold the row's loss sum_j softplus(-l_ij z_ij), `add_positive`: its term is added
 /// here (it is not in `negatives_loss`).
-template <class State>
-void set_sigmoid_row(State& st, std::size_t i, float negatives_loss, float negatives_max, bool add_positive) noexcept
+template <class O, class State>
+void set_pairwise_row(State& st, std::size_t i, float negatives_loss, float negatives_max, bool add_positive) noexcept
 {
   add_positive = add_positive && !st.grouped(); // grouped: every pair's term is in negatives_loss already
-  const float l = add_positive ? negatives_loss + sigmoid_positive(st.pos[i]).loss : negatives_loss;
+  const float l = add_positive ? negatives_loss + O::term(st.pos[i], true).loss : negatives_loss;
   st.row_lse[i] = l;
   st.row_loss[i] = l;
   st.row_log_sum[i] = 0.0f;
@@ -165,14 +166,14 @@ void set_sigmoid_row(State& st, std::size_t i, float negatives_loss, float negat
 /// The sigmoid objective's G = dL/dz of a tile of z (rows x cols valid, zero elsewhere): gc.row_coef sigmoid(z)
 /// for the negatives, -gc.row_coef sigmoid(-z_p) for the positive, whose z is read from pos (a cached chunk
 /// holds -inf in its slot).
-template <class State>
-void sigmoid_gradient_tile(const State& st,
-                           std::size_t i0,
-                           std::size_t j0,
-                           std::size_t rows,
-                           std::size_t cols,
-                           const grad_coefficients& gc,
-                           worker_scratch& ws) noexcept
+template <class O, class State>
+void pairwise_gradient_tile(const State& st,
+                            std::size_t i0,
+                            std::size_t j0,
+                            std::size_t rows,
+                            std::size_t cols,
+                            const grad_coefficients& gc,
+                            worker_scratch& ws) noexcept
 {
   const float c = gc.row_coef;
   for (std::size_t ii = 0; ii < block_m; ++ii)
@@ -189,20 +190,20 @@ void sigmoid_gradient_tile(const State& st,
       const std::int64_t* k_ids = st.groups.k_ids + j0;
       for (std::size_t jj = 0; jj < cols; ++jj)
       {
-        g[jj] = c * (k_ids[jj] == id ? sigmoid_positive(g[jj]) : sigmoid_negative(g[jj])).grad;
+        g[jj] = c * O::term(g[jj], k_ids[jj] == id).grad;
       }
       std::fill(g + cols, g + block_n, 0.0f);
       continue;
     }
     for (std::size_t jj = 0; jj < cols; ++jj)
     {
-      g[jj] = c * sigmoid_negative(g[jj]).grad;
+      g[jj] = c * O::term(g[jj], false).grad;
     }
     std::fill(g + cols, g + block_n, 0.0f);
     const std::size_t p = st.positive_of(i0 + ii);
     if (p >= j0 && p < j0 + cols)
     {
-      g[p - j0] = c * sigmoid_positive(st.pos[i0 + ii]).grad;
+      g[p - j0] = c * O::term(st.pos[i0 + ii], true).grad;
     }
   }
 }

@@ -13,11 +13,11 @@
 /// objective w.r.t. S_ij is
 ///   G_ij = a_i P_ij + b_j C_ij - [i ~ j] (a_i / |K(g)| + b_j / |Q(g)|),
 /// a_i = [P(i) nonempty] row_coef, b_j = [column j has a positive] col_coef (row_coef 1/R, or 1/(2R) symmetric;
-/// col_coef 1/(2C)). This header counts the groups once per step (`group_weights`) and gives the coefficients and
-/// the mean; the engines apply them tile by tile (host/engine_state.hpp).
+/// col_coef 1/(2C)). This header counts the groups once per step (`group_weights`); each objective gives its
+/// coefficients and mean (grouped_coefficients, grouped_mean in objectives/), and the engines apply them tile by
+/// tile (host/engine_state.hpp).
 
 #include <contrastive/numeric/loss_math.hpp>
-#include <contrastive/tags.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -50,14 +50,15 @@ struct group_weights
   bool single_positive = false;
 
   /// From every query id (q_all, n_q_total) and every key id (k_all, n_k_total); this engine's rows are queries
-  /// [q_off, q_off + n_q). May throw std::bad_alloc.
+  /// [q_off, q_off + n_q). Objective O (objectives/): its `columns` trait says whether the columns are counted. May
+  /// throw std::bad_alloc.
+  template <class O>
   void compute(const std::int64_t* q_all,
                std::size_t n_q_total,
                const std::int64_t* k_all,
                std::size_t n_k_total,
                std::size_t q_off,
-               std::size_t n_q,
-               objective obj)
+               std::size_t n_q)
   {
     struct group
     {
@@ -81,7 +82,7 @@ struct group_weights
         ++it->second.queries;
       }
     }
-    const bool sym = obj == objective::symmetric;
+    constexpr bool sym = O::columns;
     single_positive = !sym || n_q_total == n_k_total;
     rows_with_positive = 0;
     for (std::size_t i = 0; i < n_q_total; ++i)
@@ -144,34 +145,4 @@ struct group_weights
   }
 };
 
-/// The batch coefficients of a grouped step (see the file comment): row_coef a, col_coef b; pos_coef unused.
-inline grad_coefficients grouped_grad_coefficients(objective obj, std::size_t n_q_total, std::size_t r, std::size_t c)
-{
-  if (obj == objective::sigmoid)
-  {
-    return make_grad_coefficients(obj, n_q_total, n_q_total);
-  }
-  const double half = obj == objective::symmetric ? 0.5 : 1.0;
-  return {r == 0 ? 0.0f : static_cast<float>(half / static_cast<double>(r)),
-          c == 0 || obj != objective::symmetric ? 0.0f : static_cast<float>(0.5 / static_cast<double>(c)),
-          0.0f};
-}
-
-/// The batch's loss of a grouped step from the summed row terms (and, symmetric, column terms): their means over the
-/// R rows and C columns with a positive (sigmoid: over every query), an empty mean counting 0.
-inline float grouped_mean_loss(
-    objective obj, std::size_t n_q_total, std::size_t r, std::size_t c, double row_sum, double col_sum) noexcept
-{
-  if (obj == objective::sigmoid)
-  {
-    return static_cast<float>(row_sum / static_cast<double>(n_q_total));
-  }
-  const double rows = r == 0 ? 0.0 : row_sum / static_cast<double>(r);
-  if (obj != objective::symmetric)
-  {
-    return static_cast<float>(rows);
-  }
-  const double cols = c == 0 ? 0.0 : col_sum / static_cast<double>(c);
-  return static_cast<float>(0.5 * (rows + cols));
-}
 } // namespace contrastive

@@ -18,39 +18,13 @@
 namespace contrastive
 {
 /// Per-row coefficients of G = dL/dS: G_ij = row_coef P_ij + col_coef C_ij - pos_coef [j == p_i], where P is the
-/// row softmax and C the column softmax of S.
+/// row softmax and C the column softmax of S. Each objective gives its own (`coefficients` in objectives/).
 struct grad_coefficients
 {
   float row_coef;
   float col_coef;
   float pos_coef;
 };
-
-CONTRASTIVE_HOST_DEVICE inline grad_coefficients
-make_grad_coefficients(objective obj, std::size_t n_q, std::size_t n_k) noexcept
-{
-  if (obj == objective::symmetric)
-  {
-    const float c = static_cast<float>(0.5 / static_cast<double>(n_q));
-    return {c, static_cast<float>(0.5 / static_cast<double>(n_k)), 2.0f * c};
-  }
-  // info_nce; sigmoid: G_ij = row_coef * (-l_ij sigmoid(-l_ij z_ij)) (numeric/sigmoid_math.hpp)
-  const float c = static_cast<float>(1.0 / static_cast<double>(n_q));
-  return {c, 0.0f, c};
-}
-
-/// The batch's loss from the sums of its n_q_total row losses (and, symmetric, its n_k_total column losses): their
-/// mean (symmetric: the mean of both means).
-CONTRASTIVE_HOST_DEVICE inline float mean_loss(
-    objective obj, std::size_t n_q_total, std::size_t n_k_total, double row_loss_sum, double col_loss_sum) noexcept
-{
-  double total = row_loss_sum / static_cast<double>(n_q_total);
-  if (obj == objective::symmetric)
-  {
-    total = 0.5 * (total + col_loss_sum / static_cast<double>(n_k_total));
-  }
-  return static_cast<float>(total);
-}
 
 /// G_ij = dL/dS_ij of one logit, from its scaled value x and the log-sum-exp of its row (and, symmetric, of its
 /// column), without the positive's -pos_coef (see `positive_gradient`). Host and device call this one formula.

@@ -39,6 +39,7 @@
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 #include <contrastive/step/checkpoint.hpp>
@@ -199,7 +200,8 @@ public:
     {
       std::copy(engine_.row_lse().begin(), engine_.row_lse().end(), row_lse);
     }
-    if (col_lse != nullptr && p_.obj == objective::symmetric && engine_.col_lse().size() >= batch_.k_off + p_.n_k)
+    // The column statistics exist for an objective with columns only (the engine sizes them 0 otherwise).
+    if (col_lse != nullptr && engine_.col_lse().size() >= batch_.k_off + p_.n_k)
     {
       std::copy_n(engine_.col_lse().begin() + static_cast<std::ptrdiff_t>(batch_.k_off), p_.n_k, col_lse);
     }
@@ -221,6 +223,49 @@ public:
                  std::int64_t iteration,
                  forward_values& out)
   {
+    // The objective becomes a type here, once per call; an unknown one runs as symmetric only as far as
+    // check_problem, which refuses it (on every rank, after the agreement).
+    return objectives::visit(p,
+                             [&](auto o)
+                             {
+                               return forward_as<decltype(o)>(
+                                   p, s, bias, policies, dq, dk, need_grads, step, iteration, out);
+                             });
+  }
+
+  /// Phases 7-9 of the last forward at loss scale `loss_scale`: dq, dk (this rank's rows and keys, Element,
+  /// multiplied by the loss scale). `agreed`: the call's outputs were checked and agreed on by `forward` (a
+  /// forward_backward); otherwise the ranks agree on this call first.
+  /// `checks`: the caller's verdict on its own arguments (e.g. the loss scale), returned like this call's own.
+  status backward(float loss_scale,
+                  Element* dq,
+                  Element* dk,
+                  bool agreed,
+                  std::int64_t step,
+                  backward_values& out,
+                  const status& checks = status{})
+  {
+    return objectives::visit(p_,
+                             [&](auto o)
+                             {
+                               return backward_as<decltype(o)>(loss_scale, dq, dk, agreed, step, out, checks);
+                             });
+  }
+
+private:
+  /// `forward` for objective O.
+  template <class O>
+  status forward_as(const problem_type& p,
+                    float s,
+                    float bias,
+                    const status& policies,
+                    Element* dq,
+                    Element* dk,
+                    bool need_grads,
+                    std::int64_t step,
+                    std::int64_t iteration,
+                    forward_values& out)
+  {
     status local = check_problem(p, dq, dk, need_grads, /*check_labels=*/single);
     if (local.ok())
     {
@@ -228,7 +273,7 @@ public:
     }
     if (local.ok())
     {
-      (void)(local = check_logit_bias(p.obj, bias));
+      (void)(local = objectives::check_logit_bias<O>(bias));
     }
     if (local.ok() && !policies.ok())
     {
@@ -246,35 +291,39 @@ public:
       (void)step;
       CONTRASTIVE_RETURN_IF_ERROR(local);
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::check_iteration(iteration));
-      CONTRASTIVE_RETURN_IF_ERROR(checks_with_totals(p, p.n_k));
+      CONTRASTIVE_RETURN_IF_ERROR(checks_with_totals<O>(p, p.n_k));
       ready_ = false;
       batch_ = {p.n_q, p.n_k, 0, 0};
     }
     else
     {
       const float scalars[2] = {s, bias};
-      CONTRASTIVE_RETURN_IF_ERROR(agree_on_problem(p,
-                                                   step,
-                                                   iteration,
-                                                   local,
-                                                   need_grads ? distributed::agreement::call_kind::forward_backward
-                                                              : distributed::agreement::call_kind::forward,
-                                                   scalars));
+      CONTRASTIVE_RETURN_IF_ERROR(agree_on_problem<O>(p,
+                                                      step,
+                                                      iteration,
+                                                      local,
+                                                      need_grads ? distributed::agreement::call_kind::forward_backward
+                                                                 : distributed::agreement::call_kind::forward,
+                                                      scalars));
       ready_ = false;
-      CONTRASTIVE_RETURN_IF_ERROR(gather_keys(p));
+      CONTRASTIVE_RETURN_IF_ERROR(gather_keys<O>(p));
     }
-    CONTRASTIVE_RETURN_IF_ERROR(count_groups(p));
+    CONTRASTIVE_RETURN_IF_ERROR(count_groups<O>(p));
     // The engine, sized for this rank's rows against every key; one process's forward_backward passes its outputs
     // now (the sigmoid objective's fused pass may accumulate in them). Group ids with one positive per row run as
     // labels (the diagonal, symmetric).
-    problem_type block =
-        single ? p
-               : problem_type{p.q, ranks_.k_all.data(), p.n_q, batch_.n_k_total, p.dim, ranks_.labels.data(), p.obj};
-    if (single && p.grouped())
+    problem_type block = p;
+    if (!single)
     {
-      block.query_groups = block.key_groups = nullptr;
-      block.labels = grouped_ || p.obj == objective::symmetric ? nullptr : groups_.labels.data();
+      block.k = ranks_.k_all.data();
+      block.n_k = batch_.n_k_total;
+      block.labels = ranks_.labels.data();
     }
+    else if (p.grouped())
+    {
+      block.labels = grouped_ || !O::takes_labels ? nullptr : groups_.labels.data();
+    }
+    block.query_groups = block.key_groups = nullptr; // the engine reads the ids through set_groups
     const bool outputs = single && need_grads;
     std::size_t bytes = 0;
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
@@ -282,12 +331,12 @@ public:
       // Decided once, at this call's logit scale: the bytes a refusal quotes are those of the algorithm the prepare
       // runs.
       bytes = engine_.decide(block, outputs, s)
-                  ? engine_.template bytes_for<algorithm::materialized>(block, outputs).value
-                  : engine_.template bytes_for<algorithm::fused>(block, outputs).value;
+                  ? engine_.template bytes_for_objective<algorithm::materialized, O>(block, outputs).value
+                  : engine_.template bytes_for_objective<algorithm::fused, O>(block, outputs).value;
     }
     else
     {
-      bytes = engine_.template bytes_for<Algorithm>(block, outputs).value;
+      bytes = engine_.template bytes_for<Algorithm>(block, outputs).value; // automatic excluded above
     }
     status prepared =
         needs(guarded(
@@ -306,29 +355,27 @@ public:
     engine_.set_groups(grouped_ ? groups_.view(single ? p.query_groups : ranks_.q_ids.data() + batch_.q_off,
                                                single ? p.key_groups : ranks_.k_ids.data())
                                 : group_view{});
-    gc_ =
-        grouped_
-            ? grouped_grad_coefficients(p.obj, batch_.n_q_total, groups_.rows_with_positive, groups_.cols_with_positive)
-            : make_grad_coefficients(p.obj, batch_.n_q_total, batch_.n_k_total);
-    const float* col_inv = grouped_ && p.obj == objective::symmetric ? groups_.col_inv.data() : nullptr;
+    gc_ = grouped_ ? O::grouped_coefficients(batch_.n_q_total, groups_.rows_with_positive, groups_.cols_with_positive)
+                   : O::coefficients(batch_.n_q_total, batch_.n_k_total);
+    const float* col_inv = grouped_ && O::columns ? groups_.col_inv.data() : nullptr;
     host::row_pass rp;
     const status compute = guarded(
         [&]
         {
-          rp = engine_.template forward_rows<Algorithm>(s, bias);
+          rp = engine_.template forward_rows<Algorithm, O>(s, bias);
         });
     double col_loss_sum = 0.0;
     if constexpr (single)
     {
       CONTRASTIVE_RETURN_IF_ERROR(compute);
-      if (p.obj == objective::symmetric)
+      if constexpr (O::columns)
       {
         col_loss_sum = finish_columns<Algorithm>(engine_, p.n_k, col_inv);
       }
     }
     else
     {
-      if (p.obj == objective::symmetric)
+      if constexpr (O::columns)
       {
         CONTRASTIVE_RETURN_IF_ERROR(
             combine_columns<Algorithm>(comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, col_inv, col_loss_sum));
@@ -340,13 +387,12 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(gather_ranks(comm_, needs(compute, "the host engine mid-step", bytes, p), mine, all));
       rp = combine_ranks(all);
     }
-    fwd_ = {grouped_ ? grouped_mean_loss(p.obj,
-                                         batch_.n_q_total,
-                                         groups_.rows_with_positive,
-                                         groups_.cols_with_positive,
-                                         rp.row_loss_sum,
-                                         col_loss_sum - rp.column_positives)
-                     : mean_loss(p.obj, batch_.n_q_total, batch_.n_k_total, rp.row_loss_sum, col_loss_sum),
+    fwd_ = {grouped_ ? O::grouped_mean(batch_.n_q_total,
+                                       groups_.rows_with_positive,
+                                       groups_.cols_with_positive,
+                                       rp.row_loss_sum,
+                                       col_loss_sum - rp.column_positives)
+                     : O::mean(batch_.n_q_total, batch_.n_k_total, rp.row_loss_sum, col_loss_sum),
             rp.max_logit,
             rp.logits_nonfinite};
     p_ = p;
@@ -356,17 +402,15 @@ public:
     return {};
   }
 
-  /// Phases 7-9 of the last forward at loss scale `loss_scale`: dq, dk (this rank's rows and keys, Element,
-  /// multiplied by the loss scale). `agreed`: the call's outputs were checked and agreed on by `forward` (a
-  /// forward_backward); otherwise the ranks agree on this call first.
-  /// `checks`: the caller's verdict on its own arguments (e.g. the loss scale), returned like this call's own.
-  status backward(float loss_scale,
-                  Element* dq,
-                  Element* dk,
-                  bool agreed,
-                  std::int64_t step,
-                  backward_values& out,
-                  const status& checks = status{})
+  /// `backward` for objective O (the last forward's).
+  template <class O>
+  status backward_as(float loss_scale,
+                     Element* dq,
+                     Element* dk,
+                     bool agreed,
+                     std::int64_t step,
+                     backward_values& out,
+                     const status& checks)
   {
     status local;
     if (!checks.ok())
@@ -399,7 +443,7 @@ public:
       CONTRASTIVE_RETURN_IF_ERROR(guarded(
           [&]
           {
-            br = engine_.template backward<Algorithm>(loss_scale, gc_, dq, dk);
+            br = engine_.template backward<Algorithm, O>(loss_scale, gc_, dq, dk);
           }));
       bwd_ = br;
     }
@@ -425,7 +469,7 @@ public:
       status compute = guarded(
           [&]
           {
-            br = engine_.template backward<Algorithm>(loss_scale, gc_, dq_out, ranks_.dk_all_f.data());
+            br = engine_.template backward<Algorithm, O>(loss_scale, gc_, dq_out, ranks_.dk_all_f.data());
           });
       // dK back to its owners; a failure of the engine's work on any rank is agreed on before a result is used.
       CONTRASTIVE_RETURN_IF_ERROR(comm_.reduce_scatter_sum(ranks_.dk_all_f.data(), ranks_.dk_counts.data(), dk_out));
@@ -444,20 +488,21 @@ public:
     return {};
   }
 
-private:
   /// Checks that need the batch's key count: labels (ranks: against the global keys; one process: check_problem
   /// read them), the sizes of every buffer, and finiteness (read last: it reads every element).
+  template <class O>
   status checks_with_totals(const problem_type& p, std::size_t n_k_total)
   {
     if (!single)
     {
       CONTRASTIVE_RETURN_IF_ERROR(check_label_range(p.labels, p.n_q, n_k_total, true));
     }
-    const problem_type block{p.q, p.k, p.n_q, n_k_total, p.dim, p.labels, p.obj};
+    problem_type block = p;
+    block.n_k = n_k_total;
     const detail::checked_size bytes =
         engine_.template bytes_for<Algorithm>(block) +
         (single ? detail::checked_size(0)
-                : rank_buffers<Element>::bytes_for(p.n_q, p.n_k, n_k_total, p.dim, p.obj == objective::symmetric));
+                : rank_buffers<Element>::bytes_for(p.n_q, p.n_k, n_k_total, p.dim, O::columns));
     if (!bytes.ok())
     {
       return {errc::size_overflow,
@@ -479,6 +524,7 @@ private:
   }
 
   /// Phase 2 for ranks (comm/agreement.hpp); `scalars`: this rank's {s, b}, which every rank must share.
+  template <class O>
   status agree_on_problem(const problem_type& p,
                           std::int64_t step,
                           std::int64_t iteration,
@@ -498,7 +544,7 @@ private:
         g,
         [&](const distributed::agreement::global_shape& gs)
         {
-          return checks_with_totals(p, gs.n_k_total);
+          return checks_with_totals<O>(p, gs.n_k_total);
         },
         kind,
         scalars));
@@ -510,9 +556,10 @@ private:
   }
 
   /// Phase 3 for ranks: this rank's buffers (agreed), K gathered in the element type, the rows' global labels.
+  template <class O>
   status gather_keys(const problem_type& p)
   {
-    const bool sym = p.obj == objective::symmetric;
+    constexpr bool sym = O::columns;
     const std::size_t d = p.dim;
     status alloc = guarded(
         [&]
@@ -548,6 +595,7 @@ private:
 
   /// The batch's groups (numeric/groups.hpp), after every rank's ids are here: grouped_ unless every query has one
   /// positive, which then runs as labels (ranks: this rank's rows' global positives into its labels).
+  template <class O>
   status count_groups(const problem_type& p)
   {
     grouped_ = false;
@@ -560,17 +608,12 @@ private:
         {
           if constexpr (single)
           {
-            groups_.compute(p.query_groups, p.n_q, p.key_groups, p.n_k, 0, p.n_q, p.obj);
+            groups_.template compute<O>(p.query_groups, p.n_q, p.key_groups, p.n_k, 0, p.n_q);
           }
           else
           {
-            groups_.compute(ranks_.q_ids.data(),
-                            batch_.n_q_total,
-                            ranks_.k_ids.data(),
-                            batch_.n_k_total,
-                            batch_.q_off,
-                            p.n_q,
-                            p.obj);
+            groups_.template compute<O>(
+                ranks_.q_ids.data(), batch_.n_q_total, ranks_.k_ids.data(), batch_.n_k_total, batch_.q_off, p.n_q);
           }
         });
     if constexpr (!single)
@@ -579,7 +622,7 @@ private:
     }
     CONTRASTIVE_RETURN_IF_ERROR(counted);
     grouped_ = !groups_.single_positive;
-    if (!single && groups_.single_positive && p.obj != objective::symmetric)
+    if (!single && groups_.single_positive && O::takes_labels)
     {
       std::copy(groups_.labels.begin(), groups_.labels.end(), ranks_.labels.begin());
     }

@@ -29,6 +29,7 @@
 #include <contrastive/comm/agreement.hpp>
 #include <contrastive/comm/communicator.hpp>
 #include <contrastive/numeric/element_traits.hpp>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/policy/bias.hpp>
 #include <contrastive/policy/scaler.hpp>
 #include <contrastive/policy/temperature.hpp>
@@ -309,11 +310,11 @@ private:
   /// The policies' own settings, checked before any step (a failure is returned after the problem's checks).
   status policies(const problem_type& p) const
   {
-    if (bias_.is_learnable() && p.obj != objective::sigmoid)
+    if (bias_.is_learnable() && !objectives::traits_of(p).has_bias)
     {
       return {errc::invalid_argument,
               "logit_bias",
-              std::string("a learnable logit bias with objective ") + to_string(p.obj) +
+              std::string("a learnable logit bias with objective ") + to_string(objectives::code_of(p)) +
                   ": the bias applies to objective::sigmoid only (a softmax is invariant to it)"};
     }
     if (const char* why = temperature_.validate(); why[0] != '\0')

@@ -7,6 +7,7 @@
 /// loss and the NCCL loss (distributed/nccl.cuh), beside device/chunked/runner.cuh.
 
 #include <contrastive/device/logits_tile.cuh>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 
 #include <cstddef>
@@ -86,7 +87,7 @@ bool use_tiles(const problem<Element>& p, const chunk_options& o) noexcept
     {
       return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
     };
-    return o.fused_tiles && p.obj != objective::sigmoid && p.dim % 8 == 0 && aligned(p.q) && aligned(p.k) &&
+    return o.fused_tiles && objectives::traits_of(p).softmax && p.dim % 8 == 0 && aligned(p.q) && aligned(p.k) &&
            device_runs_tiles();
   }
 }

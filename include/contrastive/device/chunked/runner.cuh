@@ -10,6 +10,7 @@
 #include <contrastive/device/chunked/resources.cuh>
 #include <contrastive/device/dispatch.cuh>
 #include <contrastive/device/logits_tile.cuh>
+#include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
 
 #include <algorithm>
@@ -34,10 +35,14 @@ namespace chunked_phases
 ///   begin -> [symmetric: forward_all -> column statistics (finish_columns_local, or combined across ranks)]
 ///         -> backward_all -> store_dk -> reduce_local -> finish (the record kernel).
 /// The sigmoid objective has no column statistics: backward_all runs its forward and backward in one pass per chunk.
-template <class Element>
+/// O: the problem's objective (objectives/objectives.hpp; the caller dispatches on it once).
+template <class Element, class O>
 struct runner
 {
+  static_assert(objectives::is_objective_v<O>, "O must be an objective type (objectives/objectives.hpp)");
   static constexpr bool sixteen_bit = !std::is_same_v<Element, float>;
+  static constexpr bool sym = O::columns;      ///< column statistics (forward_all, finish_columns) run
+  static constexpr bool sigmoid = !O::softmax; ///< the pairwise terms: one pass per chunk (sigmoid_chunk_step)
 
   problem<Element> p;
   layout w;
@@ -45,8 +50,6 @@ struct runner
   cublasHandle_t handle;
   cudaStream_t stream;
   grad_coefficients gc;
-  bool sym;
-  bool sigmoid;
   float up, down; // 2^k and 2^-k around the element-type G (fp16 only; else 1)
   chunk_args a;
 
@@ -56,8 +59,7 @@ struct runner
          cublasHandle_t h,
          cudaStream_t s,
          const grad_coefficients& coef)
-      : p(prob), w(lay), base(static_cast<char*>(d_temp)), handle(h), stream(s), gc(coef),
-        sym(prob.obj == objective::symmetric), sigmoid(prob.obj == objective::sigmoid)
+      : p(prob), w(lay), base(static_cast<char*>(d_temp)), handle(h), stream(s), gc(coef)
   {
     const int shift = gradient_shift<Element>(gc, std::max(p.n_q, p.n_k));
     up = std::ldexp(1.0f, shift);
