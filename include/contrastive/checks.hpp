@@ -85,6 +85,7 @@ inline status check_loss_scale(float s)
 /// objective takes a bias).
 inline status check_logit_bias(objective code, float bias)
 {
+  CONTRASTIVE_RETURN_IF_ERROR(objectives::check_known(code));
   return objectives::visit(code,
                            [&](auto o)
                            {
@@ -129,13 +130,7 @@ status check_problem(const problem<T>& p,
   {
     return {errc::null_pointer, "dk", "null gradient output for k"};
   }
-  if (!objectives::known(objectives::code_of(p)))
-  {
-    return {errc::invalid_argument,
-            objectives::field,
-            "unknown objective " + std::to_string(static_cast<int>(objectives::code_of(p))) +
-                " (symmetric, info_nce or sigmoid)"};
-  }
+  CONTRASTIVE_RETURN_IF_ERROR(objectives::check_known(objectives::code_of(p)));
   if (p.grouped())
   {
     if (p.query_groups == nullptr)

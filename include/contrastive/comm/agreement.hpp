@@ -252,7 +252,7 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
       if (!shape.ok())
       {
         g.bad_rank = 0;
-        (void)(g.why = status{shape.code(), shape.argument(), "over all ranks: " + shape.reason()});
+        (void)(g.why = status{shape.code(), "n_k", "over all ranks: " + shape.reason()});
       }
     }
   }

@@ -397,6 +397,7 @@ struct chunked_loss
                              });
   }
 
+private:
   /// The pass of forward_backward_status for objective O, its workspace laid out and the handle entered.
   template <class O>
   static status run_step(const problem<Element>& p,
@@ -430,6 +431,7 @@ struct chunked_loss
     return detail::cuda_status(e, "forward_backward");
   }
 
+public:
   /// step with a status (see forward_backward_status).
   static status step_status(void* d_temp,
                             std::size_t& temp_bytes,

@@ -177,23 +177,25 @@ public:
   /// |log s| <= 80 (s in [1.8e-35, 5.5e34]).
   static status make_values(objective code, float logit_scale, float bias, float loss_scale, values_type& out)
   {
-    return objectives::visit(code,
-                             [&](auto o)
-                             {
-                               return make_values_as<decltype(o)>(logit_scale, bias, loss_scale, out);
-                             });
-  }
-
-  /// make_values for objective O.
-  template <class O>
-  static status make_values_as(float logit_scale, float bias, float loss_scale, values_type& out)
-  {
     const detail::given_logit_scale t{logit_scale};
     if (const char* why = t.validate(); why[0] != '\0')
     {
       return {errc::invalid_temperature, "logit_scale", "logit_scale = " + std::to_string(logit_scale) + "; " + why};
     }
     CONTRASTIVE_RETURN_IF_ERROR(check_loss_scale(loss_scale));
+    CONTRASTIVE_RETURN_IF_ERROR(objectives::check_known(code));
+    return objectives::visit(code,
+                             [&](auto o)
+                             {
+                               return make_values_as<decltype(o)>(t, bias, loss_scale, out);
+                             });
+  }
+
+private:
+  /// make_values for objective O, after the scales' checks.
+  template <class O>
+  static status make_values_as(const detail::given_logit_scale& t, float bias, float loss_scale, values_type& out)
+  {
     CONTRASTIVE_RETURN_IF_ERROR(objectives::check_logit_bias<O>(bias));
     // The sigmoid objective's bias is marked learnable so that the record flags a non-finite d loss / d b
     // (grad_logit_bias), as contrastive::core does; nothing moves it (a core call never finishes a step).
@@ -201,6 +203,7 @@ public:
     return loss_type::make_state(t, scaler::static_scale(loss_scale), b, out);
   }
 
+public:
   /// A null `d_values` is refused (null_pointer "d_values"); its size is the caller's (sizeof(values_type)).
   static status check_values(const values_type* d_values)
   {

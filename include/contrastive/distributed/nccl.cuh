@@ -173,6 +173,7 @@ public:
                              });
   }
 
+private:
   /// This rank's part of an agreed step, for objective O (forward_backward dispatches on the problem's once).
   template <class O>
   status run_step(const problem<Element>& p, Element* dq, Element* dk, state_type* d_state, cudaStream_t stream)
@@ -303,6 +304,7 @@ public:
     return cuda(run.finish(d_state, g_.n_q_total, n)); // its cudaPeekAtLastError also sees unpack's launch
   }
 
+public:
   /// This rank's own gradients (device), as on one GPU.
   status unscale_and_check(float* grads, std::size_t n, state_type* d_state, cudaStream_t stream = nullptr)
   {

@@ -47,8 +47,20 @@ constexpr bool known(objective code) noexcept
   return code == symmetric::code || code == info_nce::code || code == sigmoid::code;
 }
 
-/// f(O{}) for the objective of `code`; an unknown code (which check_problem refuses before any call runs) is taken as
-/// symmetric.
+/// invalid_argument "obj" for a code that names no objective (check_problem's first objective check).
+inline status check_known(objective code)
+{
+  if (known(code))
+  {
+    return {};
+  }
+  return {errc::invalid_argument,
+          field,
+          "unknown objective " + std::to_string(static_cast<int>(code)) + " (symmetric, info_nce or sigmoid)"};
+}
+
+/// f(O{}) for the objective of `code`; an unknown code (which check_known and check_problem refuse before any call
+/// runs) is taken as symmetric.
 template <class F>
 decltype(auto) visit(objective code, F&& f)
 {
