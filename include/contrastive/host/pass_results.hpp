@@ -5,6 +5,7 @@
 /// What the host engine's passes return: the forward's result, the row phase's, the backward's, and the backward's
 /// per-worker partials, combined in worker order.
 
+#include <contrastive/detail/config.hpp>
 #include <contrastive/host/thread_pool.hpp>
 
 namespace contrastive
@@ -52,7 +53,12 @@ struct backward_partials
 
   /// The pass's result; `factor` turns the summed partials into d(loss_scale * loss)/d(log s), `bias_factor` the
   /// bias partials into d(loss_scale * loss)/d b (unless `bias_total` gives that sum already).
-  backward_result combine(unsigned workers, double factor, double bias_factor = 0.0) const noexcept
+  /// Always inlined: GCC 12 at -O3 turned `return parts.combine(...)` on a local `parts` into a sibling call (a jmp
+  /// after the caller's frame, realigned for its AVX arrays, was released), so combine read freed stack and returned
+  /// garbage (seen with gemm::cblas, float, fused; valgrind: invalid read in combine). Inlined, there is no call.
+  CONTRASTIVE_FORCEINLINE backward_result combine(unsigned workers,
+                                                  double factor,
+                                                  double bias_factor = 0.0) const noexcept
   {
     backward_result r;
     double total = 0.0, bias_total = 0.0;
