@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_bundle.sh            # build dir build-gpu-bundle/, bundle gpu-bundle/ (both git-ignored)
 #   JOBS=8 CUDA_ARCH=90 bash scripts/gpu_bundle.sh
+#   FROM_BUILD=build bash scripts/gpu_bundle.sh  # configure and build nothing: bundle the device binaries an existing
+#                                                # build folder holds (CI's rehearsal reuses the README build's)
 #
 # Fails loudly when a binary needs a library outside the list the GPU image has (libc, libstdc++, libm, libgcc_s,
 # libdl, libpthread, librt, the loader, libcudart, libcublas(Lt), libnccl) that is not carried in gpu-bundle/lib, or
@@ -23,35 +25,50 @@ die() {
   exit 1
 }
 
-generator=()
-command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
-[ -f "$build/CMakeCache.txt" ] && generator=() # keep the generator the folder was made with
-echo "== configure $build (CUDA architectures $arch)"
-# PRE_TEST discovery: the test binaries are not run at build time (no GPU here; the lists are read when ctest runs).
-cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCONTRASTIVE_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCONTRASTIVE_BUILD_TESTS=ON -DCONTRASTIVE_BUILD_BENCHMARKS=ON \
-  -DCONTRASTIVE_BUILD_EXAMPLES=OFF -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST >"$build.configure.log" 2>&1 ||
-  {
-    tail -30 "$build.configure.log"
-    die "configure (log: $build.configure.log)"
-  }
-rm -f "$build.configure.log"
+from=${FROM_BUILD:-}
+targets=(device_test device_chunked_test contrastive_device_bench)
+if [ -n "$from" ]; then
+  [ -f "$from/CMakeCache.txt" ] || die "FROM_BUILD=$from is not a configured build folder (no CMakeCache.txt)"
+  build=$from
+  grep -q '^CONTRASTIVE_ENABLE_CUDA:BOOL=ON' "$from/CMakeCache.txt" ||
+    die "FROM_BUILD=$from was configured without CUDA (CONTRASTIVE_ENABLE_CUDA is not ON)"
+  # The architectures the device test was compiled for, from its flags (the project sets its default in CMakeLists).
+  arch=$(grep -ho 'arch=compute_[0-9]*' "$from"/tests/CMakeFiles/device_test.dir/flags.make 2>/dev/null |
+    sed 's/.*_//' | sort -un | tr '\n' ' ' | sed 's/ $//')
+  [ -n "$arch" ] || die "FROM_BUILD=$from has no device_test target (CUDA toolkit not found at configure?)"
+  echo "== the device binaries already built in $from (CUDA architectures $arch): nothing configured or built"
+else
+  generator=()
+  command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
+  [ -f "$build/CMakeCache.txt" ] && generator=() # keep the generator the folder was made with
+  echo "== configure $build (CUDA architectures $arch)"
+  # PRE_TEST discovery: the test binaries are not run at build time (no GPU here; the lists are read when ctest runs).
+  cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCONTRASTIVE_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCONTRASTIVE_BUILD_TESTS=ON -DCONTRASTIVE_BUILD_BENCHMARKS=ON \
+    -DCONTRASTIVE_BUILD_EXAMPLES=OFF -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST >"$build.configure.log" 2>&1 ||
+    {
+      tail -30 "$build.configure.log"
+      die "configure (log: $build.configure.log)"
+    }
+  rm -f "$build.configure.log"
+fi
 
 # The device targets only (not the host suite, not the examples). The NCCL test exists where CMake found NCCL.
-targets=(device_test device_chunked_test contrastive_device_bench)
 if cmake --build "$build" --target help 2>/dev/null | grep -q 'device_distributed_test'; then
   targets+=(device_distributed_test)
 else
   echo "note: device_distributed_test is not a target (no NCCL found at configure): the bundle's NCCL step will SKIP"
 fi
-echo "== build ${targets[*]} (-j$jobs)"
-cmake --build "$build" -j"$jobs" --target "${targets[@]}" || die "build"
+if [ -z "$from" ]; then
+  echo "== build ${targets[*]} (-j$jobs)"
+  cmake --build "$build" -j"$jobs" --target "${targets[@]}" || die "build"
+fi
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib"
 for t in "${targets[@]}"; do
   f=$(find "$build" -type f -name "$t" -perm -u+x | head -1)
-  [ -n "$f" ] || die "built $t but cannot find it under $build"
+  [ -n "$f" ] || die "$t is a target but no built $t is under $build${from:+ (build it there first)}"
   cp "$f" "$bundle/bin/"
 done
 cp scripts/gpu_table.py "$bundle/"
