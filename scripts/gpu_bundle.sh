@@ -33,9 +33,10 @@ if [ -n "$from" ]; then
   grep -q '^CONTRASTIVE_ENABLE_CUDA:BOOL=ON' "$from/CMakeCache.txt" ||
     die "FROM_BUILD=$from was configured without CUDA (CONTRASTIVE_ENABLE_CUDA is not ON)"
   # The architectures the device test was compiled for, from its flags (the project sets its default in CMakeLists).
-  arch=$(grep -ho 'arch=compute_[0-9]*' "$from"/tests/CMakeFiles/device_test.dir/flags.make 2>/dev/null |
-    sed 's/.*_//' | sort -un | tr '\n' ' ' | sed 's/ $//')
-  [ -n "$arch" ] || die "FROM_BUILD=$from has no device_test target (CUDA toolkit not found at configure?)"
+  # (Makefiles keep them in flags.make, Ninja in build.ninja.)
+  arch=$(cat "$from"/tests/CMakeFiles/device_test.dir/flags.make "$from"/build.ninja 2>/dev/null |
+    grep -o 'arch=compute_[0-9]*' | sed 's/.*_//' | sort -un | tr '\n' ' ' | sed 's/ $//' || true)
+  [ -n "$arch" ] || arch="(not found in $from's build files)"
   echo "== the device binaries already built in $from (CUDA architectures $arch): nothing configured or built"
 else
   generator=()
