@@ -27,6 +27,16 @@
 #define CONTRASTIVE_FORCEINLINE inline __attribute__((always_inline))
 #endif
 
+// Keeps a function out of line: the host GEMM's entry points (host/gemm.hpp, host/builtin_gemm.hpp) are called from
+// every objective's passes, and inlined they would compile their micro-kernel once per caller.
+#if defined(_MSC_VER) && !defined(__CUDACC__)
+#define CONTRASTIVE_NOINLINE __declspec(noinline)
+#elif defined(__CUDACC__)
+#define CONTRASTIVE_NOINLINE __noinline__
+#else
+#define CONTRASTIVE_NOINLINE __attribute__((noinline))
+#endif
+
 #if __cplusplus < 201703L && !defined(_MSVC_LANG)
 #error "contrastive requires C++17 or newer"
 #endif

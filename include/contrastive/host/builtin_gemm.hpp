@@ -273,7 +273,7 @@ struct gemm_backend<gemm::builtin, T>
            (k_logit16.capacity() + k_rows16.capacity() + q_rows16.capacity()) * sizeof(std::uint16_t);
   }
 
-  void query_block(std::size_t i0, std::size_t rows, worker_scratch& ws, bool for_dk) const
+  CONTRASTIVE_NOINLINE void query_block(std::size_t i0, std::size_t rows, worker_scratch& ws, bool for_dk) const
   {
     if constexpr (pairs)
     {
@@ -302,7 +302,8 @@ struct gemm_backend<gemm::builtin, T>
     return ws.kl.data() + (j0 - ws.keys_j0) * sh.d;
   }
 
-  void dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
+  CONTRASTIVE_NOINLINE void
+  dot_tile(std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const noexcept
   {
     if constexpr (pairs)
     {
@@ -333,7 +334,7 @@ struct gemm_backend<gemm::builtin, T>
 
   /// Fused: packs keys [j0, j0 + cols) (cols <= key_run, j0 a multiple of block_n) as the logits' operand into
   /// ws.kl and, `for_dq` (cols <= block_n), as the B operand of dQ = G K_tile into ws.kt.
-  void key_tiles(std::size_t j0, std::size_t cols, worker_scratch& ws, bool for_dq) const
+  CONTRASTIVE_NOINLINE void key_tiles(std::size_t j0, std::size_t cols, worker_scratch& ws, bool for_dq) const
   {
     if constexpr (pairs)
     {
@@ -357,13 +358,13 @@ struct gemm_backend<gemm::builtin, T>
 
   /// acc rows [0, rows), columns [0, width) += G(ws.tile) K[j0 : j0 + cols]; only those rows are written. K comes
   /// from the whole packed copy (materialized) or from the tile `key_tile` packed (fused).
-  void dq_product(std::size_t j0,
-                  std::size_t rows,
-                  std::size_t cols,
-                  worker_scratch& ws,
-                  float* acc,
-                  std::size_t ld,
-                  std::size_t width) const noexcept
+  CONTRASTIVE_NOINLINE void dq_product(std::size_t j0,
+                                       std::size_t rows,
+                                       std::size_t cols,
+                                       worker_scratch& ws,
+                                       float* acc,
+                                       std::size_t ld,
+                                       std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(rows, kernel_mr);
     if constexpr (pairs)
@@ -384,7 +385,8 @@ struct gemm_backend<gemm::builtin, T>
 
   /// acc rows [0, cols), columns [0, width) (width = d when in place, else dp) += G^T Q_blk; only those rows are
   /// written.
-  void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
+  CONTRASTIVE_NOINLINE void
+  dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
     if constexpr (pairs)
@@ -435,7 +437,7 @@ struct gemm_backend<gemm::builtin, T>
     }
   }
 
-  void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
+  CONTRASTIVE_NOINLINE void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
     if constexpr (pairs)

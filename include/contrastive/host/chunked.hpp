@@ -218,6 +218,40 @@ row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
   return st.template finish_rows<O>(bad);
 }
 
+/// dK += G_c^T Q_c for the chunk of `rows` queries from c0 whose G is in the chunk buffer, one key tile per task (the
+/// same for every objective: compiled once per element type and GEMM).
+template <class T, class Gemm>
+void chunk_dk(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows, float* dk_acc)
+{
+  st.for_key_tiles(
+      [&](std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned)
+      {
+        const std::size_t m_pad = round_up(cols, kernel_mr);
+        for (std::size_t r0 = 0; r0 < rows; r0 += block_m)
+        {
+          load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, std::min(block_m, rows - r0), cols, m_pad, ws);
+          st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp);
+        }
+      });
+}
+
+/// dK = out_scale * dk_acc stored in the output type, the non-finite flags into `parts`.
+template <class T, class Gemm, class Out>
+void store_dk(engine_state<T, Gemm>& st, backward_partials& parts, float out_scale, const float* dk_acc, Out* dk)
+{
+  parallel_for(st.pool,
+               (st.n_k + 63) / 64,
+               st.workers,
+               [&](std::size_t t, unsigned w)
+               {
+                 const std::size_t end = std::min(st.n_k, (t + 1) * 64);
+                 for (std::size_t j = t * 64; j < end; ++j)
+                 {
+                   parts.bad_k[w] |= st.store_row(dk_acc + j * st.dp, out_scale, dk + j * st.d) ? 1 : 0;
+                 }
+               });
+}
+
 /// Backward of `loss_scale * loss` for the chunked algorithm after `chunked_forward`.
 template <class O, class T, class Gemm, class Out>
 backward_result
@@ -271,30 +305,11 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
                    parts.bad_q[w] |= bad ? 1 : 0;
                  });
     // dK += G_c^T Q_c: one key tile per task.
-    st.for_key_tiles(
-        [&](std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned)
-        {
-          const std::size_t m_pad = round_up(cols, kernel_mr);
-          for (std::size_t r0 = 0; r0 < rows; r0 += block_m)
-          {
-            load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, std::min(block_m, rows - r0), cols, m_pad, ws);
-            st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp);
-          }
-        });
+    chunk_dk(st, c0, rows, dk_acc);
   }
   st.chunk_cached = false; // the buffer now holds G
 
-  parallel_for(st.pool,
-               (st.n_k + 63) / 64,
-               st.workers,
-               [&](std::size_t t, unsigned w)
-               {
-                 const std::size_t end = std::min(st.n_k, (t + 1) * 64);
-                 for (std::size_t j = t * 64; j < end; ++j)
-                 {
-                   parts.bad_k[w] |= st.store_row(dk_acc + j * st.dp, out_scale, dk + j * st.d) ? 1 : 0;
-                 }
-               });
+  store_dk(st, parts, out_scale, dk_acc, dk);
   return parts.combine(st.workers, static_cast<double>(out_scale), static_cast<double>(loss_scale));
 }
 } // namespace host

@@ -160,7 +160,8 @@ struct engine_state
   /// float; materialized: the chain from the stored element-type products), the sigmoid objective's bias added
   /// (z = S + b; materialized: rounded to T, as autocast adds it). Returns whether any is non-finite.
   template <class Algorithm, class O>
-  bool scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
+  CONTRASTIVE_NOINLINE bool
+  scaled_tile(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws) const
   {
     constexpr bool Biased = O::has_bias;
     float poison = 0.0f;
@@ -375,13 +376,13 @@ struct engine_state
   /// as frameworks) (rows x cols valid, zero elsewhere up to block_m x block_n), from the
   /// scaled logits already there.
   template <class O>
-  void gradient_tile(bool exact_positive,
-                     std::size_t i0,
-                     std::size_t j0,
-                     std::size_t rows,
-                     std::size_t cols,
-                     const grad_coefficients& gc,
-                     worker_scratch& ws) const noexcept
+  CONTRASTIVE_NOINLINE void gradient_tile(bool exact_positive,
+                                          std::size_t i0,
+                                          std::size_t j0,
+                                          std::size_t rows,
+                                          std::size_t cols,
+                                          const grad_coefficients& gc,
+                                          worker_scratch& ws) const noexcept
   {
     if constexpr (!O::softmax)
     {

@@ -263,15 +263,15 @@ static_assert(kernel_kc % 2 == 0, "slices of the pair layouts hold whole pairs")
 /// b_panels whose panel c starts at b + c * b_panel_stride and holds [kc][NR] (E = float), or the pair layouts
 /// (E = std::uint16_t, bfloat16 bits, kc even; only where bf16_dot). Strides and offsets count elements.
 template <class E>
-void gemm_packed(std::size_t m_pad,
-                 std::size_t n_pad,
-                 std::size_t kc,
-                 const E* a,
-                 const E* b,
-                 std::size_t b_panel_stride,
-                 float* c,
-                 std::size_t ldc,
-                 bool accumulate) noexcept
+CONTRASTIVE_NOINLINE void gemm_packed(std::size_t m_pad,
+                                      std::size_t n_pad,
+                                      std::size_t kc,
+                                      const E* a,
+                                      const E* b,
+                                      std::size_t b_panel_stride,
+                                      float* c,
+                                      std::size_t ldc,
+                                      bool accumulate) noexcept
 {
 #if CONTRASTIVE_AMX_COMPILED
   if constexpr (std::is_same_v<E, std::uint16_t>)

@@ -16,51 +16,51 @@ namespace contrastive
 {
 namespace host
 {
-/// Backward of `loss_scale * loss` for the materialized algorithm after `forward<materialized>`.
-template <class O, class T, class Gemm, class Out>
-backward_result
-materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
+/// Phase 1's element-type chain on one tile of G in ws.tile (rows x cols at (i0, j0)): dS = round_T(loss_scale G),
+/// dA = round_T(s dS) in place of the stored logits, d(loss_scale * loss)/d log s = s sum dS A and (`Biased`: z =
+/// S + b) d b = sum dS into the worker's partials. Kept out of line and off the objective: one copy per element type.
+template <class T, bool Biased, class Gemm>
+CONTRASTIVE_NOINLINE void materialized_chain_tile(engine_state<T, Gemm>& st,
+                                                  std::size_t i0,
+                                                  std::size_t j0,
+                                                  std::size_t rows,
+                                                  std::size_t cols,
+                                                  float loss_scale,
+                                                  const worker_scratch& ws,
+                                                  backward_partials& parts,
+                                                  unsigned w) noexcept
 {
   using traits = element_traits<T>;
-  constexpr bool biased = O::has_bias; // z = S + b: d b = sum dS
-  backward_partials parts;
+  for (std::size_t ii = 0; ii < rows; ++ii)
+  {
+    T* m = &st.logits[(i0 + ii) * st.n_k + j0];
+    const float* g = &ws.tile[ii * block_n];
+    if constexpr (Biased) // d b = sum dS (z = S + b: dz = dS), of the element-type values a framework sums
+    {
+      parts.dbias[w] += static_cast<double>(lane_sum(cols,
+                                                     [&](std::size_t jj)
+                                                     {
+                                                       return materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
+                                                     }));
+    }
+    parts.dlogs[w] += lane_sum(cols,
+                               [&](std::size_t jj)
+                               {
+                                 const float ds = materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
+                                 const float prod = ds * traits::to_float(m[jj]);
+                                 m[jj] = traits::from_float(materialized_chain<T>::product_gradient(ds, st.scale));
+                                 return prod;
+                               });
+  }
+}
 
-  // 1. dA in place of A, and d(loss_scale * loss)/d log s = s * sum dS * A.
-  st.for_row_blocks(
-      [&](std::size_t i0, std::size_t rows, worker_scratch& ws, unsigned w)
-      {
-        for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
-        {
-          const std::size_t cols = std::min(block_n, st.n_k - j0);
-          st.template scaled_tile<algorithm::materialized, O>(i0, j0, rows, cols, ws);
-          st.template gradient_tile<O>(false, i0, j0, rows, cols, gc, ws);
-          for (std::size_t ii = 0; ii < rows; ++ii)
-          {
-            T* m = &st.logits[(i0 + ii) * st.n_k + j0];
-            const float* g = &ws.tile[ii * block_n];
-            if constexpr (biased) // d b = sum dS (z = S + b: dz = dS), of the element-type values a framework sums
-            {
-              parts.dbias[w] +=
-                  static_cast<double>(lane_sum(cols,
-                                               [&](std::size_t jj)
-                                               {
-                                                 return materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
-                                               }));
-            }
-            parts.dlogs[w] += lane_sum(cols,
-                                       [&](std::size_t jj)
-                                       {
-                                         const float ds = materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
-                                         const float prod = ds * traits::to_float(m[jj]);
-                                         m[jj] =
-                                             traits::from_float(materialized_chain<T>::product_gradient(ds, st.scale));
-                                         return prod;
-                                       });
-          }
-        }
-      });
-
-  // 2. dQ = dA K, one row block per task.
+/// Phases 2 and 3 of the materialized backward, the same for every objective (so compiled once per element type and
+/// GEMM, not per objective): dQ = dA K and dK = dA^T Q from dA in place of the logits, the outputs' non-finite flags
+/// into `parts`.
+template <class T, class Gemm, class Out>
+void materialized_products(engine_state<T, Gemm>& st, backward_partials& parts, Out* dq, Out* dk)
+{
+  // dQ = dA K, one row block per task.
   st.for_row_blocks(
       [&](std::size_t i0, std::size_t rows, worker_scratch& ws, unsigned w)
       {
@@ -80,7 +80,7 @@ materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_co
         parts.bad_q[w] |= bad ? 1 : 0;
       });
 
-  // 3. dK = dA^T Q, one key tile per task.
+  // dK = dA^T Q, one key tile per task.
   st.for_key_tiles(
       [&](std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned w)
       {
@@ -99,7 +99,30 @@ materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_co
         }
         parts.bad_k[w] |= bad ? 1 : 0;
       });
+}
 
+/// Backward of `loss_scale * loss` for the materialized algorithm after `forward<materialized>`.
+template <class O, class T, class Gemm, class Out>
+backward_result
+materialized_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
+{
+  backward_partials parts;
+
+  // 1. dA in place of A, and d(loss_scale * loss)/d log s = s * sum dS * A.
+  st.for_row_blocks(
+      [&](std::size_t i0, std::size_t rows, worker_scratch& ws, unsigned w)
+      {
+        for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
+        {
+          const std::size_t cols = std::min(block_n, st.n_k - j0);
+          st.template scaled_tile<algorithm::materialized, O>(i0, j0, rows, cols, ws);
+          st.template gradient_tile<O>(false, i0, j0, rows, cols, gc, ws);
+          materialized_chain_tile<T, O::has_bias>(st, i0, j0, rows, cols, loss_scale, ws, parts, w);
+        }
+      });
+
+  // 2, 3. dQ = dA K, dK = dA^T Q.
+  materialized_products(st, parts, dq, dk);
   return parts.combine(st.workers, static_cast<double>(st.scale), 1.0);
 }
 } // namespace host
