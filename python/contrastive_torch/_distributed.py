@@ -29,6 +29,8 @@ _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _EXCHANGES = ("engine", "gather")
 # The Python exception kinds the agreement carries from the failing rank to every rank.
 _KINDS = {1: TypeError, 2: ValueError, 3: NotImplementedError, 4: RuntimeError, 5: MemoryError, 6: OverflowError}
+# The most values one rank says in the agreement (binding.cpp's agree_values).
+_AGREED_VALUES = 12
 
 
 def _kind_of(error):
@@ -62,7 +64,7 @@ def _exchange_verdicts(group, kind, message, values):
         return extension().agree(group, kind, message, [float(v) for v in values])
     import torch.distributed as dist
 
-    mine = torch.zeros(10, dtype=torch.float64, device=device)
+    mine = torch.zeros(2 + _AGREED_VALUES, dtype=torch.float64, device=device)
     mine[0], mine[1] = kind, len(values)
     if values:
         mine[2:2 + len(values)] = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -84,7 +86,7 @@ def _exchange_verdicts(group, kind, message, values):
 
 def agree(group, error, values):
     """Every rank's verdict on its own checks (`error`: None or the exception it would raise) and its `values` (at
-    most 8 numbers), all-gathered over `group`: if any rank failed, every rank raises the first failing rank's error,
+    most _AGREED_VALUES numbers), all-gathered over `group`: if any rank failed, every rank raises the first failing rank's error,
     naming it. Returns every rank's values."""
     kind = 0 if error is None else _kind_of(error)
     bad, bad_kind, text, got = _exchange_verdicts(group, kind, "" if error is None else str(error), values)
@@ -208,9 +210,6 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
             raise ValueError(f"rank: {expected[0]}, but this process is rank {rank} of the process group")
         groups = _checks.groups(groups[0], groups[1], q.shape[0], k.shape[0], q.device,
                                 names=("image_groups", "text_groups"))
-        if groups[0] is not None and exchange != "engine":
-            raise NotImplementedError("image_groups: group ids over a process group run on the library's distributed "
-                                      "engine (exchange='engine', CPU tensors)")
         if q.shape[0] != k.shape[0] and groups[0] is None:
             raise ValueError(f"features: each rank passes as many texts as images ({q.shape[0]} and {k.shape[0]})")
         if exchange == "gather":
@@ -233,16 +232,17 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
             raise ValueError(f"grad_ranks: must be >= 1, got {c}")
         values = [_DTYPE_CODES[q.dtype], _checks.ALGORITHMS.index(algorithm), _EXCHANGES.index(exchange),
                   scale_value(s), bias_value(b), q.shape[0],
-                  sum(int(w) << i for i, w in enumerate(wants)) | int(groups[0] is not None) << 4, q.shape[1]]
+                  sum(int(w) << i for i, w in enumerate(wants)) | int(groups[0] is not None) << 4, q.shape[1],
+                  k.shape[0]]
     except Exception as e:  # raised below on every rank, after the agreement
         error = e
     got = agree(group, error, values)
     _check_same(got, names[0])
-    counts = [int(v[5]) for v in got]
+    counts = ([int(v[5]) for v in got], [int(v[8]) for v in got])  # every rank's (images, texts)
     if exchange == "engine":
         key = (DTYPE_NAMES[q.dtype], algorithm, threads, rank, size)
         return _EngineFunction.apply(q, k, s, b, objective, key, group, c, report, *groups)
-    return _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report)
+    return _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report, groups)
 
 
 class _EngineFunction(torch.autograd.Function):
@@ -377,45 +377,95 @@ def _all_gather_with_grad(x, group):
     return torch.cat(dist_nn.all_gather(x, group=group), dim=0)
 
 
+def _rank_order(rank, size):
+    """The ranks in the order the gathered rows take: this rank first, then the ranks after it, then those before."""
+    return list(range(rank, size)) + list(range(rank))
+
+
 def _gather_rows(x, group, counts, rank):
-    """Every rank's rows, this rank's first (then the ranks after it, then those before): the positives of this
-    rank's rows are the diagonal. Unequal row counts are padded for the exchange and cut after it."""
+    """Every rank's rows, this rank's first (_rank_order): the positives of this rank's rows are the diagonal.
+    Unequal row counts are padded for the exchange and cut after it."""
     most = max(counts)
     padded = x if x.shape[0] == most else torch.nn.functional.pad(x, (0, 0, 0, most - x.shape[0]))
     full = _all_gather_with_grad(padded, group)
-    order = list(range(rank, len(counts))) + list(range(rank))
-    return torch.cat([full[r * most:r * most + counts[r]] for r in order], dim=0)
+    return torch.cat([full[r * most:r * most + counts[r]] for r in _rank_order(rank, len(counts))], dim=0)
 
 
-def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report):
+def _gather_ids(groups, group, counts, rank):
+    """Every rank's (image ids, text ids), each in _gather_rows' order: one all-gather of bytes (no gradient)."""
+    import torch.distributed as dist
+
+    most = [max(c) for c in counts]
+    mine = torch.zeros(most[0] + most[1], dtype=torch.int64, device=groups[0].device)
+    mine[:counts[0][rank]] = groups[0]
+    mine[most[0]:most[0] + counts[1][rank]] = groups[1]
+    every = [torch.empty_like(mine) for _ in counts[0]]
+    dist.all_gather(every, mine, group=group)
+    order = _rank_order(rank, len(counts[0]))
+    return (torch.cat([every[r][:counts[0][r]] for r in order]),
+            torch.cat([every[r][most[0]:most[0] + counts[1][r]] for r in order]))
+
+
+def _direction_weights(objective, ids, counts, rank):
+    """(w_images, w_texts): the share of the global loss each of this rank's one-process terms carries.
+    Without ids: n_r / 2N for each of CLIP's directions, n_r / N for SigLIP (the mean over the N images). With ids
+    (`ids`: the gathered (image, text) ids, this rank's first), CLIP's mean runs over the rows that have a positive
+    (R images, C texts of the global batch) and this rank's terms are means over its own such rows (R_r, C_r):
+    R_r / 2R and C_r / 2C, 0 where the batch has no such row (loss 0, zero gradients). SigLIP's mean stays over the
+    images. On CUDA the four counts are read with one synchronisation."""
+    if objective != "symmetric":
+        return counts[0][rank] / sum(counts[0]), 0.0
+    if ids[0] is None:
+        w = counts[0][rank] / sum(counts[0]) / 2.0
+        return w, w
+    has = (torch.isin(ids[0], ids[1]), torch.isin(ids[1], ids[0]))  # rows with at least one positive
+    r_all, r_mine, c_all, c_mine = torch.stack([has[0].sum(), has[0][:counts[0][rank]].sum(), has[1].sum(),
+                                                has[1][:counts[1][rank]].sum()]).tolist()
+    return (r_mine / r_all / 2.0 if r_all else 0.0), (c_mine / c_all / 2.0 if c_all else 0.0)
+
+
+def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, counts, report, groups):
     import torch.distributed as dist
 
     rank = group.rank()
-    # This rank's rows carry the share P_r = w_r (l_1 + l_2) of the global loss G = sum_r P_r (w_r = n_r / 2N for
-    # CLIP's two directions, n_r / N for SigLIP). The one-process steps see the caller's incoming gradient g itself
-    # (a GradScaler's scale: float16 reruns only where it would in one process); the weights go on in the backward:
-    # c w_r on the features (the gathered ones too, so the gather's backward sums c dG/d(rows) over ranks), w_r on the
-    # scalars before their gradient is summed over ranks (dG/ds on every rank).
-    weight = counts[rank] / sum(counts) / (2.0 if objective == "symmetric" else 1.0)
+    # This rank's rows carry the share P_r = w_1 l_1 + w_2 l_2 of the global loss G = sum_r P_r (l_1, l_2 the
+    # one-process terms of its images and its texts; _direction_weights). The one-process steps see the caller's
+    # incoming gradient g itself (a GradScaler's scale: float16 reruns only where it would in one process); the
+    # weights go on in the backward, per direction: c w on the features (the gathered ones too, so the gather's
+    # backward sums c dG/d(rows) over ranks), w on the scalars before their gradient is summed over ranks (dG/ds on
+    # every rank).
+    ids = _gather_ids(groups, group, counts, rank) if groups[0] is not None else (None, None)
+    w = _direction_weights(objective, ids, counts, rank)
     grad_on = torch.is_grad_enabled()
 
-    def scalar(x):
+    def scalar(x, weight):
         return _SumGradOverRanks.apply(x, group, weight) if grad_on and x.requires_grad else x
 
-    def features(x):
+    def features(x, weight):
         return _ScaleGrad.apply(x, c * weight) if grad_on and x.requires_grad else x
 
     reports = [{}, {}]
-    s_used = scalar(s)
-    keys = features(_gather_rows(k, group, counts, rank))
+    # With ids the two directions' weights differ, each its own scalar (the ranks agreed on whether ids are given, so
+    # every rank runs the same collectives in the backward).
+    s_image = scalar(s, w[0])
+    s_text = s_image if groups[0] is None else scalar(s, w[1])
+    keys = features(_gather_rows(k, group, counts[1], rank), w[0])
     if objective == "symmetric":
-        images = features(_gather_rows(q, group, counts, rank))
+        images = features(_gather_rows(q, group, counts[0], rank), w[1])
         step = _steps.softmax
-        local = (step(features(q), keys, s_used, None, False, algorithm, threads, fused_tiles, reports[0]) +
-                 step(features(k), images, s_used, None, False, algorithm, threads, fused_tiles, reports[1]))
+        parts = (step(features(q, w[0]), keys, s_image, None, False, algorithm, threads, fused_tiles, reports[0],
+                      (groups[0], ids[1])),
+                 step(features(k, w[1]), images, s_text, None, False, algorithm, threads, fused_tiles, reports[1],
+                      (groups[1], ids[0])))
     else:
-        local = _steps.sigmoid(features(q), keys, s_used, scalar(b), algorithm, threads, reports[0])
-    shared = torch.stack([local.detach() * weight, torch.zeros_like(local.detach())])
+        parts = (_steps.sigmoid(features(q, w[0]), keys, s_image, scalar(b, w[0]), algorithm, threads, reports[0],
+                                (groups[0], ids[1])),)
+    local = sum(parts[1:], parts[0])
+    if groups[0] is None:  # one weight
+        mine = local.detach() * w[0]
+    else:
+        mine = sum((p.detach() * wp for p, wp in zip(parts[1:], w[1:])), parts[0].detach() * w[0])
+    shared = torch.stack([mine, torch.zeros_like(mine)])
     if reports[0]:
         shared[1] = torch.stack([r["max_logit"].float().to(shared.device) for r in reports if r]).max()
     dist.all_reduce(shared[:1], group=group)

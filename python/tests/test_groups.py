@@ -2,7 +2,7 @@
 """Several positives per row from group ids (clip_loss / siglip_loss image_groups, text_groups; info_nce_loss
 query_groups, key_groups): against a float64 reference written with torch's own ops, per algorithm and dtype; ids
 that give one positive per row equal to the one-positive loss bit for bit; the modules; opcheck and torch.compile;
-the refusals; and 2 gloo ranks whose positives lie on the other rank."""
+the refusals; and 2 gloo ranks whose positives lie on the other rank, over both exchanges."""
 
 import json
 import os
@@ -243,20 +243,44 @@ def _worker(rank, world, port, seed, out_dir):
         img, txt = unit(n_img * world, 16, seed), unit(n_txt * world, 16, seed + 1)
         ig, tg = draw_ids(n_img * world, n_txt * world, seed + 2, "random")
         mi, mt = slice(rank * n_img, (rank + 1) * n_img), slice(rank * n_txt, (rank + 1) * n_txt)
-        for objective in ("symmetric", "sigmoid"):
-            b = -3.0 if objective == "sigmoid" else None
-            got = run(objective, img[mi], txt[mt], 8.0, ig[mi], tg[mt], b, group=dist.group.WORLD)
-            i64, t64 = img.double().requires_grad_(), txt.double().requires_grad_()
-            s64 = torch.tensor(8.0, dtype=torch.float64, requires_grad=True)
-            want = reference(objective, i64, t64, s64, ig, tg, b or 0.0)
-            want.backward()
-            # The features' gradients carry the group's size (grad_ranks' default), logit_scale's does not.
-            pairs = (("loss", got[0], want.detach()), ("d image", got[1], world * i64.grad[mi]),
-                     ("d text", got[2], world * t64.grad[mt]), ("d logit_scale", got[3], s64.grad))
-            for name, a, w in pairs:
-                checks[0] += 1
-                if rel(a, w) > 1e-5:
-                    failures.append(f"rank {rank}: {objective} {name}: {rel(a, w)}")
+        # Both exchanges: the library's engine and torch's all-gather with the one-process step (CUDA's default).
+        for exchange in ("engine", "gather"):
+            for objective in ("symmetric", "sigmoid"):
+                b = -3.0 if objective == "sigmoid" else None
+                got = run(objective, img[mi], txt[mt], 8.0, ig[mi], tg[mt], b, group=dist.group.WORLD,
+                          exchange=exchange)
+                i64, t64 = img.double().requires_grad_(), txt.double().requires_grad_()
+                s64 = torch.tensor(8.0, dtype=torch.float64, requires_grad=True)
+                b64 = torch.tensor(b or 0.0, dtype=torch.float64, requires_grad=True)
+                want = reference(objective, i64, t64, s64, ig, tg, b64)
+                want.backward()
+                # The features' gradients carry the group's size (grad_ranks' default), the scalars' do not.
+                pairs = [("loss", got[0], want.detach()), ("d image", got[1], world * i64.grad[mi]),
+                         ("d text", got[2], world * t64.grad[mt]), ("d logit_scale", got[3], s64.grad)]
+                if b is not None:
+                    pairs.append(("d logit_bias", got[4], b64.grad))
+                for name, a, w in pairs:
+                    checks[0] += 1
+                    if rel(a, w) > 1e-5:
+                        failures.append(f"rank {rank}: {exchange} {objective} {name}: {rel(a, w)}")
+            # Only rank 1's images have a positive (on rank 0): rank 0's image term weighs 0, its texts carry all.
+            # No positive anywhere: loss 0, zero gradients.
+            lone = (torch.arange(n_img * world) + 1000, torch.arange(n_txt * world) + 5000)
+            lone[0][n_img] = lone[1][0] = 7
+            for name, (qg, kg) in (("one positive pair", lone), ("no positive", draw_ids(n_img * world,
+                                                                                        n_txt * world, 0, "none"))):
+                got = run("symmetric", img[mi], txt[mt], 8.0, qg[mi], kg[mt], group=dist.group.WORLD,
+                          exchange=exchange)
+                i64, t64 = img.double().requires_grad_(), txt.double().requires_grad_()
+                s64 = torch.tensor(8.0, dtype=torch.float64, requires_grad=True)
+                want = reference("symmetric", i64, t64, s64, qg, kg)
+                want.backward()
+                for part, a, w in (("loss", got[0], want.detach()), ("d image", got[1], world * i64.grad[mi]),
+                                   ("d text", got[2], world * t64.grad[mt]), ("d logit_scale", got[3], s64.grad)):
+                    checks[0] += 1
+                    bad = (a.abs().max() != 0) if name == "no positive" else (rel(a, w) > 1e-5)
+                    if bool(bad):
+                        failures.append(f"rank {rank}: {exchange} {name} {part}: {a} against {w}")
         # One rank without ids: refused on every rank, naming the rank.
         try:
             CF.clip_loss(img[mi], txt[mt], 8.0, group=dist.group.WORLD, image_groups=ig[mi] if rank == 0 else None,
@@ -282,4 +306,4 @@ def test_two_gloo_ranks(seed, tmp_path):
     reports = run_ranks(_worker, 2, seed, tmp_path)
     failures = [f for got in reports for f in got["failures"]]
     assert not failures, "\n".join(failures[:20])
-    assert [got["checks"] for got in reports] == [9, 9]
+    assert [got["checks"] for got in reports] == [35, 35]

@@ -341,12 +341,15 @@ private:
 };
 
 #if CONTRASTIVE_TORCH_DISTRIBUTED
-/// What each rank says in `agree`: its verdict (0: fine, else the Python exception kind) and up to 8 values.
+/// The most values a rank says in `agree` (the Python side's `_AGREED_VALUES`).
+constexpr int agree_values = 12;
+
+/// What each rank says in `agree`: its verdict (0: fine, else the Python exception kind) and up to 12 values.
 struct agree_msg
 {
   std::int32_t kind;
   std::int32_t n;
-  double values[8];
+  double values[agree_values];
 };
 
 /// The Python side's agreement (one all-gather; one broadcast more when a rank failed): returns (the first rank whose
@@ -362,7 +365,7 @@ agree(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   agree_msg mine;
   std::memset(&mine, 0, sizeof mine);
   mine.kind = static_cast<std::int32_t>(kind);
-  mine.n = static_cast<std::int32_t>(std::min<std::size_t>(values.size(), 8));
+  mine.n = static_cast<std::int32_t>(std::min<std::size_t>(values.size(), agree_values));
   std::copy_n(values.begin(), mine.n, mine.values);
   std::vector<agree_msg> all(static_cast<std::size_t>(comm.size()));
   if (const cl::status st = comm.allgather(&mine, sizeof mine, all.data()); !st.ok())
@@ -372,7 +375,7 @@ agree(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   std::vector<std::vector<double>> got;
   for (const agree_msg& m : all)
   {
-    got.emplace_back(m.values, m.values + std::max(0, std::min(m.n, 8)));
+    got.emplace_back(m.values, m.values + std::max(0, std::min(m.n, agree_values)));
   }
   for (int r = 0; r < comm.size(); ++r)
   {
