@@ -15,6 +15,8 @@ One call runs a training step's forward and backward for a batch of any size wit
    embedding gradients are back-propagated into the parameters. Under DDP every chunk but the last runs inside
    `no_sync()`, so the parameters are all-reduced once per step.
 The gradients equal the one-pass step's (same masks; BatchNorm's statistics are per chunk: the known difference).
+The towers may differ in length (five captions per image, with group ids for the loss): both are cut into the same
+number of chunks, the longer one into chunks of `chunk_size` rows.
 """
 
 import contextlib
@@ -55,6 +57,14 @@ class _RandomState:
             yield
 
 
+def _chunks(n, count, size):
+    """`count` (start, end) row ranges of a tower of n rows: chunks of `size` rows where that takes `count` of them
+    (the longer tower), else n split as evenly as `count` ranges allow (some may be empty; the last is not)."""
+    if -(-n // size) == count:
+        return [(j * size, min((j + 1) * size, n)) for j in range(count)]
+    return [(j * n // count, (j + 1) * n // count) for j in range(count)]
+
+
 def _features(name, out):
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
         what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -63,25 +73,29 @@ def _features(name, out):
 
 
 class CachedStep:
-    """A two-tower step with cached embedding gradients: `step(images, texts, *loss_args, scaler=None)`.
+    """A two-tower step with cached embedding gradients: `step(images, texts, *loss_args, scaler=None, **loss_kwargs)`.
 
     CachedStep(model, loss, chunk_size=256)
     CachedStep(image_encoder, text_encoder, loss, chunk_size=256, *, no_sync=None)
 
     `model`: an open_clip model, or one wrapped in DistributedDataParallel (its encoders then run through the wrapper's
-    forward, `model(images, None)` and `model(None, texts)`, with normalized features, and its `no_sync` is used).
-    `image_encoder`, `text_encoder`: callables from a chunk of inputs to its features (the features the loss should
-    see: for open_clip, `lambda x: model.encode_image(x, normalize=True)`). `loss`: a loss of this library (ClipLoss,
+    forward, `model(images, texts)` per chunk, with normalized features, and its `no_sync` is used). `image_encoder`,
+    `text_encoder`: callables from a chunk of inputs to its features (the features the loss should see: for
+    open_clip, `lambda x: model.encode_image(x, normalize=True)`). `loss`: a loss of this library (ClipLoss,
     SigLipLoss, InfoNCELoss; one process or world_size > 1) or any callable `loss(image_features, text_features,
-    *loss_args)` returning a scalar. `chunk_size`: rows per chunk of both towers. `no_sync`: a context manager factory
-    (a DDP module's `no_sync`) under which every chunk's backward but the last runs; None with plain encoders.
+    *loss_args, **loss_kwargs)` returning a scalar. `chunk_size`: rows per chunk of the longer tower. `no_sync`: a
+    context manager factory (a DDP module's `no_sync`) under which every chunk's backward but the last runs; None
+    with plain encoders.
 
-    The call: `images` and `texts` (tensors, or anything with a length whose slices the encoders take, of the same
-    length), `loss_args` what the loss takes after the two feature tensors (`model.logit_scale.exp()`, and
-    `model.logit_bias` for SigLIP), `scaler` a GradScaler: the cached gradients are those of the scaled loss, so
-    float16 gradients keep their digits; unscaling and `scaler.step` stay the caller's. Encoders run under whatever
-    autocast the caller has entered. Returns the loss, detached. Parameters' gradients accumulate into `.grad` as a
-    backward does (zero them before, as usual)."""
+    The call: `images` and `texts` (tensors, or anything with a length whose slices the encoders take); their lengths
+    may differ where the loss allows it (five captions per image, with group ids): both towers are cut into the same
+    number of chunks, the longer one into chunks of `chunk_size` rows, the shorter one evenly (a chunk without rows
+    of one tower runs the other alone: `model(images, None)`). `loss_args`: what the loss takes after the two
+    feature tensors (`model.logit_scale.exp()`, and `model.logit_bias` for SigLIP); `loss_kwargs`: its keywords (the
+    whole batch's `image_groups` and `text_groups`, say). `scaler`: a GradScaler; the cached gradients are those of
+    the scaled loss, so float16 gradients keep their digits; unscaling and `scaler.step` stay the caller's. Encoders
+    run under whatever autocast the caller has entered. Returns the loss, detached. Parameters' gradients accumulate
+    into `.grad` as a backward does (zero them before, as usual)."""
 
     def __init__(self, *args, chunk_size=256, no_sync=None):
         if len(args) == 2 or (len(args) == 3 and not callable(args[2])):
@@ -98,7 +112,8 @@ class CachedStep:
                 no_sync = self._ddp_no_sync(model)
                 self._ddp_extras = True
             else:
-                self._joint = lambda x, y: (inner.encode_image(x, normalize=True), inner.encode_text(y, normalize=True))
+                self._joint = lambda x, y: (None if x is None else inner.encode_image(x, normalize=True),
+                                            None if y is None else inner.encode_text(y, normalize=True))
                 self._ddp_extras = False
             self.image_encoder = self.text_encoder = None
         elif len(args) in (3, 4):
@@ -110,7 +125,8 @@ class CachedStep:
                     raise TypeError(f"{name}: expected a callable (a module or function), got {type(f).__name__}")
             if _is_ddp(self.image_encoder) and no_sync is None:
                 no_sync = self._ddp_no_sync(self.image_encoder)
-            self._joint = lambda x, y: (self.image_encoder(x), self.text_encoder(y))
+            self._joint = lambda x, y: (None if x is None else self.image_encoder(x),
+                                        None if y is None else self.text_encoder(y))
             self._ddp_extras = False
         else:
             raise TypeError("CachedStep(model, loss, chunk_size=256) or CachedStep(image_encoder, text_encoder, loss, "
@@ -142,34 +158,46 @@ class CachedStep:
         return out[0], out[1], list(out[2:])
 
     def _embed(self, x, y):
+        """The chunk's (image features, text features, extras); x or y None: that tower has no rows in this chunk."""
         out = self._joint(x, y)
         extras = out[2] if len(out) == 3 else []
-        return _features("image_encoder", out[0]), _features("text_encoder", out[1]), extras
+        return (None if x is None else _features("image_encoder", out[0]),
+                None if y is None else _features("text_encoder", out[1]), extras)
 
-    def __call__(self, images, texts, *loss_args, scaler=None):
-        n = len(images)
-        if len(texts) != n:
-            raise ValueError(f"texts: {len(texts)} rows where images has {n}; a contrastive batch pairs them row by row")
-        if n == 0:
-            raise ValueError("images: an empty batch")
-        bounds = [(i, min(i + self.chunk_size, n)) for i in range(0, n, self.chunk_size)]
+    @staticmethod
+    def _rows(inputs, bounds):
+        """The chunk's slice of a tower's inputs, or None where the chunk holds none of its rows."""
+        a, b = bounds
+        return inputs[a:b] if b > a else None
+
+    def __call__(self, images, texts, *loss_args, scaler=None, **loss_kwargs):
+        n_images, n_texts = len(images), len(texts)
+        for name, n in (("images", n_images), ("texts", n_texts)):
+            if n == 0:
+                raise ValueError(f"{name}: an empty batch")
+        # Both towers in the same number of chunks (equal lengths: chunk_size rows each, the last one shorter); the
+        # last chunk holds rows of both, so a DDP model's synchronised backward reaches every parameter.
+        count = -(-max(n_images, n_texts) // self.chunk_size)
+        bounds = list(zip(_chunks(n_images, count, self.chunk_size), _chunks(n_texts, count, self.chunk_size)))
         # Pass 1: embeddings without a graph, and each chunk's random state.
         states, image_parts, text_parts = [], [], []
         with torch.no_grad():
-            for a, b in bounds:
-                x, y = images[a:b], texts[a:b]
-                states.append(_RandomState(x.device if isinstance(x, torch.Tensor) else torch.device("cpu")))
+            for ib, tb in bounds:
+                x, y = self._rows(images, ib), self._rows(texts, tb)
+                first = x if x is not None else y
+                states.append(_RandomState(first.device if isinstance(first, torch.Tensor) else torch.device("cpu")))
                 f, g, _ = self._embed(x, y)
-                if f.shape[0] != b - a or g.shape[0] != b - a:
-                    raise ValueError(f"image_encoder/text_encoder: returned {f.shape[0]} and {g.shape[0]} rows for a "
-                                     f"chunk of {b - a}")
-                image_parts.append(f)
-                text_parts.append(g)
+                got = (0 if f is None else f.shape[0], 0 if g is None else g.shape[0])
+                if got != (ib[1] - ib[0], tb[1] - tb[0]):
+                    raise ValueError(f"image_encoder/text_encoder: returned {got[0]} and {got[1]} rows for a chunk of "
+                                     f"{ib[1] - ib[0]} images and {tb[1] - tb[0]} texts")
+                image_parts += [f] if f is not None else []
+                text_parts += [g] if g is not None else []
         # The loss on all embeddings as leaves: their gradients, and the loss arguments' through the user's graph.
         image_features = torch.cat(image_parts).requires_grad_()
         text_features = torch.cat(text_parts).requires_grad_()
         del image_parts, text_parts
-        loss = self.loss(image_features, text_features, *loss_args)
+        loss = self.loss(image_features, text_features, *loss_args, **loss_kwargs)
         if isinstance(loss, dict):
             loss = sum(loss.values())
         (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -178,12 +206,16 @@ class CachedStep:
         d_text = text_features.grad if text_features.grad is not None else torch.zeros_like(text_features)
         del image_features, text_features
         # Pass 2: each chunk again with a graph, its cached gradients back-propagated.
-        for i, ((a, b), state) in enumerate(zip(bounds, states)):
+        for i, ((ib, tb), state) in enumerate(zip(bounds, states)):
             last = i == len(bounds) - 1
             sync = contextlib.nullcontext() if (last or self.no_sync is None) else self.no_sync()
             with sync, state.restored():
-                f, g, extras = self._embed(images[a:b], texts[a:b])
-                outputs, grads = [f, g], [d_image[a:b], d_text[a:b]]
+                f, g, extras = self._embed(self._rows(images, ib), self._rows(texts, tb))
+                outputs, grads = [], []
+                for out, d, (a, b) in ((f, d_image, ib), (g, d_text, tb)):
+                    if out is not None:
+                        outputs.append(out)
+                        grads.append(d[a:b])
                 if last and self._ddp_extras:
                     # The DDP model's forward also returns logit_scale.exp() (and logit_bias): a zero gradient through
                     # them lets DDP's reducer see those parameters used in this backward and all-reduce their

@@ -178,6 +178,45 @@ def test_open_clip_model():
     assert open_clip is not None
 
 
+@pytest.mark.parametrize("name,sigmoid,make_loss", CASES)
+def test_group_ids_and_towers_of_different_lengths(name, sigmoid, make_loss, seed):
+    # Five captions per image (16 images, 80 texts), the ids through the loss's keywords: CachedStep against the
+    # one-pass step on the whole batch (no dropout: the chunks' pairing of the two towers draws no masks), for chunk
+    # sizes that split the shorter tower into uneven and empty chunks.
+    eps = torch.finfo(torch.float32).eps
+    torch.manual_seed(seed)
+    base = Towers(dropout=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(16, 24, generator=g)
+    y = x.repeat(5, 1) + 0.3 * torch.randn(80, 24, generator=g)
+    ids = {"image_groups": torch.arange(16), "text_groups": torch.arange(80) % 16}
+    for chunk in (7, 16, 32, 100):
+        models = [Towers(dropout=0.0) for _ in range(2)]
+        for m in models:
+            m.load_state_dict(base.state_dict())
+        ref, model = models
+        want = make_loss()(ref.encode_image(x), ref.encode_text(y), *loss_args(ref, sigmoid), **ids)
+        want.backward()
+        step = ct.CachedStep(lambda v: model.encode_image(v), lambda v: model.encode_text(v), make_loss(), chunk)
+        got = step(x, y, *loss_args(model, sigmoid), **ids)
+        assert rel(got, want.detach()) <= 16 * eps, f"{name} chunk {chunk}: loss (seed {seed})"
+        want_grads, got_grads = grads(ref), grads(model)
+        assert set(got_grads) == set(want_grads)
+        for p in want_grads:
+            err = rel(got_grads[p], want_grads[p])
+            assert err <= 64 * eps, f"{name} chunk {chunk}: d {p} {err / eps:.1f} eps32 (seed {seed})"
+    # The open_clip model form, one tower's rows missing from some chunks (model.encode_* run alone).
+    models = [Towers(dropout=0.0) for _ in range(2)]
+    for m in models:
+        m.load_state_dict(base.state_dict())
+    ref, model = models
+    make_loss()(ref.encode_image(x), ref.encode_text(y), *loss_args(ref, sigmoid), **ids).backward()
+    ct.CachedStep(model, make_loss(), 9)(x, y, *loss_args(model, sigmoid), **ids)
+    want_grads, got_grads = grads(ref), grads(model)
+    for p in want_grads:
+        assert rel(got_grads[p], want_grads[p]) <= 64 * eps, f"{name} model form: d {p} (seed {seed})"
+
+
 def test_errors_name_the_argument(monkeypatch):
     model = Towers()
     enc_i, enc_t = (lambda v: model.encode_image(v)), (lambda v: model.encode_text(v))
@@ -187,8 +226,12 @@ def test_errors_name_the_argument(monkeypatch):
         with pytest.raises((ValueError, TypeError), match="chunk_size"):
             ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), bad)
     step = ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), 4)
-    with pytest.raises(ValueError, match="texts"):
+    # Towers of different lengths without group ids: the loss refuses them, before any backward.
+    with pytest.raises(ValueError, match="group ids"):
         step(x, y[:9], s)
+    for name, args in (("images", (x[:0], y)), ("texts", (x, y[:0]))):
+        with pytest.raises(ValueError, match=name):
+            step(*args, s)
     with pytest.raises(TypeError, match="image_encoder"):
         ct.CachedStep(lambda v: (model.encode_image(v), 1), enc_t, ct.ClipLoss(), 4)(x, y, s)
     with pytest.raises(TypeError, match="text_encoder"):

@@ -31,7 +31,7 @@ struct symmetric : softmax_objective<true>
       return {errc::shape_mismatch,
               "n_k",
               "the symmetric loss needs n_q == n_k (got n_q = " + std::to_string(n_q) +
-                  ", n_k = " + std::to_string(n_k) + ")"};
+                  ", n_k = " + std::to_string(n_k) + "); towers of different sizes need group ids"};
     }
     if (has_labels)
     {
