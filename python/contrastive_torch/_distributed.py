@@ -453,10 +453,11 @@ def _gathered(objective, q, k, s, b, algorithm, threads, fused_tiles, group, c, 
     if objective == "symmetric":
         images = features(_gather_rows(q, group, counts[0], rank), w[1])
         step = _steps.softmax
+        towers = _steps.TOWER_NAMES
         parts = (step(features(q, w[0]), keys, s_image, None, False, algorithm, threads, fused_tiles, reports[0],
-                      (groups[0], ids[1])),
+                      (groups[0], ids[1]), towers),
                  step(features(k, w[1]), images, s_text, None, False, algorithm, threads, fused_tiles, reports[1],
-                      (groups[1], ids[0])))
+                      (groups[1], ids[0]), (towers[1], towers[0], towers[3], towers[2])))
     else:
         parts = (_steps.sigmoid(features(q, w[0]), keys, s_image, scalar(b, w[0]), algorithm, threads, reports[0],
                                 (groups[0], ids[1])),)

@@ -3,6 +3,8 @@
 diagnosis filled in. functional.py (one process) and _distributed.py (this rank's rows against the gathered ones)
 both call these; this module imports neither of them."""
 
+import re
+
 import torch
 
 from . import _checks, _host
@@ -31,34 +33,60 @@ def _fill(report, out, q):
         report["algorithm"] = _host.last_algorithm()
 
 
-def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report, groups=(None, None)):
+# The caller's names of (q, k, query_groups, key_groups), which the library's messages call by its own.
+QUERY_NAMES = ("query", "keys", "query_groups", "key_groups")
+TOWER_NAMES = ("image_features", "text_features", "image_groups", "text_groups")
+
+
+def renamed(error, names):
+    """The library's refusal (ValueError, OverflowError) with its argument named as the caller named it: q, k, n_q,
+    n_k, query_groups and key_groups become names[0], names[1], names[0], names[1], names[2], names[3] (the message
+    keeps the library's detail, e.g. 'image_features: image_features[2][3] is not finite'). Other errors unchanged."""
+    text = str(error)
+    head = re.match(r"contrastive: (\w+): ", text)
+    mapping = {"q": names[0], "n_q": names[0], "k": names[1], "n_k": names[1], "query_groups": names[2],
+               "key_groups": names[3]}
+    if head is None or mapping.get(head.group(1), head.group(1)) == head.group(1):
+        return error
+    rest = re.sub(r"\bk\[", names[1] + "[", re.sub(r"\bq\[", names[0] + "[", text[head.end():]))
+    return type(error)(f"contrastive: {mapping[head.group(1)]}: {rest}")
+
+
+def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report, groups=(None, None),
+            names=QUERY_NAMES):
     """The softmax objectives (symmetric, InfoNCE) through contrastive_torch::softmax_step, or grouped_softmax_step
-    with `groups` (checked int64 group ids, _checks.groups)."""
+    with `groups` (checked int64 group ids, _checks.groups). `names`: the caller's names of q, k and the two ids, for
+    the operator's refusals (renamed)."""
     require_custom_ops()
     s = _checks.scalar("logit_scale", logit_scale, q.device)
-    if groups[0] is not None:
-        out = torch.ops.contrastive_torch.grouped_softmax_step(q, k, s, groups[0], groups[1], symmetric, algorithm,
-                                                               threads, _wants_grads(q, k, s))
-        _fill(report, out, q)
-        return out[0]
-    labels = _checks.labels(labels, q.shape[0], q.device)
-    out = torch.ops.contrastive_torch.softmax_step(q, k, s, labels, symmetric, algorithm, threads, fused_tiles,
-                                                   _wants_grads(q, k, s))
+    labels = _checks.labels(labels, q.shape[0], q.device) if groups[0] is None else None
+    try:
+        if groups[0] is not None:
+            out = torch.ops.contrastive_torch.grouped_softmax_step(q, k, s, groups[0], groups[1], symmetric,
+                                                                   algorithm, threads, _wants_grads(q, k, s))
+        else:
+            out = torch.ops.contrastive_torch.softmax_step(q, k, s, labels, symmetric, algorithm, threads,
+                                                           fused_tiles, _wants_grads(q, k, s))
+    except (ValueError, OverflowError) as e:
+        raise renamed(e, names) from None
     _fill(report, out, q)
     return out[0]
 
 
-def sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report, groups=(None, None)):
+def sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report, groups=(None, None), names=TOWER_NAMES):
     """The sigmoid objective (SigLIP) through contrastive_torch::sigmoid_step, or grouped_sigmoid_step with
-    `groups`."""
+    `groups`; `names` as softmax's."""
     require_custom_ops()
     s = _checks.scalar("logit_scale", logit_scale, q.device)
     b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
                        "None, a number or a one-element tensor")
-    if groups[0] is not None:
-        out = torch.ops.contrastive_torch.grouped_sigmoid_step(q, k, s, b, groups[0], groups[1], algorithm, threads,
-                                                               _wants_grads(q, k, s, b))
-    else:
-        out = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, algorithm, threads, _wants_grads(q, k, s, b))
+    try:
+        if groups[0] is not None:
+            out = torch.ops.contrastive_torch.grouped_sigmoid_step(q, k, s, b, groups[0], groups[1], algorithm,
+                                                                   threads, _wants_grads(q, k, s, b))
+        else:
+            out = torch.ops.contrastive_torch.sigmoid_step(q, k, s, b, algorithm, threads, _wants_grads(q, k, s, b))
+    except (ValueError, OverflowError) as e:
+        raise renamed(e, names) from None
     _fill(report, out, q)
     return out[0]

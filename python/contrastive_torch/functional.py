@@ -75,7 +75,7 @@ def clip_loss(image_features, text_features, logit_scale, *, algorithm=None, thr
                             image_features.device, names=("image_groups", "text_groups"))
     algorithm = _checks.resolve_algorithm(algorithm, image_features.device)
     return _steps.softmax(image_features, text_features, logit_scale, None, True, algorithm, threads, fused_tiles,
-                          report, groups)
+                          report, groups, _steps.TOWER_NAMES)
 
 
 def info_nce_loss(query, keys, logit_scale, labels=None, *, algorithm=None, threads=0, fused_tiles=False,

@@ -183,7 +183,7 @@ def test_bad_inputs_raise():
         loss(features(4, 8).t(), features(4, 8).t(), s)
     bad = img.clone()
     bad[3, 2] = float("nan")
-    with pytest.raises(ValueError, match=r"q\[3\]\[2\] is not finite"):
+    with pytest.raises(ValueError, match=r"image_features: image_features\[3\]\[2\] is not finite"):
         loss(bad, txt, s)
     with pytest.raises(ValueError, match="logit_scale"):
         loss(img, txt, torch.tensor(0.0))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import contrastive_torch as ct
+import contrastive_torch.functional as CF
 
 
 def test_memory_that_cannot_be_had_is_a_memory_error():
@@ -21,7 +22,7 @@ def test_bad_input_is_a_value_error_naming_the_argument():
     q = torch.nn.functional.normalize(torch.randn(8, 4), dim=1)
     k = q.clone()
     k[5, 2] = float("inf")
-    with pytest.raises(ValueError, match=r"k\[5\]\[2\] is not finite.*\[non_finite_input\]"):
+    with pytest.raises(ValueError, match=r"text_features: text_features\[5\]\[2\] is not finite.*\[non_finite_input\]"):
         ct.ClipLoss()(q, k, torch.tensor(10.0))
 
 
@@ -31,3 +32,21 @@ def test_every_algorithm_the_library_lists_is_accepted():
         ext.Loss("float32", name, 1)
     with pytest.raises(ValueError, match="'fused', 'materialized', 'chunked'"):
         ext.Loss("float32", "tiled", 1)
+
+
+def test_the_library_refusals_name_the_callers_arguments():
+    # The operators' messages call the features q and k; each function names them as its caller does.
+    q = torch.nn.functional.normalize(torch.randn(6, 4), dim=1)
+    bad = q.clone()
+    bad[2, 3] = float("nan")
+    cases = [(lambda: CF.clip_loss(bad, q, 10.0), r"image_features: image_features\[2\]\[3\] is not finite"),
+             (lambda: CF.clip_loss(q, bad, 10.0), r"text_features: text_features\[2\]\[3\] is not finite"),
+             (lambda: CF.siglip_loss(q, bad, 10.0, -1.0), r"text_features: text_features\[2\]\[3\]"),
+             (lambda: CF.info_nce_loss(bad, q, 10.0), r"query: query\[2\]\[3\] is not finite"),
+             (lambda: CF.info_nce_loss(q, bad, 10.0), r"keys: keys\[2\]\[3\] is not finite"),
+             (lambda: ct.InfoNCELoss()(q, bad, 10.0), r"keys: keys\[2\]\[3\]"),
+             (lambda: CF.clip_loss(q[:0], q[:0], 10.0), r"image_features: no queries"),
+             (lambda: CF.clip_loss(q, q[:5], 10.0), r"text_features: the symmetric loss needs n_q == n_k")]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
