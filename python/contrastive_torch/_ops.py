@@ -234,10 +234,11 @@ def _param_grad(value, param):
     return value if value.shape == param.shape else value.reshape(param.shape)
 
 
-def _rerun_inputs(q, k):
-    """What a step saves for feature_grads' rerun: the features when float16, else nothing (so that bfloat16 and
-    float32 features are neither kept alive nor checked for in-place changes by the backward)."""
-    return (q, k) if q.dtype == torch.float16 else (None, None)
+def _rerun_inputs(q, k, *positives):
+    """What a step saves for feature_grads' rerun: the features and what gives the positives (labels, or the two group
+    ids) when float16, else nothing (so that bfloat16 and float32 inputs are neither kept alive nor checked for
+    in-place changes by the backward, and ids made under torch.inference_mode() are accepted)."""
+    return (q, k, *positives) if q.dtype == torch.float16 else (None,) * (2 + len(positives))
 
 
 def _no_grads(ctx):
@@ -258,7 +259,7 @@ def _softmax_setup_context(ctx, inputs, output):
     _loss, dq, dk, dlogs, _max_logit, _site = output
     _only_the_loss(ctx, output)
     ctx.grads = grads
-    ctx.save_for_backward(*_rerun_inputs(q, k), labels, dq, dk, dlogs, logit_scale)
+    ctx.save_for_backward(*_rerun_inputs(q, k, labels), dq, dk, dlogs, logit_scale)
     ctx.call = (symmetric, algorithm, threads, fused_tiles)
 
 
@@ -299,7 +300,7 @@ def _grouped_softmax_setup_context(ctx, inputs, output):
     q, k, logit_scale, query_groups, key_groups, symmetric, algorithm, threads, grads = inputs
     _only_the_loss(ctx, output)
     ctx.grads = grads
-    ctx.save_for_backward(*_rerun_inputs(q, k), query_groups, key_groups, *output[1:4], logit_scale)
+    ctx.save_for_backward(*_rerun_inputs(q, k, query_groups, key_groups), *output[1:4], logit_scale)
     ctx.call = (symmetric, algorithm, threads, False)
 
 
@@ -318,7 +319,7 @@ def _grouped_sigmoid_setup_context(ctx, inputs, output):
     q, k, logit_scale, logit_bias, query_groups, key_groups, algorithm, threads, grads = inputs
     _only_the_loss(ctx, output)
     ctx.grads = grads
-    ctx.save_for_backward(*_rerun_inputs(q, k), query_groups, key_groups, *output[1:5], logit_scale, logit_bias)
+    ctx.save_for_backward(*_rerun_inputs(q, k, query_groups, key_groups), *output[1:5], logit_scale, logit_bias)
     ctx.call = (True, algorithm, threads, False)
 
 

@@ -307,3 +307,31 @@ def test_two_gloo_ranks(seed, tmp_path):
     failures = [f for got in reports for f in got["failures"]]
     assert not failures, "\n".join(failures[:20])
     assert [got["checks"] for got in reports] == [35, 35]
+
+
+def test_ids_are_kept_for_the_backward_only_where_it_reruns():
+    # float32 and bfloat16 backwards scale the saved gradients: the ids are not saved, so ids changed in place after the
+    # forward, or made under torch.inference_mode(), are fine there. float16 keeps them for its rerun under a loss
+    # scale (and autograd then refuses ids changed in place, as it refuses changed features).
+    q, k = unit(6, 5, 31), unit(6, 5, 32)
+    for dtype in (torch.float32, torch.bfloat16):
+        ids = torch.arange(6) % 3
+        a = q.to(dtype).clone().requires_grad_()
+        want = CF.clip_loss(a, k.to(dtype), 3.0, image_groups=ids.clone(), text_groups=ids.clone())
+        want.backward()
+        b = q.to(dtype).clone().requires_grad_()
+        got = CF.clip_loss(b, k.to(dtype), 3.0, image_groups=ids, text_groups=ids)
+        ids.fill_(0)
+        got.backward()
+        assert torch.equal(got.detach(), want.detach()) and torch.equal(b.grad, a.grad)
+        with torch.inference_mode():
+            frozen = torch.arange(6) % 3
+        c = q.to(dtype).clone().requires_grad_()
+        CF.clip_loss(c, k.to(dtype), 3.0, image_groups=frozen, text_groups=frozen).backward()
+        assert torch.equal(c.grad, a.grad)
+    ids = torch.arange(6) % 3
+    h = q.half().clone().requires_grad_()
+    loss = CF.clip_loss(h, k.half(), 3.0, image_groups=ids, text_groups=ids)
+    ids.fill_(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss * 1024.0).backward()
