@@ -9,6 +9,8 @@ SigLIP, the bias) of
   compile   torch.compile(fullgraph=True, dynamic=False) of the same function (one fresh compile per row)
   ours      contrastive_torch.functional.clip_loss / siglip_loss, algorithm None (the default), 'chunked',
             'materialized', 'fused' (--ours; 'chunked_tiles': chunked with fused_tiles=True)
+  ours:<alg>+ids  the same with group ids (--groups K: pairs i and j positive when i // K == j // K, K positives a
+            row), to set the cost of several positives per row beside one; no float64 errors on these rows
   inf_cl    Inf-CL (pip inf-cl, CLIP only): (cal_inf_loss(s * img, txt) + cal_inf_loss(s * txt, img)) / 2, its
             single-process path (its scale= argument all-reduces the scale's gradient, which needs a process group)
   siglip_kernel  siglip-kernel (pip siglip-kernel, SigLIP only): fused_siglip_loss(img, txt, log s, b), its router
@@ -32,7 +34,7 @@ the rest. --budget seconds (counted once the worker is ready, the extension buil
 
     python3 scripts/gpu_side_by_side.py [--n 16384 65536 262144] [--d 768] [--modes bf16 autocast]
         [--objectives clip siglip] [--contenders eager compile ours peers] [--ours None chunked materialized fused]
-        [--reps 10] [--budget 240] [--out side_by_side.md]
+        [--reps 10] [--budget 240] [--out side_by_side.md] [--groups 5]
     python3 scripts/gpu_side_by_side.py --dry-run        # the CPU, tiny N, end to end (CUDA/Triton rows skipped)
 
 Output: the markdown table (card, versions, command) on stdout at the end and in --out (default
@@ -78,6 +80,8 @@ def parse_args(argv):
     ap.add_argument("--contenders", nargs="+", choices=GROUPS, default=list(GROUPS))
     ap.add_argument("--ours", nargs="+", choices=OURS, default=["None", "chunked", "materialized", "fused"],
                     help="our algorithms ('None': the default choice)")
+    ap.add_argument("--groups", type=int, default=0, metavar="K",
+                    help="also run each of ours with group ids, K pairs per group (0: not)")
     ap.add_argument("--fused-max-n", type=int, default=65536,
                     help="skip fused (and None where it resolves to fused) above this N; 0: never skip")
     ap.add_argument("--reps", type=int, help="timed steps per row (default 10; CPU 3)")
@@ -368,6 +372,8 @@ class Worker:
             out.append("eager")
         if "ours" in a.contenders:
             out += ["ours" if alg == "None" else f"ours:{alg}" for alg in a.ours]
+            if a.groups > 0:
+                out += ["ours+ids" if alg == "None" else f"ours:{alg}+ids" for alg in a.ours]
         if "peers" in a.contenders:
             out.append(PEERS[objective])
         if "compile" in a.contenders:
@@ -392,7 +398,12 @@ class Worker:
         if contender.startswith("ours"):
             if self.ours_error:
                 raise RuntimeError(f"contrastive_torch: {self.ours_error}")
-            alg = contender.partition(":")[2] or None
+            plus = contender.endswith("+ids")
+            alg = contender[:len(contender) - 4 if plus else None].partition(":")[2] or None
+            ids = {}
+            if plus:
+                group = self.ids_for(self.current_n)
+                ids = {"image_groups": group, "text_groups": group}
             tiles = alg == "chunked_tiles"
             alg = "chunked" if tiles else alg
             CF = self.CF
@@ -405,14 +416,16 @@ class Worker:
                     raise Skip(first_line(e)) from None
             if objective == "clip":
                 def fn(img, txt, log_s, bias):
-                    return CF.clip_loss(img, txt, log_s.exp(), algorithm=alg, fused_tiles=tiles)
+                    return CF.clip_loss(img, txt, log_s.exp(), algorithm=alg, fused_tiles=tiles, **ids)
             else:
                 if tiles:
                     raise Skip("fused_tiles is an option of the softmax losses only")
 
                 def fn(img, txt, log_s, bias):
-                    return CF.siglip_loss(img, txt, log_s.exp(), bias, algorithm=alg)
+                    return CF.siglip_loss(img, txt, log_s.exp(), bias, algorithm=alg, **ids)
             note = f"None: {self.resolved(objective)}" if alg is None else ""
+            if plus:
+                note = (note + "; " if note else "") + f"ids: {self.args.groups} pairs per group"
             if mode == "autocast":
                 cast = "cast to bf16 (its autocast rule)" if self.ours_casts() else "float32"
                 note = (note + "; " if note else "") + cast
@@ -440,6 +453,10 @@ class Worker:
             pass
         return (lambda img, txt, log_s, bias: fn(img, txt, log_s, bias)), note
 
+    def ids_for(self, n):
+        """Group ids of n pairs, --groups consecutive pairs per group, on the device (int64)."""
+        return self.torch.arange(n, device=self.dev) // self.args.groups
+
     def ours_casts(self):
         """Whether our operators cast float32 features under autocast (their autocast rule)."""
         try:
@@ -462,8 +479,8 @@ class Worker:
 
     def skip_reason(self, mode, objective, n, contender):
         a, torch = self.args, self.torch
-        alg = contender.partition(":")[2] if contender.startswith("ours") else None
-        if contender == "ours":
+        alg = contender.removesuffix("+ids").partition(":")[2] if contender.startswith("ours") else None
+        if contender.startswith("ours") and not alg:
             alg = self.resolved(objective)
         if alg == "fused" and a.fused_max_n and n > a.fused_max_n:
             what = "None runs fused here; " if contender == "ours" else ""
@@ -510,6 +527,9 @@ class Worker:
     def run_row(self, mode, objective, n, contender, inputs, ref):
         torch, a = self.torch, self.args
         row = {}
+        self.current_n = n
+        if contender.endswith("+ids"):
+            ref = None  # the float64 reference has one positive per row
         fn, row["note"] = self.make_fn(objective, contender, mode)
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
         img = inputs[0].to(dtype, copy=True).requires_grad_()
