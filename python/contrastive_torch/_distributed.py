@@ -262,6 +262,9 @@ class _EngineFunction(torch.autograd.Function):
             else:
                 value, _tau = handle.forward(q, k, scale, None, True, group, query_groups=query_groups,
                                              key_groups=key_groups)
+        except (ValueError, OverflowError) as e:  # the engine's agreed refusal: named as the caller names it
+            _host.pool.give(key, handle)
+            raise _steps.renamed(e, _steps.TOWER_NAMES) from None
         except Exception:
             _host.pool.give(key, handle)
             raise
