@@ -404,6 +404,13 @@ class Worker:
             if plus:
                 group = self.ids_for(self.current_n)
                 ids = {"image_groups": group, "text_groups": group}
+                from contrastive_torch import _checks
+
+                try:  # the library's own rule: whether this device's step takes group ids
+                    _checks.groups(group, group, self.current_n, self.current_n, self.dev,
+                                   names=("image_groups", "text_groups"))
+                except NotImplementedError as e:
+                    raise Skip(first_line(e)) from None
             tiles = alg == "chunked_tiles"
             alg = "chunked" if tiles else alg
             CF = self.CF

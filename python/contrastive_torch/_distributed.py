@@ -86,8 +86,8 @@ def _exchange_verdicts(group, kind, message, values):
 
 def agree(group, error, values):
     """Every rank's verdict on its own checks (`error`: None or the exception it would raise) and its `values` (at
-    most _AGREED_VALUES numbers), all-gathered over `group`: if any rank failed, every rank raises the first failing rank's error,
-    naming it. Returns every rank's values."""
+    most _AGREED_VALUES numbers), all-gathered over `group`: if any rank failed, every rank raises the first failing
+    rank's error, naming it. Returns every rank's values."""
     kind = 0 if error is None else _kind_of(error)
     bad, bad_kind, text, got = _exchange_verdicts(group, kind, "" if error is None else str(error), values)
     if bad >= 0:

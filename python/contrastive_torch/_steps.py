@@ -41,7 +41,8 @@ TOWER_NAMES = ("image_features", "text_features", "image_groups", "text_groups")
 def renamed(error, names):
     """The library's refusal (ValueError, OverflowError) with its argument named as the caller named it: q, k, n_q,
     n_k, query_groups and key_groups become names[0], names[1], names[0], names[1], names[2], names[3] (the message
-    keeps the library's detail, e.g. 'image_features: image_features[2][3] is not finite'). Other errors unchanged."""
+    keeps the library's detail, e.g. 'image_features: image_features[2][3] is not finite'). Other errors unchanged.
+    Eager calls only: under torch.compile the operator raises inside the compiled graph, with the library's names."""
     text = str(error)
     head = re.match(r"contrastive: (\w+): ", text)
     mapping = {"q": names[0], "n_q": names[0], "k": names[1], "n_k": names[1], "query_groups": names[2],
@@ -49,6 +50,7 @@ def renamed(error, names):
     if head is None or mapping.get(head.group(1), head.group(1)) == head.group(1):
         return error
     rest = re.sub(r"\bk\[", names[1] + "[", re.sub(r"\bq\[", names[0] + "[", text[head.end():]))
+    rest = re.sub(r"\bkey_groups\b", names[3], re.sub(r"\bquery_groups\b", names[2], rest))
     return type(error)(f"contrastive: {mapping[head.group(1)]}: {rest}")
 
 

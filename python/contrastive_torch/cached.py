@@ -65,6 +65,18 @@ def _chunks(n, count, size):
     return [(j * n // count, (j + 1) * n // count) for j in range(count)]
 
 
+# The loss keywords that carry group ids: with them the towers may differ in length.
+_IDS = {"image_groups", "text_groups", "query_groups", "key_groups"}
+
+
+def _device_of(*inputs):
+    """The device whose random state a chunk saves: a CUDA tensor's among the inputs, else the CPU."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            return x.device
+    return torch.device("cpu")
+
+
 def _features(name, out):
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
         what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -87,15 +99,15 @@ class CachedStep:
     context manager factory (a DDP module's `no_sync`) under which every chunk's backward but the last runs; None
     with plain encoders.
 
-    The call: `images` and `texts` (tensors, or anything with a length whose slices the encoders take); their lengths
-    may differ where the loss allows it (five captions per image, with group ids): both towers are cut into the same
-    number of chunks, the longer one into chunks of `chunk_size` rows, the shorter one evenly (a chunk without rows
-    of one tower runs the other alone: `model(images, None)`). `loss_args`: what the loss takes after the two
-    feature tensors (`model.logit_scale.exp()`, and `model.logit_bias` for SigLIP); `loss_kwargs`: its keywords (the
-    whole batch's `image_groups` and `text_groups`, say). `scaler`: a GradScaler; the cached gradients are those of
-    the scaled loss, so float16 gradients keep their digits; unscaling and `scaler.step` stay the caller's. Encoders
-    run under whatever autocast the caller has entered. Returns the loss, detached. Parameters' gradients accumulate
-    into `.grad` as a backward does (zero them before, as usual)."""
+    The call: `images` and `texts` (tensors, or anything with a length whose slices the encoders take); their
+    lengths may differ when group ids come with the loss's keywords (five captions per image): both towers are cut
+    into the same number of chunks, the longer one into chunks of `chunk_size` rows, the shorter one evenly (a chunk
+    without rows of one tower runs the other alone: `model(images, None)`). `loss_args`: what the loss takes after the
+    two feature tensors (`model.logit_scale.exp()`, and `model.logit_bias` for SigLIP); `loss_kwargs`: its keywords
+    (the whole batch's `image_groups` and `text_groups`, say). `scaler`: a GradScaler; the cached gradients are those
+    of the scaled loss, so float16 gradients keep their digits; unscaling and `scaler.step` stay the caller's.
+    Encoders run under whatever autocast the caller has entered. Returns the loss, detached. Parameters' gradients
+    accumulate into `.grad` as a backward does (zero them before, as usual)."""
 
     def __init__(self, *args, chunk_size=256, no_sync=None):
         if len(args) == 2 or (len(args) == 3 and not callable(args[2])):
@@ -175,6 +187,9 @@ class CachedStep:
         for name, n in (("images", n_images), ("texts", n_texts)):
             if n == 0:
                 raise ValueError(f"{name}: an empty batch")
+        if n_images != n_texts and not _IDS.intersection(loss_kwargs):
+            raise ValueError(f"texts: {n_texts} rows where images has {n_images}; without group ids (image_groups, "
+                             "text_groups) a contrastive batch pairs them row by row")
         # Both towers in the same number of chunks (equal lengths: chunk_size rows each, the last one shorter); the
         # last chunk holds rows of both, so a DDP model's synchronised backward reaches every parameter.
         count = -(-max(n_images, n_texts) // self.chunk_size)
@@ -184,8 +199,7 @@ class CachedStep:
         with torch.no_grad():
             for ib, tb in bounds:
                 x, y = self._rows(images, ib), self._rows(texts, tb)
-                first = x if x is not None else y
-                states.append(_RandomState(first.device if isinstance(first, torch.Tensor) else torch.device("cpu")))
+                states.append(_RandomState(_device_of(x, y)))
                 f, g, _ = self._embed(x, y)
                 got = (0 if f is None else f.shape[0], 0 if g is None else g.shape[0])
                 if got != (ib[1] - ib[0], tb[1] - tb[0]):

@@ -226,8 +226,8 @@ def test_errors_name_the_argument(monkeypatch):
         with pytest.raises((ValueError, TypeError), match="chunk_size"):
             ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), bad)
     step = ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), 4)
-    # Towers of different lengths without group ids: the loss refuses them, before any backward.
-    with pytest.raises(ValueError, match="group ids"):
+    # Towers of different lengths without group ids: refused before any encoder runs.
+    with pytest.raises(ValueError, match="texts: 9 rows where images has 10; without group ids"):
         step(x, y[:9], s)
     for name, args in (("images", (x[:0], y)), ("texts", (x, y[:0]))):
         with pytest.raises(ValueError, match=name):
