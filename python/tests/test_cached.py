@@ -6,6 +6,7 @@ float16 with a GradScaler; an open_clip model from open_clip's own classes; Batc
 difference); 2 gloo ranks under DDP; the errors. Differences are normwise relative, in multiples of the type's eps."""
 
 import datetime
+import gc
 import json
 import os
 import traceback
@@ -289,6 +290,10 @@ def _ddp_worker(rank, world, port, seed, out_dir):
         for name in g0:
             if rel(g1[name], g0[name]) > 256 * eps:
                 failures.append(f"rank {rank}: d {name} {rel(g1[name], g0[name]) / eps:.1f} eps32 (seed {seed})")
+        # The DDP wrappers hold the process group (one through the CachedStep's own reference cycle): freed before the
+        # group is destroyed, or a ProcessGroupGloo alive at interpreter exit aborts the rank (std::terminate).
+        del ddp, loss_fn, loss, f, g, s
+        gc.collect()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the test
         failures.append(f"rank {rank}: {traceback.format_exc()}")
