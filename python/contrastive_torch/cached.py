@@ -120,7 +120,10 @@ class CachedStep:
                                 f"wrapped in DistributedDataParallel, got {type(model).__name__}; pass "
                                 "image_encoder, text_encoder, loss instead")
             if _is_ddp(model):
-                self._joint = lambda x, y: self._ddp_joint(model, x, y)
+                # No closure over self: a reference cycle would keep a DDP model (and its process group) alive
+                # until a garbage collection, past destroy_process_group.
+                ddp_joint = self._ddp_joint
+                self._joint = lambda x, y: ddp_joint(model, x, y)
                 no_sync = self._ddp_no_sync(model)
                 self._ddp_extras = True
             else:
@@ -137,8 +140,9 @@ class CachedStep:
                     raise TypeError(f"{name}: expected a callable (a module or function), got {type(f).__name__}")
             if _is_ddp(self.image_encoder) and no_sync is None:
                 no_sync = self._ddp_no_sync(self.image_encoder)
-            self._joint = lambda x, y: (None if x is None else self.image_encoder(x),
-                                        None if y is None else self.text_encoder(y))
+            image_encoder, text_encoder = self.image_encoder, self.text_encoder
+            self._joint = lambda x, y: (None if x is None else image_encoder(x),
+                                        None if y is None else text_encoder(y))
             self._ddp_extras = False
         else:
             raise TypeError("CachedStep(model, loss, chunk_size=256) or CachedStep(image_encoder, text_encoder, loss, "
