@@ -262,11 +262,10 @@ class _EngineFunction(torch.autograd.Function):
             else:
                 value, _tau = handle.forward(q, k, scale, None, True, group, query_groups=query_groups,
                                              key_groups=key_groups)
-        except (ValueError, OverflowError) as e:  # the engine's agreed refusal: named as the caller names it
+        except Exception as e:
             _host.pool.give(key, handle)
-            raise _steps.renamed(e, _steps.TOWER_NAMES) from None
-        except Exception:
-            _host.pool.give(key, handle)
+            if isinstance(e, (ValueError, OverflowError)):  # the engine's agreed refusal: named as the caller names it
+                raise _steps.renamed(e, _steps.TOWER_NAMES) from None
             raise
         ctx.key, ctx.handle, ctx.group, ctx.scale, ctx.c, ctx.report = key, handle, group, scale, c, report
         ctx.params = (logit_scale, logit_bias)
