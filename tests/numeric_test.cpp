@@ -555,6 +555,71 @@ TEST(AmxTiles, PartialBlocksSumLikeWholeOnes)
   }
 }
 
+namespace
+{
+// One call over `blocks` consecutive blocks of 64 steps of a deeper A (a_kc = 4 blocks) equals a call per block in
+// order, bit for bit: the builtin backend's dK product (dk_depth) relies on it.
+template <class Tiles>
+void check_deep_reduction(std::size_t blocks, std::uint32_t seed)
+{
+  namespace h = contrastive::host;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<std::uint32_t> bits(0, 0xffff);
+  const std::size_t m_pad = 40, n_pad = 64, block = 64, a_kc = 4 * block;
+  std::vector<std::uint16_t> ap(m_pad * a_kc), bp(n_pad * a_kc);
+  for (auto* v : {&ap, &bp})
+  {
+    for (auto& x : *v)
+    {
+      x = static_cast<std::uint16_t>(bits(rng) & 0xbfffu); // finite: exponent below 0xff
+    }
+  }
+  std::vector<float> deep(m_pad * n_pad), steps(m_pad * n_pad);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (std::size_t i = 0; i < deep.size(); ++i)
+  {
+    deep[i] = steps[i] = normal(rng);
+  }
+  Tiles tiles;
+  const std::size_t b_stride = a_kc * h::kernel_nr;
+  h::amx::gemm_pairs(
+      tiles, m_pad, n_pad, blocks * block, ap.data(), bp.data(), b_stride, deep.data(), n_pad, true, a_kc);
+  for (std::size_t s = 0; s < blocks; ++s)
+  {
+    h::amx::gemm_pairs(tiles,
+                       m_pad,
+                       n_pad,
+                       block,
+                       ap.data() + s * block * h::kernel_mr,
+                       bp.data() + s * block * h::kernel_nr,
+                       b_stride,
+                       steps.data(),
+                       n_pad,
+                       true,
+                       a_kc);
+  }
+  for (std::size_t i = 0; i < deep.size(); ++i)
+  {
+    ASSERT_EQ(bits_of(deep[i]), bits_of(steps[i]))
+        << blocks << " blocks, row " << i / n_pad << ", column " << i % n_pad;
+  }
+}
+} // namespace
+
+TEST(AmxTiles, DeepReductionsSumLikeOneCallPerBlock)
+{
+  std::uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  for (std::size_t blocks : {1u, 2u, 3u, 4u})
+  {
+    check_deep_reduction<contrastive::host::amx::emulated_tiles>(blocks, seed++);
+    if (contrastive::host::amx::active())
+    {
+      check_deep_reduction<contrastive::host::amx::hardware_tiles>(blocks, seed++);
+    }
+  }
+}
+
 // The real tiles, where the CPU and the OS have them (skipped, with the reason, elsewhere): the same bound, and the
 // builds's bfloat16 products (gemm_packed) run on them.
 TEST(AmxTiles, HardwareProductMatchesFloat64)

@@ -393,8 +393,9 @@ struct emulated_tiles
   }
 };
 
-/// C (m_pad x n_pad, ld ldc) (+)= A B over the pair layouts of gemm.hpp (a_pairs panels of a_panel_rows rows, b_pairs
-/// panels of block_cols columns b_panel_stride elements apart, kc even), on the tiles `t`.
+/// C (m_pad x n_pad, ld ldc) (+)= A B over the pair layouts of gemm.hpp (a_pairs panels of a_panel_rows rows and a_kc
+/// steps, of which the first kc are used (a_kc 0: kc); b_pairs panels of block_cols columns b_panel_stride elements
+/// apart; kc even), on the tiles `t`.
 template <class Tiles>
 CONTRASTIVE_AMX_TARGET void gemm_pairs(Tiles& t,
                                        std::size_t m_pad,
@@ -405,8 +406,10 @@ CONTRASTIVE_AMX_TARGET void gemm_pairs(Tiles& t,
                                        std::size_t b_panel_stride,
                                        float* c,
                                        std::size_t ldc,
-                                       bool accumulate) noexcept
+                                       bool accumulate,
+                                       std::size_t a_kc = 0) noexcept
 {
+  a_kc = a_kc == 0 ? kc : a_kc;
   const std::size_t kp = kc / 2;
   alignas(64) std::uint32_t ar[block_rows * a_block_pairs]; // 32 rows of contiguous pairs
   alignas(64) std::uint32_t bt[tile_pairs * block_cols];    // a partial last pair step of B, zero-padded
@@ -426,7 +429,7 @@ CONTRASTIVE_AMX_TARGET void gemm_pairs(Tiles& t,
         const std::size_t have = r < rows ? pairs : 0;
         const std::size_t row = i0 + r;
         const std::uint16_t* pair =
-            a + (row / a_panel_rows) * a_panel_rows * kc + (p0 * a_panel_rows + row % a_panel_rows) * 2;
+            a + (row / a_panel_rows) * a_panel_rows * a_kc + (p0 * a_panel_rows + row % a_panel_rows) * 2;
         for (std::size_t q = 0; q < have; ++q)
         {
           std::memcpy(out + q, pair + q * a_panel_rows * 2, sizeof(std::uint32_t));

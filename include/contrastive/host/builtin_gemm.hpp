@@ -50,6 +50,10 @@ struct worker_scratch
   std::vector<std::uint16_t> qa16, qb16, ga16, gt16, kt16, kl16;
   std::size_t block_i0 = 0; // the row block prepared by the last query_block
   std::size_t block_rows = 0;
+  // dK over several row blocks per product (builtin backend, gemm_backend::dk_depth): the blocks whose G^T and Q
+  // wait in gt16 / qb16, and (materialized, chunked) the first one's row.
+  std::size_t dk_fill = 0;
+  std::size_t dk_i0 = 0;
   std::size_t keys_j0 = 0; // fused: the first key in kl (kl holds keys [keys_j0, keys_j0 + keys_cols))
   std::size_t keys_cols = 0;
 
@@ -132,13 +136,29 @@ struct gemm_backend<gemm::builtin, T>
         detail::checked_size(s.nk_pad) * logit_k(s.d) + (detail::checked_size(s.nk_pad) + s.nq_pad) * s.dp;
     return pairs ? halves(n) : n;
   }
-  /// Floats per worker: the query block in two layouts, the packed G and G^T, a partial-panel buffer and (fused) the
-  /// packed key tiles: key_run tiles for the logits, one for dQ. (16-bit where `pairs`, the partial panel float.)
+  /// Row blocks per dK product: their G^T Q products are summed in one call with a reduction of dk_depth() * block_m.
+  /// 4 on the AMX tiles, whose product over one block (K = 64) is bound by loading and storing its C tiles; there a
+  /// deeper call sums bit for bit as the separate ones (each tdpbf16ps adds its own sum to C), so only the time
+  /// changes. 1 elsewhere: the micro-kernel of gemm.hpp sums each call from zero and adds it to C once.
+  static std::size_t dk_depth() noexcept
+  {
+    if constexpr (pairs)
+    {
+      const amx::state st = amx::status();
+      return st == amx::state::active || st == amx::state::emulated ? 4 : 1;
+    }
+    return 1;
+  }
+
+  /// Floats per worker: the query block in two layouts (the dK one for dk_depth() blocks), the packed G and G^T (for
+  /// dk_depth() blocks), a partial-panel buffer and (fused) the packed key tiles: key_run tiles for the logits, one for
+  /// dQ. (16-bit where `pairs`, the partial panel float.)
   static detail::checked_size worker_floats(const gemm_shape& s, bool materialized) noexcept
   {
     const std::size_t dk = logit_k(s.d);
-    detail::checked_size n = detail::checked_size(block_m) * dk + detail::checked_size(block_m) * s.dp +
-                             detail::checked_size(2 * block_m * block_n);
+    const std::size_t depth = dk_depth();
+    detail::checked_size n = detail::checked_size(block_m) * dk + detail::checked_size(depth * block_m) * s.dp +
+                             detail::checked_size((1 + depth) * block_m * block_n);
     if (!materialized)
     {
       n = n + detail::checked_size(block_n) * s.dp + detail::checked_size(key_run) * dk;
@@ -165,13 +185,14 @@ struct gemm_backend<gemm::builtin, T>
       fit(as_pairs, pairs ? n : 0);
     };
     size(ws.qa, ws.qa16, block_m * dk);
-    size(ws.qb, ws.qb16, block_m * s.dp);
+    size(ws.qb, ws.qb16, dk_depth() * block_m * s.dp);
     size(ws.ga, ws.ga16, block_m * block_n);
-    size(ws.gt, ws.gt16, block_m * block_n);
+    size(ws.gt, ws.gt16, dk_depth() * block_m * block_n);
     size(ws.kt, ws.kt16, materialized ? 0 : block_n * s.dp);
     size(ws.kl, ws.kl16, materialized ? 0 : key_run * dk);
     ws.panel.resize(kernel_mr * s.dp);
     ws.keys_j0 = ws.keys_cols = 0;
+    ws.dk_fill = ws.dk_i0 = 0;
   }
   /// Whether the fused backward may accumulate in the caller's float dq/dk: the products write NR-wide column
   /// panels, so rows must be d wide with d % NR == 0 (a partial last row panel goes through ws.panel).
@@ -278,9 +299,11 @@ struct gemm_backend<gemm::builtin, T>
     if constexpr (pairs)
     {
       pack_row_pairs<kernel_mr>(q, sh.d, i0, rows, block_m, ws.qa16.data());
-      if (for_dk)
+      if (for_dk) // into the dK operand's next free block (dk_block)
       {
-        pack_rows_over_rows_pairs(q, sh.d, sh.dp, i0, rows, block_m, block_m, ws.qb16.data());
+        const std::size_t depth = dk_depth();
+        pack_rows_over_rows_pairs(
+            q, sh.d, sh.dp, i0, rows, block_m, depth * block_m, ws.qb16.data() + ws.dk_fill * block_m * kernel_nr);
       }
       return;
     }
@@ -384,17 +407,34 @@ struct gemm_backend<gemm::builtin, T>
   }
 
   /// acc rows [0, cols), columns [0, width) (width = d when in place, else dp) += G^T Q_blk; only those rows are
-  /// written.
-  CONTRASTIVE_NOINLINE void
-  dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width) const noexcept
+  /// written. With dk_depth() > 1 the block's G^T (and its Q, packed by query_block) wait in the worker's scratch
+  /// until dk_depth() blocks of the same keys (cols, acc) are there or `last` says no more follow; one product then
+  /// adds them all.
+  CONTRASTIVE_NOINLINE void dk_block(
+      std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t width, bool last) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
     if constexpr (pairs)
     {
-      pack_a_transposed_pairs(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt16.data());
-      exact_rows(cols, width, block_m, ws.gt16.data(), ws.qb16.data(), block_m * kernel_nr, acc, ld, ws);
+      const std::size_t depth = dk_depth();
+      pack_a_transposed_pairs(ws.tile.data(),
+                              block_n,
+                              m_pad,
+                              m_pad,
+                              block_m,
+                              ws.gt16.data() + ws.dk_fill * block_m * kernel_mr,
+                              depth * block_m);
+      if (++ws.dk_fill < depth && !last)
+      {
+        return;
+      }
+      const std::size_t kc = ws.dk_fill * block_m;
+      ws.dk_fill = 0;
+      exact_rows(
+          cols, width, kc, ws.gt16.data(), ws.qb16.data(), depth * block_m * kernel_nr, acc, ld, ws, depth * block_m);
       return;
     }
+    (void)last;
     pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
     exact_rows(cols, width, block_m, ws.gt.data(), ws.qb.data(), block_m * kernel_nr, acc, ld, ws);
   }
@@ -410,10 +450,12 @@ struct gemm_backend<gemm::builtin, T>
                          std::size_t b_stride,
                          float* c,
                          std::size_t ldc,
-                         worker_scratch& ws) noexcept
+                         worker_scratch& ws,
+                         std::size_t a_kc = 0) noexcept
   {
+    a_kc = a_kc == 0 ? kc : a_kc;
     const std::size_t m_full = rows / kernel_mr * kernel_mr;
-    gemm_packed(m_full, width, kc, a, b, b_stride, c, ldc, true);
+    gemm_packed(m_full, width, kc, a, b, b_stride, c, ldc, true, a_kc);
     if (m_full == rows)
     {
       return;
@@ -427,7 +469,7 @@ struct gemm_backend<gemm::builtin, T>
         panel[r * width + col] = r < tail ? c[(m_full + r) * ldc + col] : 0.0f;
       }
     }
-    gemm_packed(kernel_mr, width, kc, a + m_full * kc, b, b_stride, panel, width, true);
+    gemm_packed(kernel_mr, width, kc, a + m_full * a_kc, b, b_stride, panel, width, true, a_kc);
     for (std::size_t r = 0; r < tail; ++r)
     {
       for (std::size_t col = 0; col < width; ++col)
@@ -437,23 +479,46 @@ struct gemm_backend<gemm::builtin, T>
     }
   }
 
-  CONTRASTIVE_NOINLINE void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
+  /// acc (cols x dp) += dA^T Q[i0 : i0 + block_m], dA in the tile (materialized, chunked). With dk_depth() > 1 the
+  /// tile's dA^T waits in the worker's scratch until dk_depth() consecutive row blocks of the same keys are there or
+  /// `last` says no more follow; one product over their rows then adds them all.
+  CONTRASTIVE_NOINLINE void
+  dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc, bool last) const noexcept
   {
     const std::size_t m_pad = round_up(cols, kernel_mr);
     if constexpr (pairs)
     {
-      pack_a_transposed_pairs(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt16.data());
+      const std::size_t depth = dk_depth();
+      if (ws.dk_fill == 0)
+      {
+        ws.dk_i0 = i0;
+      }
+      pack_a_transposed_pairs(ws.tile.data(),
+                              block_n,
+                              m_pad,
+                              m_pad,
+                              block_m,
+                              ws.gt16.data() + ws.dk_fill * block_m * kernel_mr,
+                              depth * block_m);
+      if (++ws.dk_fill < depth && !last)
+      {
+        return;
+      }
+      const std::size_t kc = ws.dk_fill * block_m;
+      ws.dk_fill = 0;
       gemm_packed(m_pad,
                   sh.dp,
-                  block_m,
+                  kc,
                   ws.gt16.data(),
-                  q_rows16.data() + i0 * kernel_nr,
+                  q_rows16.data() + ws.dk_i0 * kernel_nr,
                   sh.nq_pad * kernel_nr,
                   acc,
                   sh.dp,
-                  true);
+                  true,
+                  depth * block_m);
       return;
     }
+    (void)last;
     pack_a_transposed(ws.tile.data(), block_n, m_pad, m_pad, block_m, ws.gt.data());
     gemm_packed(
         m_pad, sh.dp, block_m, ws.gt.data(), q_rows.data() + i0 * kernel_nr, sh.nq_pad * kernel_nr, acc, sh.dp, true);

@@ -209,7 +209,7 @@ struct gemm_backend<gemm::cblas, T>
   }
 
   /// acc (cols x d, leading dimension ld) += G^T Q_blk over the block's ws.block_rows rows, G in ws.tile (fused).
-  void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t) const noexcept
+  void dk_block(std::size_t cols, worker_scratch& ws, float* acc, std::size_t ld, std::size_t, bool) const noexcept
   {
     cblas_sgemm(CblasRowMajor,
                 CblasTrans,
@@ -229,7 +229,7 @@ struct gemm_backend<gemm::cblas, T>
 
   /// acc (cols x d, leading dimension dp) += dA^T Q[i0 : i0 + rows], rows the block at i0, dA in ws.tile
   /// (materialized).
-  void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc) const noexcept
+  void dk_queries(std::size_t i0, std::size_t cols, worker_scratch& ws, float* acc, bool) const noexcept
   {
     const std::size_t rows = std::min(block_m, sh.n_q - i0);
     cblas_sgemm(CblasRowMajor,

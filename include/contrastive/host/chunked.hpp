@@ -230,7 +230,7 @@ void chunk_dk(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows, float
         for (std::size_t r0 = 0; r0 < rows; r0 += block_m)
         {
           load_tile(&st.chunk[r0 * st.nk_pad + j0], st.nk_pad, std::min(block_m, rows - r0), cols, m_pad, ws);
-          st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp);
+          st.mm.dk_queries(c0 + r0, cols, ws, dk_acc + j0 * st.dp, r0 + block_m >= rows);
         }
       });
 }

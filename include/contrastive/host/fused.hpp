@@ -107,15 +107,16 @@ fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficie
   const std::size_t ld = in_place ? st.d : st.dp;
   zero_accumulators(st, groups, dq_acc, dk_acc, ld, in_place ? st.n_k : st.nk_pad, [](std::size_t, std::size_t) {});
   // dQ accumulates straight into its rows of dq_acc.
-  for_fused_rounds(st,
-                   groups,
-                   [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned)
-                   {
-                     st.template scaled_tile<algorithm::fused, O>(i0, j0, rows, cols, ws);
-                     st.template gradient_tile<O>(true, i0, j0, rows, cols, gc, ws);
-                     st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
-                     st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
-                   });
+  for_fused_rounds(
+      st,
+      groups,
+      [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned, bool last)
+      {
+        st.template scaled_tile<algorithm::fused, O>(i0, j0, rows, cols, ws);
+        st.template gradient_tile<O>(true, i0, j0, rows, cols, gc, ws);
+        st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
+        st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld, last);
+      });
 
   // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
   const backward_partials parts = store_accumulators(st, dq_acc, dk_acc, ld, out_scale, dq, dk);

@@ -51,7 +51,8 @@ void zero_accumulators(
 }
 
 /// The rounds (see the file comment): for each key tile of the worker's key group, packed once per round for the
-/// logits and dQ, and each row block of its row group, prepared, f(i0, rows, j0, cols, ws, w).
+/// logits and dQ, and each row block of its row group, prepared, f(i0, rows, j0, cols, ws, w, last); `last` says that
+/// the block is the group's last against this key tile (the dK product may wait for several blocks until then).
 template <class State, class F>
 void for_fused_rounds(State& st, unsigned groups, F&& f)
 {
@@ -80,7 +81,7 @@ void for_fused_rounds(State& st, unsigned groups, F&& f)
                       const std::size_t i0 = b * block_m;
                       const std::size_t rows = std::min(block_m, st.n_q - i0);
                       st.query_block(i0, ws, true);
-                      f(i0, rows, j0, cols, ws, w);
+                      f(i0, rows, j0, cols, ws, w, b + 1 == b1);
                     }
                   }
                 });

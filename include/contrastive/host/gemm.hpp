@@ -259,9 +259,10 @@ CONTRASTIVE_FORCEINLINE void micro_kernel(std::size_t kc,
 inline constexpr std::size_t kernel_kc = 128;
 static_assert(kernel_kc % 2 == 0, "slices of the pair layouts hold whole pairs");
 
-/// C (m_pad x n_pad, ld ldc; m_pad, n_pad multiples of MR, NR) (+)= A B with A as a_panels [m_pad/MR][kc][MR] and B as
-/// b_panels whose panel c starts at b + c * b_panel_stride and holds [kc][NR] (E = float), or the pair layouts
-/// (E = std::uint16_t, bfloat16 bits, kc even; only where bf16_dot). Strides and offsets count elements.
+/// C (m_pad x n_pad, ld ldc; m_pad, n_pad multiples of MR, NR) (+)= A B with A as a_panels [m_pad/MR][a_kc][MR] of
+/// which the first kc steps are used (a_kc 0: kc) and B as b_panels whose panel c starts at b + c * b_panel_stride and
+/// holds [kc][NR] (E = float), or the pair layouts (E = std::uint16_t, bfloat16 bits, kc even; only where bf16_dot).
+/// Strides and offsets count elements.
 template <class E>
 CONTRASTIVE_NOINLINE void gemm_packed(std::size_t m_pad,
                                       std::size_t n_pad,
@@ -271,8 +272,10 @@ CONTRASTIVE_NOINLINE void gemm_packed(std::size_t m_pad,
                                       std::size_t b_panel_stride,
                                       float* c,
                                       std::size_t ldc,
-                                      bool accumulate) noexcept
+                                      bool accumulate,
+                                      std::size_t a_kc = 0) noexcept
 {
+  a_kc = a_kc == 0 ? kc : a_kc;
 #if CONTRASTIVE_AMX_COMPILED
   if constexpr (std::is_same_v<E, std::uint16_t>)
   {
@@ -282,13 +285,13 @@ CONTRASTIVE_NOINLINE void gemm_packed(std::size_t m_pad,
     if (tiles_state == amx::state::active)
     {
       amx::hardware_tiles tiles;
-      amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate);
+      amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate, a_kc);
       return;
     }
     if (tiles_state == amx::state::emulated)
     {
       amx::emulated_tiles tiles;
-      amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate);
+      amx::gemm_pairs(tiles, m_pad, n_pad, kc, a, b, b_panel_stride, c, ldc, accumulate, a_kc);
       return;
     }
   }
@@ -298,7 +301,7 @@ CONTRASTIVE_NOINLINE void gemm_packed(std::size_t m_pad,
     const E* bp = b + (jc / kernel_nr) * b_panel_stride;
     for (std::size_t ic = 0; ic < m_pad; ic += kernel_mr)
     {
-      const E* ap = a + ic * kc;
+      const E* ap = a + ic * a_kc;
       float* cp = c + ic * ldc + jc;
       for (std::size_t p0 = 0; p0 < kc || p0 == 0; p0 += kernel_kc)
       {
@@ -394,13 +397,20 @@ inline std::size_t pack_a_pairs(
 }
 
 /// pack_a_transposed into the pair layout: columns [0, cols) of a float row-major matrix (ld ld, k rows used, k
-/// even) rounded to bfloat16 as a_pairs of its transpose [cols_pad/MR][k/2][MR][2], zero beyond cols.
-inline void pack_a_transposed_pairs(
-    const float* src, std::size_t ld, std::size_t cols, std::size_t cols_pad, std::size_t k, std::uint16_t* dst)
+/// even) rounded to bfloat16 as a_pairs of its transpose [cols_pad/MR][k/2][MR][2], zero beyond cols; panels
+/// panel_k steps apart (0: k), so that several matrices may fill consecutive steps of one deeper operand.
+inline void pack_a_transposed_pairs(const float* src,
+                                    std::size_t ld,
+                                    std::size_t cols,
+                                    std::size_t cols_pad,
+                                    std::size_t k,
+                                    std::uint16_t* dst,
+                                    std::size_t panel_k = 0)
 {
+  panel_k = panel_k == 0 ? k : panel_k;
   for (std::size_t c0 = 0; c0 < cols_pad; c0 += kernel_mr)
   {
-    std::uint16_t* panel = dst + c0 * k;
+    std::uint16_t* panel = dst + c0 * panel_k;
     const std::size_t have = c0 < cols ? std::min<std::size_t>(kernel_mr, cols - c0) : 0;
     for (std::size_t p = 0; p < k; p += 2)
     {

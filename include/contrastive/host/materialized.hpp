@@ -90,7 +90,7 @@ void materialized_products(engine_state<T, Gemm>& st, backward_partials& parts, 
         for (std::size_t i0 = 0; i0 < st.n_q; i0 += block_m)
         {
           load_tile(&st.logits[i0 * st.n_k + j0], st.n_k, std::min(block_m, st.n_q - i0), cols, m_pad, ws);
-          st.mm.dk_queries(i0, cols, ws, acc);
+          st.mm.dk_queries(i0, cols, ws, acc, i0 + block_m >= st.n_q);
         }
         bool bad = false;
         for (std::size_t jj = 0; jj < cols; ++jj)

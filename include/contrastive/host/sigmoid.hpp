@@ -55,13 +55,13 @@ row_pass fused_sigmoid_forward_rows(engine_state<T, Gemm>& st, float s)
   for_fused_rounds(
       st,
       groups,
-      [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned w)
+      [&](std::size_t i0, std::size_t rows, std::size_t j0, std::size_t cols, worker_scratch& ws, unsigned w, bool last)
       {
         bad[w] |= st.template scaled_tile<algorithm::fused, O>(i0, j0, rows, cols, ws) ? 1 : 0;
         st.mask_positives(i0, j0, rows, cols, ws, true);
         g_sum[w] += pairwise_tile<O>(st, i0, j0, rows, cols, ws, st.row_loss.data() + i0, st.row_max.data() + i0, true);
         st.mm.dq_product(j0, rows, cols, ws, dq_acc + i0 * ld, ld, ld);
-        st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld);
+        st.mm.dk_block(cols, ws, dk_acc + j0 * ld, ld, ld, last);
       });
   bool any_bad = false;
   st.sigmoid_g_sum = 0.0;
