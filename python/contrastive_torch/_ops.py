@@ -401,6 +401,61 @@ OPERATORS = (
 )
 
 
+class _NotTwice(torch.autograd.Function):
+    """Gradients that must not be differentiated again: copies of them whose backward refuses, made when a backward
+    runs with create_graph=True. The anchors (the step's saved inputs that require grad, and a fresh leaf that does)
+    give the copies a grad_fn that reaches them even where the gradients hang off no graph (float32 and bfloat16
+    return the step's saved gradients), so that a second derivative through them raises instead of being dropped."""
+
+    @staticmethod
+    def forward(ctx, name, count, *tensors):
+        ctx.name = name
+        return tuple(g.clone() for g in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        raise RuntimeError(
+            f"contrastive_torch: {ctx.name}: the loss is differentiable once: its gradients (taken with "
+            "create_graph=True) were differentiated again, as a gradient penalty or a second derivative does; "
+            "the step computes them in one engine call, without a graph of their own. Differentiate PyTorch's own "
+            "loss where second derivatives are needed")
+
+
+def _differentiable_once(name, backward):
+    """The autograd formula `backward`, and under create_graph=True (grad mode on in the backward) the same gradients
+    without a graph, behind _NotTwice: a second derivative through the loss raises, naming the operator, where it
+    would otherwise be wrong (the formulas multiply saved gradients, whose own dependence on the inputs is not in any
+    graph). Traced backwards (torch.compile) run without grad mode and are unchanged."""
+
+    def formula(ctx, *grads_in):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads_in)
+        with torch.no_grad():
+            out = backward(ctx, *grads_in)
+        return not_twice(name, out, ctx.saved_tensors)
+
+    formula.__name__ = backward.__name__
+    return formula
+
+
+def not_twice(name, grads, anchors):
+    """A backward's results `grads` (tensors or None) behind _NotTwice when grad mode is on (create_graph=True);
+    `anchors`: the inputs the step saved (those that require grad are kept as the copies' inputs)."""
+    if not torch.is_grad_enabled():
+        return grads
+    where = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+    if not where:
+        return grads
+    held = [t for t in anchors if isinstance(t, torch.Tensor) and t.requires_grad]
+    held.append(torch.zeros((), requires_grad=True))
+    with torch.enable_grad():
+        copies = _NotTwice.apply(name, len(where), *(grads[i].detach() for i in where), *held)
+    out = list(grads)
+    for i, c in zip(where, copies):
+        out[i] = c
+    return tuple(out)
+
+
 def _late(kernel_name):
     """The module-level kernel `kernel_name`, looked up at each call."""
 
@@ -423,7 +478,7 @@ def _register(op):
     custom.register_kernel("cuda")(_late(op.cuda))
     custom.register_fake(op.fake)
     if op.backward is not None:
-        custom.register_autograd(op.backward, setup_context=op.setup_context)
+        custom.register_autograd(_differentiable_once(op.name, op.backward), setup_context=op.setup_context)
     return custom
 
 

@@ -231,7 +231,7 @@ class CachedStep:
                 f, g, extras = self._embed(self._rows(images, ib), self._rows(texts, tb))
                 outputs, grads = [], []
                 for out, d, (a, b) in ((f, d_image, ib), (g, d_text, tb)):
-                    if out is not None:
+                    if out is not None and out.requires_grad:  # a frozen tower (LiT's locked image tower) has none
                         outputs.append(out)
                         grads.append(d[a:b])
                 if last and self._ddp_extras:
@@ -242,5 +242,6 @@ class CachedStep:
                         if isinstance(e, torch.Tensor) and e.requires_grad:
                             outputs.append(e)
                             grads.append(torch.zeros_like(e))
-                torch.autograd.backward(outputs, grads)
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
         return loss.detach()

@@ -102,7 +102,8 @@ class ClipLoss(_Loss):
                 image_groups=None, text_groups=None):
         """open_clip's forward. open_clip adds `logit_bias` to every logit; one value (open_clip's CLIP models pass
         None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
-        gradients, and its own gradient is 0, which it gets here. A per-logit bias is refused. `image_groups`,
+        gradients, and its own gradient is 0, which it gets here; a NaN or infinite bias makes the loss NaN, as it
+        does open_clip's. A per-logit bias is refused. `image_groups`,
         `text_groups`: group ids, several positives per row (functional.clip_loss; CPU tensors)."""
         report = self._report()
         if self.distributed:  # the bias is checked there, inside the ranks' agreement
@@ -119,8 +120,9 @@ class ClipLoss(_Loss):
             loss = functional.clip_loss(image_features, text_features, logit_scale, algorithm=self.algorithm,
                                         threads=self.threads, fused_tiles=self.fused_tiles, report=report,
                                         image_groups=image_groups, text_groups=text_groups)
-        if isinstance(logit_bias, torch.Tensor) and logit_bias.requires_grad:
-            loss = loss + (logit_bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
+        if logit_bias is not None:  # its gradient, 0; a NaN or infinite bias gives a NaN loss, as open_clip's does
+            bias = _checks.scalar("logit_bias", logit_bias, loss.device, "None, a number or a one-element tensor")
+            loss = loss + (bias.reshape(()) * 0).to(dtype=loss.dtype)
         loss = _open_clip_dtype(loss, image_features)
         return {"contrastive_loss": loss} if output_dict else loss
 

@@ -78,12 +78,16 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def compare(make_loss, sigmoid, seed, n=40, chunk=7, dtype=None, scaler=False, norm=None, dropout=0.2):
-    """(loss rel. difference, {parameter: rel. difference}) of CachedStep against one_pass, same seed and masks."""
+def compare(make_loss, sigmoid, seed, n=40, chunk=7, dtype=None, scaler=False, norm=None, dropout=0.2, frozen=()):
+    """(loss rel. difference, {parameter: rel. difference}) of CachedStep against one_pass, same seed and masks;
+    the towers named in `frozen` ('visual', 'text') without trainable parameters in both."""
     torch.manual_seed(seed)
     ref_model = Towers(dropout=dropout, norm=norm)
     model = Towers(dropout=dropout, norm=norm)
     model.load_state_dict(ref_model.state_dict())
+    for m in (ref_model, model):
+        for tower in frozen:
+            getattr(m, tower).requires_grad_(False)
     x, y = batch(n, seed + 1)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast("cpu", enabled=False)
     scale = 1024.0 if scaler else 1.0
@@ -120,6 +124,20 @@ def test_float32_equals_the_one_pass_step(name, sigmoid, make_loss, seed):
         if sigmoid:
             assert "logit_bias" in errs
         assert "logit_scale" in errs
+
+
+@pytest.mark.parametrize("name,sigmoid,make_loss", CASES)
+def test_frozen_towers(name, sigmoid, make_loss, seed):
+    # LiT (open_clip's lock_image) trains the text tower against a locked image tower: pass 2 back-propagates only
+    # into towers with a graph; with both locked only the logit scale (and bias) learn.
+    eps = torch.finfo(torch.float32).eps
+    for frozen in (("visual",), ("text",), ("visual", "text")):
+        loss_err, errs = compare(make_loss, sigmoid, seed, frozen=frozen)
+        assert loss_err <= 16 * eps, f"{name} frozen {frozen}: loss (seed {seed})"
+        assert not any(p.startswith(frozen) for p in errs), f"{name} frozen {frozen}: a locked tower got a gradient"
+        assert "logit_scale" in errs
+        for p, err in errs.items():
+            assert err <= 64 * eps, f"{name} frozen {frozen}: d {p} {err / eps:.1f} eps32 (seed {seed})"
 
 
 @pytest.mark.parametrize("name,sigmoid,make_loss", CASES)

@@ -405,6 +405,27 @@ def test_one_rank_group_under_autocast(exchange, seed):
             assert not torch.equal(got[0], plain[0]), f"{where}: the loss is float32's: nothing was cast"
 
 
+@pytest.mark.parametrize("exchange", ["engine", "gather"])
+def test_one_rank_group_refuses_a_second_derivative(exchange, seed):
+    # As one process's loss: create_graph=True gives the plain first derivatives, and differentiating them again
+    # raises (it would otherwise drop a gradient penalty silently).
+    import torch.distributed as dist
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    with _one_rank_group("gloo") as dist:
+        img, txt = _draw(12, 16, seed)
+        img.requires_grad_()
+        s = torch.tensor(14.0, requires_grad=True)
+        fn = ct.ClipLoss(threads=1, group=dist.group.WORLD, exchange=exchange)
+        plain = torch.autograd.grad(fn(img, txt, s), (img, s))
+        loss = fn(img, txt, s)
+        graphed = torch.autograd.grad(loss, (img, s), create_graph=True)
+        for a, b in zip(graphed, plain):
+            assert torch.equal(a.detach(), b), f"{exchange} (seed {seed})"
+        with pytest.raises(RuntimeError, match="the loss is differentiable once"):
+            (loss + graphed[0].square().sum()).backward()
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
 
 

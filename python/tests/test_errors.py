@@ -50,3 +50,39 @@ def test_the_library_refusals_name_the_callers_arguments():
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
+
+
+def _double_backward_cases(dtype):
+    torch.manual_seed(7)
+    q = torch.nn.functional.normalize(torch.randn(6, 8), dim=1).to(dtype).requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(6, 8), dim=1).to(dtype).requires_grad_()
+    s = torch.tensor(10.0, requires_grad=True)
+    b = torch.tensor(-2.0, requires_grad=True)
+    ids = torch.tensor([0, 0, 1, 2, 3, 3])
+    return (q, k, s, b), {
+        "softmax_step": lambda: CF.clip_loss(q, k, s),
+        "sigmoid_step": lambda: CF.siglip_loss(q, k, s, b),
+        "grouped_softmax_step": lambda: CF.info_nce_loss(q, k, s, query_groups=ids, key_groups=ids),
+        "grouped_sigmoid_step": lambda: CF.siglip_loss(q, k, s, b, image_groups=ids, text_groups=ids),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_second_derivative_raises_naming_the_operator(dtype):
+    # The formulas multiply saved gradients: a gradient penalty or d2L/ds2 through them would be silently wrong (the
+    # penalty dropped, the second derivative of s missing its terms), so create_graph=True gives gradients whose own
+    # backward refuses. First derivatives under create_graph=True are the plain ones.
+    inputs, calls = _double_backward_cases(dtype)
+    q, k, s, b = inputs
+    for name, call in calls.items():
+        wanted = inputs if "sigmoid" in name else inputs[:3]
+        plain = torch.autograd.grad(call(), wanted)
+        graphed = torch.autograd.grad(call(), wanted, create_graph=True)
+        for x, y in zip(graphed, plain):
+            assert x.requires_grad and torch.equal(x.detach(), y)
+        with pytest.raises(RuntimeError, match=f"{name}: the loss is differentiable once"):
+            torch.autograd.grad(graphed[2], s)  # d2L / ds2
+        loss = call()
+        (gq,) = torch.autograd.grad(loss, q, create_graph=True)
+        with pytest.raises(RuntimeError, match=f"{name}: the loss is differentiable once"):
+            (loss + gq.float().square().sum()).backward()  # a gradient penalty

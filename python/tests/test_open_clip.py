@@ -293,6 +293,11 @@ def test_constructor_and_call_are_open_clips(open_clip_loss):
     assert rel(a, b) <= 256 * EPS32
     a.backward()
     assert bias.grad is not None and float(bias.grad) == 0.0
+    # A NaN or infinite bias makes open_clip's loss NaN (it reaches every logit); ours too, whatever its form.
+    for bad in (float("nan"), float("inf"), torch.tensor(float("-inf")), torch.tensor(float("nan"), requires_grad=True)):
+        plain = bad.detach() if isinstance(bad, torch.Tensor) else bad
+        assert torch.isnan(theirs(img, txt, s, plain)), f"open_clip with bias {bad}"
+        assert torch.isnan(loss_fn(img, txt, s, bad)), f"bias {bad}"
 
 
 def test_constructor_errors_name_the_argument():
