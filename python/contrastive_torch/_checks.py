@@ -59,9 +59,14 @@ def sigmoid_algorithm(algorithm, device):
     return algorithm or "fused"
 
 
+MAX_THREADS = 4096  # the library's thread pool's limit (host/thread_pool.hpp, max_threads)
+
+
 def threads(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"threads: must be an int >= 0 (0 = all cores), got {value!r}")
+    if value > MAX_THREADS:
+        raise ValueError(f"threads: {value} threads requested; at most {MAX_THREADS}")
     return value
 
 
@@ -149,6 +154,10 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
             raise TypeError(f"{name}: dtype {value.dtype} is not a real number type")
         if not value.is_floating_point():
             value = value.float()
+        compiler = getattr(torch, "compiler", None)
+        compiling = compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
+        if value.dtype == torch.float64 and value.device.type == "cpu" and not compiling:
+            _float32_range(name, float(value.detach().reshape(())))  # a host read: no synchronisation
         return value if value.device == device else value.to(device)
     if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):
         raise TypeError(f"{name}: expected {kinds}, got {type(value).__name__}")
@@ -156,7 +165,21 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
         number = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected {kinds}, got {type(value).__name__} {value!r}") from None
+    _float32_range(name, number)
     return torch.tensor(number, dtype=torch.float32, device=device)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32_TINIEST = 2.0 ** -149  # the smallest subnormal: half of it and less round to 0
+
+
+def _float32_range(name, number):
+    """Refuses a finite, nonzero logit_scale / logit_bias that float32 (the loss's arithmetic) cannot hold: it would
+    become inf (or a scale 0), and the refusal would then name a value the caller never passed."""
+    underflow = name == "logit_scale" and abs(number) <= _FLOAT32_TINIEST / 2  # a bias may round to 0
+    if number != 0.0 and abs(number) < float("inf") and (abs(number) > _FLOAT32_MAX or underflow):
+        raise ValueError(f"{name}: {number!r} lies outside float32's range, in which the loss computes (largest "
+                         f"{_FLOAT32_MAX:.6g}, smallest nonzero {_FLOAT32_TINIEST:.6g})")
 
 
 def labels(value, n_q, device):

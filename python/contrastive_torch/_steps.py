@@ -40,13 +40,14 @@ TOWER_NAMES = ("image_features", "text_features", "image_groups", "text_groups")
 
 def renamed(error, names):
     """The library's refusal (ValueError, OverflowError) with its argument named as the caller named it: q, k, n_q,
-    n_k, query_groups and key_groups become names[0], names[1], names[0], names[1], names[2], names[3] (the message
-    keeps the library's detail, e.g. 'image_features: image_features[2][3] is not finite'). Other errors unchanged.
+    n_k, dim (the features' width), query_groups and key_groups become names[0], names[1], names[0], names[1],
+    names[0], names[2], names[3] (the message keeps the library's detail, e.g. 'image_features: image_features[2][3]
+    is not finite'). Other errors unchanged.
     Eager calls only: under torch.compile the operator raises inside the compiled graph, with the library's names."""
     text = str(error)
     head = re.match(r"contrastive: (\w+): ", text)
-    mapping = {"q": names[0], "n_q": names[0], "k": names[1], "n_k": names[1], "query_groups": names[2],
-               "key_groups": names[3]}
+    mapping = {"q": names[0], "n_q": names[0], "k": names[1], "n_k": names[1], "dim": names[0],
+               "query_groups": names[2], "key_groups": names[3]}
     if head is None or mapping.get(head.group(1), head.group(1)) == head.group(1):
         return error
     rest = re.sub(r"\bk\[", names[1] + "[", re.sub(r"\bq\[", names[0] + "[", text[head.end():]))
@@ -82,6 +83,11 @@ def sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report, groups=(N
     s = _checks.scalar("logit_scale", logit_scale, q.device)
     b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
                        "None, a number or a one-element tensor")
+    if groups[0] is None and q.dim() == 2 and k.dim() == 2 and q.shape[0] > k.shape[0]:
+        # The operator's own words are the C++ objective's (null labels); SigLIP here takes none.
+        raise ValueError(f"contrastive: {names[1]}: {k.shape[0]} texts for {q.shape[0]} images; without group ids "
+                         "the positives are the diagonal (image i with text i), which needs as many texts as images "
+                         "or more [shape_mismatch]")
     try:
         if groups[0] is not None:
             out = torch.ops.contrastive_torch.grouped_sigmoid_step(q, k, s, b, groups[0], groups[1], algorithm,

@@ -86,3 +86,29 @@ def test_a_second_derivative_raises_naming_the_operator(dtype):
         (gq,) = torch.autograd.grad(loss, q, create_graph=True)
         with pytest.raises(RuntimeError, match=f"{name}: the loss is differentiable once"):
             (loss + gq.float().square().sum()).backward()  # a gradient penalty
+
+
+def test_refusals_of_the_adversarial_sweep_name_the_argument():
+    q = torch.nn.functional.normalize(torch.randn(4, 8), dim=1)
+    # threads beyond the pool's limit, however large (no silent truncation to 32 bits).
+    for n in (5000, 2**32 + 1, 2**40):
+        with pytest.raises(ValueError, match=rf"threads: {n} threads requested; at most 4096"):
+            CF.clip_loss(q, q.clone(), 10.0, threads=n)
+    # An empty embedding names the features.
+    with pytest.raises(ValueError, match="image_features: embedding dimension is 0"):
+        CF.clip_loss(torch.randn(3, 0), torch.randn(3, 0), 10.0)
+    with pytest.raises(ValueError, match="query: embedding dimension is 0"):
+        CF.info_nce_loss(torch.randn(3, 0), torch.randn(3, 0), 10.0)
+    # SigLIP takes no labels: fewer texts than images names the texts.
+    with pytest.raises(ValueError, match="text_features: 3 texts for 5 images; without group ids"):
+        CF.siglip_loss(torch.randn(5, 8), torch.randn(3, 8), 10.0)
+    # Finite values float32 cannot hold are named as passed, not as the inf or 0 they would become.
+    for name, call in (("logit_scale", lambda v: CF.clip_loss(q, q.clone(), v)),
+                       ("logit_bias", lambda v: CF.siglip_loss(q, q.clone(), 10.0, v))):
+        for v in (1e300, -1e39, torch.tensor(1e300, dtype=torch.float64)):
+            with pytest.raises(ValueError, match=rf"{name}: .* lies outside float32's range"):
+                call(v)
+    with pytest.raises(ValueError, match=r"logit_scale: 1e-300 lies outside float32's range"):
+        CF.clip_loss(q, q.clone(), 1e-300)
+    # A bias that rounds to 0 is a bias of 0.
+    assert torch.equal(CF.siglip_loss(q, q.clone(), 10.0, 1e-60), CF.siglip_loss(q, q.clone(), 10.0, 0.0))
