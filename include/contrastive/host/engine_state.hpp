@@ -250,66 +250,68 @@ struct engine_state
     if constexpr (!O::softmax)
     {
       pairwise_tile<O>(*this, i0, j0, rows, cols, ws, sig_loss, sig_max, false);
-      return bad;
     }
-    for (std::size_t ii = 0; ii < rows; ++ii)
+    else
     {
-      const float* x = &tile[ii * block_n];
-      if (grouped())
-      {
-        add_positives(i0 + ii, j0, cols, x);
-      }
-      const float m = lane_max(cols,
-                               -detail::infinity_f,
-                               [&](std::size_t jj)
-                               {
-                                 return x[jj];
-                               });
-      if (m == -detail::infinity_f)
-      {
-        continue;
-      }
-      online_lse& st = row_state[ii];
-      st.rebase(detail::max_f(st.max, m));
-      const float shift = st.shift();
-      st.sum += lane_sum(cols,
-                         [&](std::size_t jj)
-                         {
-                           return detail::exp_approx(x[jj] - shift);
-                         });
-    }
-    if constexpr (O::columns)
-    {
-      float* cmax = &ws.col_max[j0];
-      float* csum = &ws.col_sum[j0];
-      float new_max[block_n];
-      for (std::size_t jj = 0; jj < cols; ++jj)
-      {
-        new_max[jj] = cmax[jj];
-      }
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
         const float* x = &tile[ii * block_n];
-        for (std::size_t jj = 0; jj < cols; ++jj)
+        if (grouped())
         {
-          new_max[jj] = detail::max_f(new_max[jj], x[jj]);
+          add_positives(i0 + ii, j0, cols, x);
         }
+        const float m = lane_max(cols,
+                                 -detail::infinity_f,
+                                 [&](std::size_t jj)
+                                 {
+                                   return x[jj];
+                                 });
+        if (m == -detail::infinity_f)
+        {
+          continue;
+        }
+        online_lse& st = row_state[ii];
+        st.rebase(detail::max_f(st.max, m));
+        const float shift = st.shift();
+        st.sum += lane_sum(cols,
+                           [&](std::size_t jj)
+                           {
+                             return detail::exp_approx(x[jj] - shift);
+                           });
       }
-      float shift[block_n];
-      for (std::size_t jj = 0; jj < cols; ++jj)
+      if constexpr (O::columns)
       {
-        online_lse st{cmax[jj], csum[jj]};
-        st.rebase(new_max[jj]);
-        cmax[jj] = st.max;
-        csum[jj] = st.sum;
-        shift[jj] = st.shift();
-      }
-      for (std::size_t ii = 0; ii < rows; ++ii)
-      {
-        const float* x = &tile[ii * block_n];
+        float* cmax = &ws.col_max[j0];
+        float* csum = &ws.col_sum[j0];
+        float new_max[block_n];
         for (std::size_t jj = 0; jj < cols; ++jj)
         {
-          csum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+          new_max[jj] = cmax[jj];
+        }
+        for (std::size_t ii = 0; ii < rows; ++ii)
+        {
+          const float* x = &tile[ii * block_n];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            new_max[jj] = detail::max_f(new_max[jj], x[jj]);
+          }
+        }
+        float shift[block_n];
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          online_lse st{cmax[jj], csum[jj]};
+          st.rebase(new_max[jj]);
+          cmax[jj] = st.max;
+          csum[jj] = st.sum;
+          shift[jj] = st.shift();
+        }
+        for (std::size_t ii = 0; ii < rows; ++ii)
+        {
+          const float* x = &tile[ii * block_n];
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            csum[jj] += detail::exp_approx(x[jj] - shift[jj]);
+          }
         }
       }
     }
