@@ -59,10 +59,22 @@ class _RandomState:
 
 def _chunks(n, count, size):
     """`count` (start, end) row ranges of a tower of n rows: chunks of `size` rows where that takes `count` of them
-    (the longer tower), else n split as evenly as `count` ranges allow (some may be empty; the last is not)."""
+    (the longer tower), else n split as evenly as `count` ranges allow (some may be empty; the last is not). No range
+    holds a single row of a tower that has more (BatchNorm refuses one row in training): a last chunk of one row
+    takes one from the chunk before it, and a tower of fewer than 2 rows per range goes in ranges of 2 (the last
+    one's 3 when n is odd), the first ones empty."""
     if -(-n // size) == count:
-        return [(j * size, min((j + 1) * size, n)) for j in range(count)]
-    return [(j * n // count, (j + 1) * n // count) for j in range(count)]
+        sizes = [min(size, n - j * size) for j in range(count)]
+        if count > 1 and sizes[-1] == 1 and sizes[-2] > 2:
+            sizes[-2:] = [sizes[-2] - 1, 2]
+    elif 2 <= n < 2 * count:
+        pairs = n // 2
+        sizes = [0] * (count - pairs) + [2] * pairs
+        sizes[-1] += n % 2
+    else:
+        sizes = [(j + 1) * n // count - j * n // count for j in range(count)]
+    ends = [sum(sizes[:j + 1]) for j in range(count)]
+    return [(e - z, e) for e, z in zip(ends, sizes)]
 
 
 # The loss keywords that carry group ids: with them the towers may differ in length.
