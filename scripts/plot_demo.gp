@@ -1,4 +1,6 @@
-# Draws the collapse demo's figure (like the seed's Fig. 5): loss scale and tau over steps, one panel per run.
+# Draws the collapse demo's figure (like Fig. 5 of the problem statement): loss scale and tau over steps, one panel
+# per run. The figure goes to dir/collapse.png unless png names another file; the committed docs/collapse.png is
+# drawn with
 #
 #   gnuplot -e "dir='out'; png='docs/collapse.png'" scripts/plot_demo.gp
 #
@@ -7,7 +9,7 @@
 # (Debian: gnuplot-nox).
 
 if (!exists("dir")) dir = 'out'
-if (!exists("png")) png = 'docs/collapse.png'
+if (!exists("png")) png = dir . '/collapse.png'
 
 files = system("if [ -f " . dir . "/index.txt ]; then sed 's|^|" . dir . "/|; s|$|.csv|' " . dir . "/index.txt; else ls -1 " . dir . "/*.csv 2>/dev/null; fi")
 n = words(files)

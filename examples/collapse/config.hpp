@@ -66,7 +66,7 @@ struct run_config
 /// Parses "type:policy[:algorithm]" (algorithm defaults to materialized). On failure returns false and says why.
 bool parse_run(const std::string& s, run_config& out, std::string& why);
 
-/// The default table: the seed's failure, each remedy, and the range guard.
+/// The default table: the problem statement's failure, each remedy, and the range guard.
 std::vector<run_config> default_runs();
 
 /// Everything but the configuration: data, model, optimisation and policy settings.
@@ -80,7 +80,7 @@ struct settings
   float noise = 0.05f;        ///< per-coordinate noise std of each view (signal std is 1)
   /// Seed of data, weights and batches. Chosen (docs/demo.md, "Over seeds and ISAs"): half + learnable collapses
   /// in about half of all seeds, and seed 19 is one where it collapses on the AVX-512, AVX2 and portable kernels alike,
-  /// so the default table shows the seed's failure on any CPU.
+  /// so the default table shows the collapse on any CPU.
   std::uint64_t seed = 19;
   float lr = 2e-3f;       ///< Adam learning rate of the encoders
   double beta2 = 0.999;   ///< Adam beta2 of the encoders (beta1 0.9, eps 1e-8; double: its powers are taken in double)
@@ -90,7 +90,7 @@ struct settings
   float tau_init = 0.07f;    ///< CLIP's initial temperature
   float tau_min = 0.01f;     ///< clamped: open_clip's bound (logit scale <= 100)
   float tau_max = 1.0f;      ///< clamped and guard: open_clip's upper bound
-  float fixed_tau = 0.05f;   ///< fixed, and scheduled before its unfreeze step (the seed author's value)
+  float fixed_tau = 0.05f;   ///< fixed, and scheduled before its unfreeze step (the problem statement's value)
   std::int64_t unfreeze_step = 600; ///< scheduled: finite steps at fixed_tau before tau becomes learnable
   float guard_headroom = 16.0f;
   float guard_retreat = 0.5f;

@@ -58,7 +58,7 @@ class core : public step::front<step::driver<Element, Algorithm, Gemm, Comm>>
 public:
   /// The element type of q, k, dq and dk (float, __half or __nv_bfloat16).
   using element_type = Element;
-  /// The algorithm tag (algorithm::fused, materialized or chunked).
+  /// The algorithm tag (algorithm::fused, materialized, chunked or automatic).
   using algorithm_type = Algorithm;
   /// The inputs of one call, in Element.
   using problem_type = problem<Element>;

@@ -25,8 +25,8 @@
 ///              by `unscale_and_check` on any rank) steps the policies in lockstep, as DDP + GradScaler do.
 /// Communication per step: N_k D elements gathered, N_k D floats reduced, 3 N_k floats of column statistics (the
 /// symmetric loss), and O(ranks) scalars; never N x N data. Memory per rank: the gathered K (N_k D elements), the
-/// engine for an n_local x N_k problem (fused: packed K, O(N D); materialized: n_local x N_k logits, 1/ranks of one
-/// process; chunked: its chunk) and the float dK partial (N_k D).
+/// engine for an n_local x N_k problem (fused: no packed K, its workers' key tiles; materialized: n_local x N_k logits,
+/// 1/ranks of one process; chunked: its chunk) and the float dK partial (N_k D).
 ///
 /// Unequal n_local per rank works. The symmetric objective needs n_q == n_k on each rank (pairs) and positives on the
 /// global diagonal; info_nce labels are global key indices (null: the global diagonal). Comm: comm::local (one
