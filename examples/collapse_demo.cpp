@@ -134,7 +134,8 @@ int main(int argc, char** argv)
   if (o.write_csv)
   {
     std::printf(
-        "\nper-step CSVs in %s/; figure: gnuplot -e \"dir='%s'\" scripts/plot_demo.gp (writes docs/collapse.png)\n",
+        "\nper-step CSVs in %s/; figure: gnuplot -e \"dir='%s'\" scripts/plot_demo.gp (writes %s/collapse.png)\n",
+        o.out_dir.c_str(),
         o.out_dir.c_str(),
         o.out_dir.c_str());
   }
