@@ -1,4 +1,4 @@
-// The seed's worked example (../shared/seed/README.md): eight losses, one query against four keys, positive at 0.
+// The problem statement's worked example: eight losses, one query against four keys, positive at 0.
 
 #include "test_util.hpp"
 
