@@ -406,6 +406,27 @@ struct gemm_backend<gemm::builtin, T>
     exact_rows(rows, width, cols, ws.ga.data(), b, stride, acc, ld, ws);
   }
 
+  /// Packs the tile's G^T (m_pad rows) as the next block of the deep dK operand (dk_depth blocks of block_m steps);
+  /// returns the reduction length to multiply now (every block staged, or `last`), else 0 (more blocks to come).
+  static std::size_t stage_dk(std::size_t m_pad, worker_scratch& ws, bool last) noexcept
+  {
+    const std::size_t depth = dk_depth();
+    pack_a_transposed_pairs(ws.tile.data(),
+                            block_n,
+                            m_pad,
+                            m_pad,
+                            block_m,
+                            ws.gt16.data() + ws.dk_fill * block_m * kernel_mr,
+                            depth * block_m);
+    if (++ws.dk_fill < depth && !last)
+    {
+      return 0;
+    }
+    const std::size_t kc = ws.dk_fill * block_m;
+    ws.dk_fill = 0;
+    return kc;
+  }
+
   /// acc rows [0, cols), columns [0, width) (width = d when in place, else dp) += G^T Q_blk; only those rows are
   /// written. With dk_depth() > 1 the block's G^T (and its Q, packed by query_block) wait in the worker's scratch
   /// until dk_depth() blocks of the same keys (cols, acc) are there or `last` says no more follow; one product then
@@ -417,19 +438,11 @@ struct gemm_backend<gemm::builtin, T>
     if constexpr (pairs)
     {
       const std::size_t depth = dk_depth();
-      pack_a_transposed_pairs(ws.tile.data(),
-                              block_n,
-                              m_pad,
-                              m_pad,
-                              block_m,
-                              ws.gt16.data() + ws.dk_fill * block_m * kernel_mr,
-                              depth * block_m);
-      if (++ws.dk_fill < depth && !last)
+      const std::size_t kc = stage_dk(m_pad, ws, last);
+      if (kc == 0)
       {
         return;
       }
-      const std::size_t kc = ws.dk_fill * block_m;
-      ws.dk_fill = 0;
       exact_rows(
           cols, width, kc, ws.gt16.data(), ws.qb16.data(), depth * block_m * kernel_nr, acc, ld, ws, depth * block_m);
       return;
@@ -493,19 +506,11 @@ struct gemm_backend<gemm::builtin, T>
       {
         ws.dk_i0 = i0;
       }
-      pack_a_transposed_pairs(ws.tile.data(),
-                              block_n,
-                              m_pad,
-                              m_pad,
-                              block_m,
-                              ws.gt16.data() + ws.dk_fill * block_m * kernel_mr,
-                              depth * block_m);
-      if (++ws.dk_fill < depth && !last)
+      const std::size_t kc = stage_dk(m_pad, ws, last);
+      if (kc == 0)
       {
         return;
       }
-      const std::size_t kc = ws.dk_fill * block_m;
-      ws.dk_fill = 0;
       gemm_packed(m_pad,
                   sh.dp,
                   kc,
