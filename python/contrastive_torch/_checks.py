@@ -59,6 +59,12 @@ def sigmoid_algorithm(algorithm, device):
     return algorithm or "fused"
 
 
+def compiling():
+    """True while torch.compile (dynamo) traces the caller."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
 MAX_THREADS = 4096  # the library's thread pool's limit (host/thread_pool.hpp, max_threads)
 
 
@@ -154,9 +160,7 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
             raise TypeError(f"{name}: dtype {value.dtype} is not a real number type")
         if not value.is_floating_point():
             value = value.float()
-        compiler = getattr(torch, "compiler", None)
-        compiling = compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
-        if value.dtype == torch.float64 and value.device.type == "cpu" and not compiling:
+        if value.dtype == torch.float64 and value.device.type == "cpu" and not compiling():
             _float32_range(name, float(value.detach().reshape(())))  # a host read: no synchronisation
         return value if value.device == device else value.to(device)
     if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):

@@ -8,14 +8,9 @@ import re
 import torch
 
 from . import _checks, _host
+from ._checks import compiling
 from ._extension import require_custom_ops
 from ._host import NONFINITE_SITES
-
-
-def compiling():
-    """True while torch.compile (dynamo) traces the caller."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _wants_grads(*tensors):

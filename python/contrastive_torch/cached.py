@@ -20,6 +20,7 @@ number of chunks, the longer one into chunks of `chunk_size` rows.
 """
 
 import contextlib
+import itertools
 
 import torch
 
@@ -73,7 +74,7 @@ def _chunks(n, count, size):
         sizes[-1] += n % 2
     else:
         sizes = [(j + 1) * n // count - j * n // count for j in range(count)]
-    ends = [sum(sizes[:j + 1]) for j in range(count)]
+    ends = list(itertools.accumulate(sizes))
     return [(e - z, e) for e, z in zip(ends, sizes)]
 
 

@@ -115,14 +115,15 @@ class ClipLoss(_Loss):
         else:
             if logit_bias is not None:
                 _checks.features("image_features", image_features)
-                _checks.scalar("logit_bias", logit_bias, image_features.device, "None, a number or a one-element "
-                               "tensor")
+                bias = _checks.scalar("logit_bias", logit_bias, image_features.device, "None, a number or a "
+                                      "one-element tensor")
             loss = functional.clip_loss(image_features, text_features, logit_scale, algorithm=self.algorithm,
                                         threads=self.threads, fused_tiles=self.fused_tiles, report=report,
                                         image_groups=image_groups, text_groups=text_groups)
         if logit_bias is not None:  # its gradient, 0; a NaN or infinite bias gives a NaN loss, as open_clip's does
-            bias = _checks.scalar("logit_bias", logit_bias, loss.device, "None, a number or a one-element tensor")
-            loss = loss + (bias.reshape(()) * 0).to(dtype=loss.dtype)
+            if self.distributed:  # checked inside the ranks' agreement; here only made a tensor
+                bias = _checks.scalar("logit_bias", logit_bias, loss.device, "None, a number or a one-element tensor")
+            loss = loss + (bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
         loss = _open_clip_dtype(loss, image_features)
         return {"contrastive_loss": loss} if output_dict else loss
 
