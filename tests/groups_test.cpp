@@ -468,6 +468,44 @@ TEST(Groups, OnePositivePerRowIsTheLabelledLossBitForBit)
   }
 }
 
+// A step whose logits overflow leaves non-finite positives in the engine; the next grouped step on the same engine,
+// whose logits are finite, reports no non-finite logit (every algorithm, every objective after every objective).
+template <class A>
+void overflow_then_grouped_is_finite()
+{
+  const std::size_t n = 8, dim = 4;
+  const auto q = ct::random_rows<float>(n, dim, 71, 4.0f), k = ct::random_rows<float>(n, dim, 71, 4.0f);
+  const std::vector<std::int64_t> ids{1, 2, 3, 4, 1, 2, 3, 4};
+  for (cl::objective before : {cl::objective::symmetric, cl::objective::info_nce, cl::objective::sigmoid})
+  {
+    for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce, cl::objective::sigmoid})
+    {
+      SCOPED_TRACE(std::string(A::name) + " " + cl::to_string(before) + " then grouped " + cl::to_string(obj));
+      cl::core<float, A> core(1);
+      std::vector<float> dq(n * dim), dk(n * dim);
+      cl::core_values v;
+      cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, before};
+      ASSERT_TRUE(core.step(p, 3e38f, 0.0f, 1.0f, dq.data(), dk.data(), v).ok());
+      ASSERT_EQ(v.first_nonfinite, cl::nonfinite_site::logits); // the diagonal's logits overflow
+      p.obj = obj;
+      p.query_groups = ids.data();
+      p.key_groups = ids.data();
+      ASSERT_TRUE(core.step(p, 3.0f, obj == cl::objective::sigmoid ? -1.0f : 0.0f, 1.0f, dq.data(), dk.data(), v).ok());
+      EXPECT_FALSE(v.logits_nonfinite);
+      EXPECT_EQ(v.first_nonfinite, cl::nonfinite_site::none);
+      EXPECT_TRUE(std::isfinite(v.loss));
+    }
+  }
+}
+
+TEST(Groups, OverflowedStepLeavesNoNonFiniteFlagBehind)
+{
+  overflow_then_grouped_is_finite<cl::algorithm::fused>();
+  overflow_then_grouped_is_finite<cl::algorithm::materialized>();
+  overflow_then_grouped_is_finite<cl::algorithm::chunked>();
+  overflow_then_grouped_is_finite<cl::algorithm::automatic>();
+}
+
 // Group ids with labels, or on one side only, are refused naming the argument; nothing is written.
 TEST(Groups, RefusalsNameTheArgumentAndWriteNothing)
 {

@@ -205,6 +205,7 @@ template <class O, class T, class Gemm>
 row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
 {
   st.scale = s;
+  st.begin_forward(); // grouped: no row's positive sum left from an earlier step (the sigmoid rows set none)
   std::fill(st.col_run_max.begin(), st.col_run_max.end(), -detail::infinity_f);
   std::fill(st.col_run_sum.begin(), st.col_run_sum.end(), 0.0f);
   bool bad = false;
