@@ -66,7 +66,7 @@ struct problem
   const T* q = nullptr; ///< queries, n_q x dim (device memory on the device path)
   const T* k = nullptr; ///< keys, n_k x dim (device memory on the device path)
   std::size_t n_q = 0;  ///< number of queries (rows of q), nonzero
-  std::size_t n_k = 0;  ///< number of keys (rows of k), nonzero; symmetric: equal to n_q
+  std::size_t n_k = 0;  ///< number of keys (rows of k), nonzero; symmetric without group ids: equal to n_q
   std::size_t dim = 0;  ///< embedding dimension (columns of q and k), nonzero
   /// info_nce and sigmoid: positive key of each query (n_q entries in [0, n_k)); null means the diagonal p_i = i.
   /// The symmetric objective takes the diagonal and refuses labels.

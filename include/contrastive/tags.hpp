@@ -20,7 +20,8 @@ namespace contrastive
 /// pairwise sigmoid loss.
 enum class objective : std::int32_t
 {
-  /// CLIP's loss: 0.5 * (mean_i CE(S_i., i) + mean_j CE(S_.j, j)); needs n_q == n_k, positives on the diagonal.
+  /// CLIP's loss: 0.5 * (mean_i CE(S_i., i) + mean_j CE(S_.j, j)); needs n_q == n_k, positives on the diagonal (with
+  /// group ids, problem::query_groups: the pairs of equal ids, and n_q may differ from n_k).
   symmetric = 0,
   /// One-directional InfoNCE: mean_i CE(S_i., p_i) with p_i = labels[i] (default i); n_k may exceed n_q (MoCo queue).
   info_nce = 1,

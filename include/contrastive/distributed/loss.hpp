@@ -29,8 +29,9 @@
 /// 1/ranks of one process; chunked: its chunk) and the float dK partial (N_k D).
 ///
 /// Unequal n_local per rank works. The symmetric objective needs n_q == n_k on each rank (pairs) and positives on the
-/// global diagonal; info_nce labels are global key indices (null: the global diagonal). Comm: comm::local (one
-/// process through this algorithm's copies, no library) or comm::mpi (<contrastive/comm/mpi.hpp>), or any type
+/// global diagonal; info_nce labels are global key indices (null: the global diagonal). With group ids (each rank its
+/// own rows' ids, problem::query_groups) a positive may lie on any rank and no shape rule applies. Comm: comm::local
+/// (one process through this algorithm's copies, no library) or comm::mpi (<contrastive/comm/mpi.hpp>), or any type
 /// with the collectives of comm/communicator.hpp.
 
 #include <contrastive/comm/communicator.hpp>
