@@ -158,7 +158,7 @@ TEST(Objectives, UnknownObjectiveWritesNothing)
   const std::size_t n = 5, d = 3;
   std::vector<float> q(n * d, 0.25f), k(n * d, -0.5f), dq(n * d, 1234.5f), dk(n * d, 1234.5f);
   cl::problem<float> p{q.data(), k.data(), n, n, d};
-  p.obj = static_cast<cl::objective>(3);
+  p.obj = static_cast<cl::objective>(9);
   cl::core<float> c(1);
   cl::core_values out{};
   const cl::status st = c.step(p, 10.0f, 1.0f, dq.data(), dk.data(), out);
