@@ -189,6 +189,30 @@ def test_refusals_name_the_argument():
         _ops.grouped_softmax_step_cuda(img, txt)
 
 
+def test_the_operators_check_the_ids_layout():
+    # The operators read the ids (and labels) through raw pointers: called directly, without the functions' checks, a
+    # short tensor would be read past its end and a strided one in the wrong order. Both are refused.
+    q, k, s = unit(6, 8, 25), unit(6, 8, 26), torch.tensor(5.0)
+    ids = torch.arange(6) % 3
+    strided = (torch.arange(12) % 3)[::2]
+    softmax = torch.ops.contrastive_torch.grouped_softmax_step
+    sigmoid = torch.ops.contrastive_torch.grouped_sigmoid_step
+    for qg, kg, match in ((ids[:3], ids, r"query_groups: expected shape \(6,\)"),
+                          (ids, ids[:5], r"key_groups: expected shape \(6,\)"),
+                          (ids[None], ids, r"query_groups: expected shape \(6,\)"),
+                          (strided, ids, "query_groups: not contiguous"),
+                          (ids, ids.int(), "key_groups: expected int64")):
+        with pytest.raises(ValueError, match=match):
+            softmax(q, k, s, qg, kg, True, "fused", 0, False)
+        with pytest.raises(ValueError, match=match):
+            sigmoid(q, k, s, torch.tensor(-1.0), qg, kg, "fused", 0, False)
+    with pytest.raises(ValueError, match=r"labels: expected shape \(6,\)"):
+        torch.ops.contrastive_torch.softmax_step(q, k, s, torch.arange(3, dtype=torch.int32), False, "fused", 0,
+                                                 False, False)
+    with pytest.raises(ValueError, match="k: dtype or embedding size"):
+        softmax(q, unit(6, 4, 27), s, ids, ids, True, "fused", 0, False)
+
+
 def test_opcheck_and_compile():
     q, k = unit(10, 8, 14), unit(25, 8, 15)
     qg, kg = draw_ids(10, 25, 16, "random")
