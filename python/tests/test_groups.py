@@ -213,6 +213,27 @@ def test_the_operators_check_the_ids_layout():
         softmax(q, unit(6, 4, 27), s, ids, ids, True, "fused", 0, False)
 
 
+def test_a_refused_call_keeps_the_modules_last_step():
+    img, txt = unit(6, 8, 21), unit(12, 8, 22)
+    ig, tg = torch.arange(6), torch.arange(12) % 6
+    for module, kw in ((ct.ClipLoss(), ("image_groups", "text_groups")), (ct.SigLipLoss(), ("image_groups",
+                                                                                           "text_groups")),
+                       (ct.InfoNCELoss(), ("query_groups", "key_groups"))):
+        module(img, txt, 10.0, **{kw[0]: ig, kw[1]: tg})
+        kept = module.last_step
+        assert kept["first_nonfinite"] == "none"
+        for bad in ({kw[0]: ig}, {kw[0]: ig[:5], kw[1]: tg}, {kw[0]: ig.float(), kw[1]: tg}):
+            with pytest.raises((ValueError, TypeError)):
+                module(img, txt, 10.0, **bad)
+            assert module.last_step is kept and kept["first_nonfinite"] == "none"
+    module = ct.InfoNCELoss()
+    module(img, txt, 10.0, query_groups=ig, key_groups=tg)
+    kept = module.last_step
+    with pytest.raises(ValueError, match="labels: given with"):
+        module(img, txt, 10.0, torch.arange(6), query_groups=ig, key_groups=tg)
+    assert module.last_step is kept
+
+
 def test_opcheck_and_compile():
     q, k = unit(10, 8, 14), unit(25, 8, 15)
     qg, kg = draw_ids(10, 25, 16, "random")
