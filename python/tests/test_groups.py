@@ -234,6 +234,24 @@ def test_a_refused_call_keeps_the_modules_last_step():
     assert module.last_step is kept
 
 
+def test_float16_takes_ids_made_under_inference_mode():
+    # As float32 and bfloat16 do (and int32 ids, copied to int64 before the step): float16, whose backward keeps the
+    # ids for its rerun under a loss scale, keeps a copy of ids autograd cannot save.
+    q, k = unit(6, 8, 23, torch.float16), unit(9, 8, 24, torch.float16)
+    with torch.inference_mode():
+        qg, kg = torch.arange(6) % 4, torch.arange(9) % 3
+    want = run("symmetric", q, k, 5.0, qg.clone(), kg.clone())
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    loss = CF.clip_loss(qq, kk, 5.0, image_groups=qg, text_groups=kg)
+    loss.backward()
+    assert torch.equal(loss.detach(), want[0]) and torch.equal(qq.grad, want[1]) and torch.equal(kk.grad, want[2])
+    qq.grad = kk.grad = None
+    (CF.clip_loss(qq, kk, 5.0, image_groups=qg, text_groups=kg) * 1024.0).backward()  # the rerun
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    (reference("symmetric", q64, k64, 5.0, qg, kg) * 1024.0).backward()
+    assert rel(qq.grad, q64.grad) <= 4e-3 and rel(kk.grad, k64.grad) <= 4e-3
+
+
 def test_opcheck_and_compile():
     q, k = unit(10, 8, 14), unit(25, 8, 15)
     qg, kg = draw_ids(10, 25, 16, "random")
