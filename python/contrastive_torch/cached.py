@@ -20,6 +20,7 @@ number of chunks, the longer one into chunks of `chunk_size` rows.
 """
 
 import contextlib
+import inspect
 import itertools
 
 import torch
@@ -199,14 +200,35 @@ class CachedStep:
         a, b = bounds
         return inputs[a:b] if b > a else None
 
+    def _check_ids(self, n_images, n_texts, loss_args, loss_kwargs):
+        """The group ids a loss of this library is given, checked before pass 1 (as its call would check them, less
+        the devices, which the features' are not known yet): a refused call then runs no encoder, whose forward in
+        training mode changes state (BatchNorm's running statistics, the random generators)."""
+        from .losses import ClipLoss, InfoNCELoss, SigLipLoss
+
+        if isinstance(self.loss, InfoNCELoss):
+            names = ("query_groups", "key_groups")
+            labels = loss_args[1] if len(loss_args) > 1 else loss_kwargs.get("labels")
+        elif isinstance(self.loss, (ClipLoss, SigLipLoss)):
+            names, labels = ("image_groups", "text_groups"), None
+        else:
+            return
+        try:  # the keywords' names and the arguments' count, as the call will bind them
+            inspect.signature(self.loss.forward).bind(None, None, *loss_args, **loss_kwargs)
+        except TypeError as e:
+            raise TypeError(f"loss: {type(self.loss).__name__} takes (image_features, text_features, *loss_args, "
+                            f"**loss_kwargs): {e}") from None
+        _checks.groups(loss_kwargs.get(names[0]), loss_kwargs.get(names[1]), n_images, n_texts, None, labels, names)
+
     def __call__(self, images, texts, *loss_args, scaler=None, **loss_kwargs):
         n_images, n_texts = len(images), len(texts)
         for name, n in (("images", n_images), ("texts", n_texts)):
             if n == 0:
                 raise ValueError(f"{name}: an empty batch")
-        if n_images != n_texts and not _IDS.intersection(loss_kwargs):
+        if n_images != n_texts and all(loss_kwargs.get(name) is None for name in _IDS):
             raise ValueError(f"texts: {n_texts} rows where images has {n_images}; without group ids (image_groups, "
                              "text_groups) a contrastive batch pairs them row by row")
+        self._check_ids(n_images, n_texts, loss_args, loss_kwargs)
         # Both towers in the same number of chunks (equal lengths: chunk_size rows each, the last one shorter); the
         # last chunk holds rows of both, so a DDP model's synchronised backward reaches every parameter.
         count = -(-max(n_images, n_texts) // self.chunk_size)

@@ -36,11 +36,17 @@ class _Loss(torch.nn.Module):
         self.last_step = StepReport()
 
     def _report(self):
-        """A fresh report for this call (None while torch.compile traces: the module is not mutated there)."""
+        """A fresh report for this call (None while torch.compile traces: the module is not mutated there). It becomes
+        `last_step` when the call returns (_kept): a refused call leaves the last step's report in place."""
         if _steps.compiling():
             return None
-        self.last_step = StepReport()
-        return self.last_step
+        return StepReport()
+
+    def _kept(self, report, loss):
+        """`loss`, with `report` (this call's, filled) now `last_step`."""
+        if report is not None:
+            self.last_step = report
+        return loss
 
     def _distribution(self, rank, world_size, group, exchange):
         self.rank, self.world_size = _checks.rank_and_world(rank, world_size)
@@ -124,7 +130,7 @@ class ClipLoss(_Loss):
             if self.distributed:  # checked inside the ranks' agreement; here only made a tensor
                 bias = _checks.scalar("logit_bias", logit_bias, loss.device, "None, a number or a one-element tensor")
             loss = loss + (bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
-        loss = _open_clip_dtype(loss, image_features)
+        loss = self._kept(report, _open_clip_dtype(loss, image_features))
         return {"contrastive_loss": loss} if output_dict else loss
 
 
@@ -173,7 +179,7 @@ class SigLipLoss(_Loss):
             loss = functional.siglip_loss(image_features, text_features, logit_scale, logit_bias,
                                           algorithm=self.algorithm, threads=self.threads, report=report,
                                           image_groups=image_groups, text_groups=text_groups)
-        loss = _open_clip_dtype(loss, image_features)
+        loss = self._kept(report, _open_clip_dtype(loss, image_features))
         return {"contrastive_loss": loss} if output_dict else loss
 
 
@@ -187,6 +193,8 @@ class InfoNCELoss(_Loss):
     def forward(self, query, keys, logit_scale, labels=None, *, query_groups=None, key_groups=None):
         """The InfoNCE loss of `query` against `keys` at scale s = logit_scale; labels[i] is row i's positive key, or
         group ids give several positives per row (functional.info_nce_loss; CPU tensors)."""
-        return functional.info_nce_loss(query, keys, logit_scale, labels, algorithm=self.algorithm,
-                                        threads=self.threads, fused_tiles=self.fused_tiles, report=self._report(),
+        report = self._report()
+        loss = functional.info_nce_loss(query, keys, logit_scale, labels, algorithm=self.algorithm,
+                                        threads=self.threads, fused_tiles=self.fused_tiles, report=report,
                                         query_groups=query_groups, key_groups=key_groups)
+        return self._kept(report, loss)

@@ -277,6 +277,36 @@ def test_errors_name_the_argument(monkeypatch):
     assert model.visual[0].weight.grad is None  # nothing ran
 
 
+def test_refused_group_ids_run_no_encoder():
+    # Ids the loss would refuse are refused before pass 1: no encoder runs, so BatchNorm's running statistics, the
+    # random generator and the module's last_step stay as they were.
+    model = Towers(norm="batch")
+    enc_i, enc_t = (lambda v: model.encode_image(v)), (lambda v: model.encode_text(v))
+    x, y = batch(8, 2)
+    y = y.repeat(2, 1)  # two captions per image
+    ig, tg = torch.arange(8), torch.arange(16) % 8
+    s, b = model.logit_scale.exp(), model.logit_bias
+    stats, rng = model.visual[1].running_mean.clone(), torch.get_rng_state()
+    cases = [
+        (ct.ClipLoss(), (s,), {"image_groups": ig[:4], "text_groups": tg}, ValueError, r"image_groups: expected shape"),
+        (ct.ClipLoss(), (s,), {"image_groups": ig, "text_groups": tg.float()}, TypeError, "text_groups: dtype"),
+        (ct.ClipLoss(), (s,), {"image_groups": ig}, ValueError, "text_groups: None"),
+        (ct.ClipLoss(), (s,), {"image_groups": None, "text_groups": None}, ValueError, "texts: 16 rows"),
+        (ct.ClipLoss(), (s,), {"query_groups": ig, "key_groups": tg}, TypeError, "loss: ClipLoss takes"),
+        (ct.SigLipLoss(), (s, b), {"image_groups": ig, "text_groups": tg[:9]}, ValueError, "text_groups: expected"),
+        (ct.InfoNCELoss(), (s, torch.arange(8)), {"query_groups": ig, "key_groups": tg}, ValueError,
+         "labels: given with"),
+    ]
+    for loss, args, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            ct.CachedStep(enc_i, enc_t, loss, 4)(x, y, *args, **kwargs)
+        assert torch.equal(model.visual[1].running_mean, stats), match
+        assert torch.equal(torch.get_rng_state(), rng), match
+        assert not loss.last_step, match
+    assert all(p.grad is None for p in model.parameters())
+    ct.CachedStep(enc_i, enc_t, ct.ClipLoss(), 4)(x, y, s, image_groups=ig, text_groups=tg)  # the good call runs
+
+
 # --- 2 gloo ranks under DDP: the global batch, against the one-pass DDP step -----------------------------------------
 
 

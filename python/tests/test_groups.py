@@ -189,6 +189,69 @@ def test_refusals_name_the_argument():
         _ops.grouped_softmax_step_cuda(img, txt)
 
 
+def test_the_operators_check_the_ids_layout():
+    # The operators read the ids (and labels) through raw pointers: called directly, without the functions' checks, a
+    # short tensor would be read past its end and a strided one in the wrong order. Both are refused.
+    q, k, s = unit(6, 8, 25), unit(6, 8, 26), torch.tensor(5.0)
+    ids = torch.arange(6) % 3
+    strided = (torch.arange(12) % 3)[::2]
+    softmax = torch.ops.contrastive_torch.grouped_softmax_step
+    sigmoid = torch.ops.contrastive_torch.grouped_sigmoid_step
+    for qg, kg, match in ((ids[:3], ids, r"query_groups: expected shape \(6,\)"),
+                          (ids, ids[:5], r"key_groups: expected shape \(6,\)"),
+                          (ids[None], ids, r"query_groups: expected shape \(6,\)"),
+                          (strided, ids, "query_groups: not contiguous"),
+                          (ids, ids.int(), "key_groups: expected int64")):
+        with pytest.raises(ValueError, match=match):
+            softmax(q, k, s, qg, kg, True, "fused", 0, False)
+        with pytest.raises(ValueError, match=match):
+            sigmoid(q, k, s, torch.tensor(-1.0), qg, kg, "fused", 0, False)
+    with pytest.raises(ValueError, match=r"labels: expected shape \(6,\)"):
+        torch.ops.contrastive_torch.softmax_step(q, k, s, torch.arange(3, dtype=torch.int32), False, "fused", 0,
+                                                 False, False)
+    with pytest.raises(ValueError, match="k: dtype or embedding size"):
+        softmax(q, unit(6, 4, 27), s, ids, ids, True, "fused", 0, False)
+
+
+def test_a_refused_call_keeps_the_modules_last_step():
+    img, txt = unit(6, 8, 21), unit(12, 8, 22)
+    ig, tg = torch.arange(6), torch.arange(12) % 6
+    for module, kw in ((ct.ClipLoss(), ("image_groups", "text_groups")), (ct.SigLipLoss(), ("image_groups",
+                                                                                           "text_groups")),
+                       (ct.InfoNCELoss(), ("query_groups", "key_groups"))):
+        module(img, txt, 10.0, **{kw[0]: ig, kw[1]: tg})
+        kept = module.last_step
+        assert kept["first_nonfinite"] == "none"
+        for bad in ({kw[0]: ig}, {kw[0]: ig[:5], kw[1]: tg}, {kw[0]: ig.float(), kw[1]: tg}):
+            with pytest.raises((ValueError, TypeError)):
+                module(img, txt, 10.0, **bad)
+            assert module.last_step is kept and kept["first_nonfinite"] == "none"
+    module = ct.InfoNCELoss()
+    module(img, txt, 10.0, query_groups=ig, key_groups=tg)
+    kept = module.last_step
+    with pytest.raises(ValueError, match="labels: given with"):
+        module(img, txt, 10.0, torch.arange(6), query_groups=ig, key_groups=tg)
+    assert module.last_step is kept
+
+
+def test_float16_takes_ids_made_under_inference_mode():
+    # As float32 and bfloat16 do (and int32 ids, copied to int64 before the step): float16, whose backward keeps the
+    # ids for its rerun under a loss scale, keeps a copy of ids autograd cannot save.
+    q, k = unit(6, 8, 23, torch.float16), unit(9, 8, 24, torch.float16)
+    with torch.inference_mode():
+        qg, kg = torch.arange(6) % 4, torch.arange(9) % 3
+    want = run("symmetric", q, k, 5.0, qg.clone(), kg.clone())
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    loss = CF.clip_loss(qq, kk, 5.0, image_groups=qg, text_groups=kg)
+    loss.backward()
+    assert torch.equal(loss.detach(), want[0]) and torch.equal(qq.grad, want[1]) and torch.equal(kk.grad, want[2])
+    qq.grad = kk.grad = None
+    (CF.clip_loss(qq, kk, 5.0, image_groups=qg, text_groups=kg) * 1024.0).backward()  # the rerun
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    (reference("symmetric", q64, k64, 5.0, qg, kg) * 1024.0).backward()
+    assert rel(qq.grad, q64.grad) <= 4e-3 and rel(kk.grad, k64.grad) <= 4e-3
+
+
 def test_opcheck_and_compile():
     q, k = unit(10, 8, 14), unit(25, 8, 15)
     qg, kg = draw_ids(10, 25, 16, "random")

@@ -2,7 +2,9 @@
 //
 // The library's problem viewing PyTorch tensors, shared by the host and the CUDA binding. The Python side has checked
 // shapes, dtypes, devices and contiguity; labels are int32 (or undefined: the diagonal); group ids int64 CPU tensors
-// (or undefined: none).
+// (or undefined: none). The view checks again what it reads through raw pointers (the tensors' layout, no value):
+// the operators (torch.ops.contrastive_torch.*) can be called without the Python checks, and a short or strided
+// tensor would otherwise be read past its end or in the wrong order.
 #pragma once
 
 #include <torch/extension.h>
@@ -11,9 +13,46 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace contrastive_torch
 {
+namespace detail
+{
+inline std::string shape_of(const torch::Tensor& t)
+{
+  std::string s = "(";
+  for (std::int64_t d = 0; d < t.dim(); ++d)
+  {
+    s += (d ? ", " : "") + std::to_string(t.size(d)) + (t.dim() == 1 ? "," : "");
+  }
+  return s + ")";
+}
+
+[[noreturn]] inline void refuse(const char* name, const std::string& what)
+{
+  throw std::invalid_argument(std::string("contrastive: ") + name + ": " + what + " [invalid_argument]");
+}
+
+/// A 1-D contiguous tensor of `n` entries of `dtype` (labels: int32; group ids: int64).
+inline void check_ids(const char* name, const torch::Tensor& t, std::int64_t n, c10::ScalarType dtype, const char* kind)
+{
+  if (t.scalar_type() != dtype)
+  {
+    refuse(name, std::string("expected ") + kind + ", got " + std::string(c10::toString(t.scalar_type())));
+  }
+  if (t.dim() != 1 || t.size(0) != n)
+  {
+    refuse(name, "expected shape (" + std::to_string(n) + ",), one per row, got " + shape_of(t));
+  }
+  if (!t.is_contiguous())
+  {
+    refuse(name, "not contiguous");
+  }
+}
+} // namespace detail
+
 template <class T>
 contrastive::problem<T> problem_of(const torch::Tensor& q,
                                    const torch::Tensor& k,
@@ -22,6 +61,32 @@ contrastive::problem<T> problem_of(const torch::Tensor& q,
                                    const torch::Tensor& query_groups = torch::Tensor(),
                                    const torch::Tensor& key_groups = torch::Tensor())
 {
+  if (q.dim() != 2 || k.dim() != 2)
+  {
+    detail::refuse(q.dim() != 2 ? "q" : "k",
+                   "expected a 2-D tensor (batch x dim), got shape " + detail::shape_of(q.dim() != 2 ? q : k));
+  }
+  if (!q.is_contiguous() || !k.is_contiguous())
+  {
+    detail::refuse(!q.is_contiguous() ? "q" : "k", "not contiguous");
+  }
+  if (k.scalar_type() != q.scalar_type() || k.size(1) != q.size(1))
+  {
+    detail::refuse("k", "dtype or embedding size differs from q's");
+  }
+  if (labels.defined())
+  {
+    detail::check_ids("labels", labels, q.size(0), torch::kInt32, "int32 labels");
+  }
+  if (query_groups.defined() != key_groups.defined())
+  {
+    detail::refuse(query_groups.defined() ? "key_groups" : "query_groups", "missing while the other side's is given");
+  }
+  if (query_groups.defined())
+  {
+    detail::check_ids("query_groups", query_groups, q.size(0), torch::kInt64, "int64 group ids");
+    detail::check_ids("key_groups", key_groups, k.size(0), torch::kInt64, "int64 group ids");
+  }
   contrastive::problem<T> p;
   p.q = reinterpret_cast<const T*>(q.data_ptr());
   p.k = reinterpret_cast<const T*>(k.data_ptr());
