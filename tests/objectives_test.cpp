@@ -61,6 +61,30 @@ TEST(Objectives, VisitMapsEveryCodeToItsType)
   EXPECT_FALSE(co::known(static_cast<cl::objective>(-1)));
 }
 
+// `all` lists every objective once, in the order of their codes (the fuzzer draws a code below co::count), and the
+// refusal of an unknown code names them all.
+template <class... Os>
+void codes_in_order(co::list<Os...>)
+{
+  const int codes[] = {static_cast<int>(Os::code)...};
+  const char* names[] = {Os::name...};
+  for (int i = 0; i < int(sizeof...(Os)); ++i)
+  {
+    EXPECT_EQ(codes[i], i) << names[i];
+  }
+}
+TEST(Objectives, AllListsEveryObjectiveByCode)
+{
+  static_assert(co::count == 3);
+  codes_in_order(co::all{});
+  EXPECT_EQ(co::names(), "symmetric, info_nce or sigmoid");
+  const cl::status st = co::check_known(static_cast<cl::objective>(9));
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument);
+  EXPECT_EQ(st.argument(), "obj");
+  EXPECT_NE(st.message().find("unknown objective 9 (symmetric, info_nce or sigmoid)"), std::string::npos)
+      << st.message();
+}
+
 // The coefficients of G and the batch's mean, from the definitions in float64: symmetric L = (mean of the row CEs +
 // mean of the column CEs) / 2, info_nce the row mean, sigmoid (1/n_q) sum of the pair terms; with group ids the means
 // run over the rows (and columns) with a positive, the sigmoid's over every query.

@@ -285,8 +285,8 @@ struct fuzz_problem
 
   fuzz_problem(byte_reader& in, std::size_t max_q, std::size_t max_k, std::size_t max_dim)
       : n_q(in.below(max_q)), n_k(in.below(max_k)), dim(in.below(max_dim)),
-        obj(static_cast<cl::objective>(in.byte() % 3)), with_labels(in.byte() % 3 == 0), q(n_q * dim + 1),
-        k(n_k * dim + 1), labels(n_q + 1)
+        obj(static_cast<cl::objective>(in.byte() % cl::objectives::count)), with_labels(in.byte() % 3 == 0),
+        q(n_q * dim + 1), k(n_k * dim + 1), labels(n_q + 1)
   {
     for (auto& x : q)
     {
@@ -659,10 +659,11 @@ static void run_core(byte_reader& in)
   const cl::problem<T> p = fp.problem();
   const float tau = in.setting(0.07f), ls = in.setting(256.0f);
   const float s = cl::temperature::fixed(tau).scale(); // the loss's s for this tau, so both see the same bits
-  // The logit bias: SigLIP's -10 scaled for the sigmoid objective, 0 for the softmax ones, and sometimes any value
-  // (non-finite, or nonzero for a softmax: both refused, naming it).
+  // The logit bias: SigLIP's -10 scaled for an objective that takes one, 0 for the others, and sometimes any value
+  // (non-finite, or nonzero for an objective without a bias: both refused, naming it).
+  const bool has_bias = cl::objectives::traits_of(p).has_bias;
   const bool any_bias = in.byte() % 5 == 0;
-  const float bias = any_bias ? in.value() : (fp.obj == cl::objective::sigmoid ? in.setting(-10.0f) : 0.0f);
+  const float bias = any_bias ? in.value() : (has_bias ? in.setting(-10.0f) : 0.0f);
   const T seven = cl::element_traits<T>::from_float(7.0f);
   std::vector<T> dq(fp.n_q * fp.dim + 1, seven), dk(fp.n_k * fp.dim + 1, seven);
   std::vector<T> dq1(fp.n_q * fp.dim + 1), dk1(fp.n_k * fp.dim + 1);
@@ -706,9 +707,9 @@ static void run_core(byte_reader& in)
   {
     st = core.step(p, s, bias, ls, dq.data(), dk.data(), v);
   }
-  if (st.ok() && (!bias_set || (p.obj != cl::objective::sigmoid && bias != 0.0f)))
+  if (st.ok() && (!bias_set || (!has_bias && bias != 0.0f)))
   {
-    require(false, "core: a non-finite logit bias, or a nonzero one for a softmax objective, was accepted");
+    require(false, "core: a non-finite logit bias, or a nonzero one for an objective without a bias, was accepted");
   }
   if (!bias_set)
   {

@@ -25,6 +25,7 @@
 #include <contrastive/status.hpp>
 #include <contrastive/tags.hpp>
 
+#include <cstddef>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -33,10 +34,62 @@ namespace contrastive
 {
 namespace objectives
 {
+/// A list of objective types.
+template <class... Os>
+struct list
+{
+  static constexpr std::size_t size = sizeof...(Os);
+};
+/// Every objective, in the order of their codes: the one list the checks, the dispatch and the messages below read
+/// (adding an objective adds its type here).
+using all = list<symmetric, info_nce, sigmoid>;
+
+namespace lists
+{
+template <class O, class... Os>
+constexpr bool contains(list<Os...>) noexcept
+{
+  return (std::is_same_v<O, Os> || ...);
+}
+template <class... Os>
+constexpr bool known_in(objective code, list<Os...>) noexcept
+{
+  return ((code == Os::code) || ...);
+}
+template <class... Os>
+std::string names_of(list<Os...>)
+{
+  const char* names[] = {Os::name...};
+  std::string out;
+  for (std::size_t i = 0; i < sizeof...(Os); ++i)
+  {
+    out += i == 0 ? "" : (i + 1 == sizeof...(Os) ? " or " : ", ");
+    out += names[i];
+  }
+  return out;
+}
+template <class F>
+decltype(auto) visit_in(objective, F&& f, list<>)
+{
+  return std::forward<F>(f)(symmetric{});
+}
+template <class F, class O, class... Os>
+decltype(auto) visit_in(objective code, F&& f, list<O, Os...>)
+{
+  if (code == O::code)
+  {
+    return std::forward<F>(f)(O{});
+  }
+  return visit_in(code, std::forward<F>(f), list<Os...>{});
+}
+} // namespace lists
+
 /// Whether O is one of the objective types.
 template <class O>
-inline constexpr bool is_objective_v =
-    std::is_same_v<O, symmetric> || std::is_same_v<O, info_nce> || std::is_same_v<O, sigmoid>;
+inline constexpr bool is_objective_v = lists::contains<O>(all{});
+
+/// The number of objectives.
+inline constexpr std::size_t count = all::size;
 
 /// The problem's field that holds the objective, as errors name it.
 inline constexpr const char* field = "obj";
@@ -44,7 +97,13 @@ inline constexpr const char* field = "obj";
 /// Whether `code` names an objective.
 constexpr bool known(objective code) noexcept
 {
-  return code == symmetric::code || code == info_nce::code || code == sigmoid::code;
+  return lists::known_in(code, all{});
+}
+
+/// The objectives' names as a message lists them ("symmetric, info_nce or sigmoid").
+inline std::string names()
+{
+  return lists::names_of(all{});
 }
 
 /// invalid_argument "obj" for a code that names no objective (check_problem's first objective check).
@@ -56,23 +115,15 @@ inline status check_known(objective code)
   }
   return {errc::invalid_argument,
           field,
-          "unknown objective " + std::to_string(static_cast<int>(code)) + " (symmetric, info_nce or sigmoid)"};
+          "unknown objective " + std::to_string(static_cast<int>(code)) + " (" + names() + ")"};
 }
 
-/// f(O{}) for the objective of `code`; an unknown code (which check_known and check_problem refuse before any call
-/// runs) is taken as symmetric.
+/// f(O{}) for the objective of `code`, O the type in `all` whose code it is; an unknown code (which check_known and
+/// check_problem refuse before any call runs) is taken as symmetric. Every call of f must return the same type.
 template <class F>
 decltype(auto) visit(objective code, F&& f)
 {
-  switch (code)
-  {
-  case info_nce::code:
-    return std::forward<F>(f)(info_nce{});
-  case sigmoid::code:
-    return std::forward<F>(f)(sigmoid{});
-  default:
-    return std::forward<F>(f)(symmetric{});
-  }
+  return lists::visit_in(code, std::forward<F>(f), all{});
 }
 /// f(O{}) for the objective of problem `p` (any type with an `obj` member).
 template <class P, class F>
