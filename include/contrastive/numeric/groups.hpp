@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <unordered_map>
 #include <vector>
 
@@ -83,7 +84,9 @@ struct group_weights
       }
     }
     constexpr bool sym = O::columns;
-    single_positive = !sym || n_q_total == n_k_total;
+    // The labelled path takes int32 key indices: beyond them the step stays grouped.
+    single_positive = (!sym || n_q_total == n_k_total) &&
+                      n_k_total <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max());
     rows_with_positive = 0;
     for (std::size_t i = 0; i < n_q_total; ++i)
     {
