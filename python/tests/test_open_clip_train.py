@@ -1,0 +1,117 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""open_clip's own training program (open_clip_train.main, from the open-clip-torch package) on the CPU, with its loss
+and then with ours swapped in through open_clip's factory (python/README.md): a tiny model, synthetic data whose
+samples differ, a few steps of AdamW. Every loss call of both runs is recorded; the two runs must log the same loss
+at every step, which holds only if ours gives open_clip's loss and, through the optimizer, its gradients."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import contrastive_torch as ct
+from conftest import require
+
+# A model small enough for a few CPU steps in about a second (the model config open_clip reads by name).
+TINY = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
+}
+
+# Runs open_clip_train.main with the loss named by argv[1] ("open_clip" or "ours"), appending one JSON line per loss
+# call to argv[2]; argv[3] is the folder of the model config, the rest open_clip_train's own arguments.
+LAUNCHER = r'''
+import json, sys
+import numpy as np
+import open_clip, open_clip.factory
+from PIL import Image
+
+impl, record, configs, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+open_clip.add_model_config(configs)
+
+import open_clip_train.data as data
+
+WORDS = "cat dog red blue car tree sky sea house bird green small".split()
+
+
+def sample(self, index):
+    # open_clip's synthetic dataset repeats one image and one caption: every row would be the same pair.
+    rs = np.random.RandomState(index)
+    image = Image.fromarray(rs.randint(0, 256, (*self.image_size, 3), dtype=np.uint8))
+    return self.transform(image), self.preprocess_txt(" ".join(rs.choice(WORDS, 5)))
+
+
+data.SyntheticDataset.__getitem__ = sample
+
+if impl == "ours":
+    import contrastive_torch
+    open_clip.factory.ClipLoss = contrastive_torch.ClipLoss
+    open_clip.factory.SigLipLoss = contrastive_torch.SigLipLoss
+
+
+def recorded(cls):
+    class Recorded(cls):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            total = sum(out.values()) if isinstance(out, dict) else out
+            with open(record, "a") as f:
+                f.write(json.dumps({"loss": float(total), "type": type(out).__name__,
+                                    "keys": sorted(out) if isinstance(out, dict) else None,
+                                    "class": cls.__module__ + "." + cls.__name__}) + "\n")
+            return out
+    return Recorded
+
+
+open_clip.factory.ClipLoss = recorded(open_clip.factory.ClipLoss)
+open_clip.factory.SigLipLoss = recorded(open_clip.factory.SigLipLoss)
+
+from open_clip_train.main import main
+main(argv)
+'''
+
+
+def _train(tmp_path, impl, extra):
+    configs = tmp_path / "configs"
+    configs.mkdir(exist_ok=True)
+    (configs / "tiny-contrastive.json").write_text(json.dumps(TINY))
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    record = tmp_path / f"{impl}.jsonl"
+    args = ["--model", "tiny-contrastive", "--dataset-type", "synthetic", "--train-num-samples", "64",
+            "--batch-size", "8", "--epochs", "1", "--workers", "0", "--device", "cpu", "--seed", "0",
+            "--warmup", "2", "--lr", "1e-3", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", impl, *extra]
+    python_dir = os.path.dirname(os.path.dirname(os.path.abspath(ct.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (python_dir, os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, str(launcher), impl, str(record), str(configs), *args],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+# CLIP with gradient accumulation (open_clip calls the loss on its cached features, one micro-batch live at a time),
+# and SigLIP (its learnable bias). float32: under open_clip's default `amp` the two losses differ by open_clip's own
+# float16 rounding, which ours does not have (test_open_clip.py compares those against float64).
+@pytest.mark.parametrize("extra", [["--accum-freq", "2"], ["--siglip"]], ids=["clip_accum_freq_2", "siglip"])
+def test_open_clip_train_logs_the_same_loss_with_ours(tmp_path, extra):
+    require("open_clip_train", importlib.util.find_spec("open_clip_train") is not None,
+            "open-clip-torch without its open_clip_train package")
+    require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
+    theirs = _train(tmp_path, "open_clip", extra)
+    ours = _train(tmp_path, "ours", extra)
+    expected_class = "contrastive_torch.losses." + ("SigLipLoss" if "--siglip" in extra else "ClipLoss")
+    assert {c["class"] for c in ours} == {expected_class}, ours[0]
+    assert {c["class"] for c in theirs} == {"open_clip.loss." + expected_class.rsplit(".", 1)[1]}, theirs[0]
+    # 64 samples in batches of 8: 8 loss calls (with --accum-freq 2, 4 optimizer steps of two calls each).
+    assert len(ours) == len(theirs) == 8, (len(ours), len(theirs))
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert (a["type"], a["keys"]) == (b["type"], b["keys"]), (step, a, b)
+        # float32 throughout; a few steps of AdamW on 1e-7 differences stay far below this.
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (step, a["loss"], b["loss"])
+    # The run learned something, so equal losses are not those of frozen parameters.
+    assert ours[-1]["loss"] != ours[0]["loss"]
