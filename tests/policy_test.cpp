@@ -305,6 +305,13 @@ TEST(Temperature, LossSetsTheTemperatureOptimiser)
   const cl::status bad = l.set_temperature_optimizer(cl::optimizer::adam(-1.0f));
   EXPECT_EQ(bad.code(), cl::errc::invalid_temperature);
   EXPECT_EQ(l.temperature().opt.lr, 0.5f) << "a refused setting changes nothing";
+  // A finite learning rate at the bound is refused too, and the message states the bound it broke.
+  const cl::status huge = l.set_temperature_optimizer(cl::optimizer::sgd(1e30f));
+  EXPECT_EQ(huge.code(), cl::errc::invalid_temperature);
+  EXPECT_EQ(huge.argument(), "optimizer");
+  EXPECT_NE(huge.message().find("lr < 1e30"), std::string::npos) << huge.message();
+  cl::temperature::learnable restored(0.07f, cl::optimizer::adam(1e-3f, 0.9f, 0.999f, 1e30f));
+  EXPECT_NE(std::string(restored.validate()).find("eps < 1e30"), std::string::npos) << restored.validate();
   cl::loss<float, cl::temperature::fixed, cl::scaler::static_scale> f(cl::temperature::fixed(0.07f));
   EXPECT_EQ(f.set_temperature_optimizer(cl::optimizer::adam(0.5f)).code(), cl::errc::invalid_argument);
 }

@@ -51,7 +51,7 @@ struct logit_bias
     }
     if (!opt.valid())
     {
-      return "bias optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)";
+      return "bias optimizer settings out of range (0 <= lr < 1e30, 0 <= betas/momentum < 1, 0 < eps < 1e30)";
     }
     if (!state.valid())
     {

@@ -41,11 +41,11 @@ enum class optimizer_kind : std::int32_t
 struct optimizer
 {
   optimizer_kind kind = optimizer_kind::adam; ///< the update rule
-  float lr = 1e-3f;                           ///< learning rate, finite and >= 0
+  float lr = 1e-3f;                           ///< learning rate, in [0, 1e30)
   float momentum = 0.0f;                      ///< SGD only
   float beta1 = 0.9f;                         ///< Adam only
   float beta2 = 0.999f;                       ///< Adam only
-  float eps = 1e-8f;                          ///< Adam only
+  float eps = 1e-8f;                          ///< Adam only, in (0, 1e30)
 
   /// SGD with learning rate `lr` and momentum `momentum` in [0, 1) (0: plain SGD).
   static constexpr optimizer sgd(float lr, float momentum = 0.0f) noexcept

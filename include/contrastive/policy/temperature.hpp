@@ -188,7 +188,7 @@ struct learnable : theta_getters<learnable>
     }
     if (!opt.valid())
     {
-      return "optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)";
+      return "optimizer settings out of range (0 <= lr < 1e30, 0 <= betas/momentum < 1, 0 < eps < 1e30)";
     }
     if (!opt_state.valid())
     {

@@ -148,7 +148,7 @@ public:
       {
         return {errc::invalid_temperature,
                 "optimizer",
-                "optimizer settings out of range (finite lr >= 0, 0 <= betas/momentum < 1, finite eps > 0)"};
+                "optimizer settings out of range (0 <= lr < 1e30, 0 <= betas/momentum < 1, 0 < eps < 1e30)"};
       }
       temperature_.opt = o;
       return {};
