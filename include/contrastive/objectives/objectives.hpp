@@ -38,24 +38,28 @@ namespace objectives
 template <class... Os>
 struct list
 {
-  static constexpr std::size_t size = sizeof...(Os);
+  static constexpr std::size_t size = sizeof...(Os); ///< the number of types
 };
 /// Every objective, in the order of their codes: the one list the checks, the dispatch and the messages below read
 /// (adding an objective adds its type here).
 using all = list<symmetric, info_nce, sigmoid>;
 
+/// The operations on a list that the functions below apply to `all`.
 namespace lists
 {
+/// Whether O is in the list.
 template <class O, class... Os>
 constexpr bool contains(list<Os...>) noexcept
 {
   return (std::is_same_v<O, Os> || ...);
 }
+/// Whether `code` is the code of a type in the list.
 template <class... Os>
 constexpr bool known_in(objective code, list<Os...>) noexcept
 {
   return ((code == Os::code) || ...);
 }
+/// The types' names as a message lists them: "a, b or c".
 template <class... Os>
 std::string names_of(list<Os...>)
 {
@@ -68,11 +72,13 @@ std::string names_of(list<Os...>)
   }
   return out;
 }
+/// No type left: an unknown code, taken as symmetric (see visit).
 template <class F>
 decltype(auto) visit_in(objective, F&& f, list<>)
 {
   return std::forward<F>(f)(symmetric{});
 }
+/// f(O{}) for the first type O of the list whose code is `code`.
 template <class F, class O, class... Os>
 decltype(auto) visit_in(objective code, F&& f, list<O, Os...>)
 {
