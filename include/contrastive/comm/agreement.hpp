@@ -190,11 +190,26 @@ inline global_shape derive_global(const std::vector<call_msg>& all, int me)
                             "dim",
                             "dim = " + std::to_string(s.dim) + " where rank 0 has " + std::to_string(all[0].dim)});
     }
-    else if (s.objective_code != all[0].objective_code || s.has_labels != all[0].has_labels)
+    else if (s.objective_code != all[0].objective_code)
     {
       g.bad_rank = rr;
-      (void)(g.why = status{
-                 errc::invalid_argument, objectives::field, "objective, labels or group ids differ from rank 0's"});
+      (void)(g.why = status{errc::invalid_argument,
+                            objectives::field,
+                            std::string("objective ") + to_string(static_cast<objective>(s.objective_code)) +
+                                " where rank 0 has " + to_string(static_cast<objective>(all[0].objective_code))});
+    }
+    else if (s.has_labels != all[0].has_labels)
+    {
+      // Named by what this rank or rank 0 passed: group ids where either passed them, else labels.
+      const auto kind = [](std::int64_t v) -> std::string
+      {
+        return v == 1 ? "labels" : (v == 2 ? "group ids" : "neither labels nor group ids");
+      };
+      g.bad_rank = rr;
+      (void)(g.why = status{errc::invalid_argument,
+                            s.has_labels == 2 || all[0].has_labels == 2 ? "query_groups" : "labels",
+                            kind(s.has_labels) + " where rank 0 passed " + kind(all[0].has_labels) +
+                                "; every rank passes the same kind of positives"});
     }
     else if (s.has_scalars != 0 && all[0].has_scalars != 0 && s.scale_bits != all[0].scale_bits)
     {
