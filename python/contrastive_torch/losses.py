@@ -4,7 +4,7 @@ modules over contrastive_torch.functional. Each keeps the diagnosis of its last 
 
 import torch
 
-from . import _checks, _distributed, _steps, functional
+from . import _checks, _distributed, _ops, _steps, functional
 from ._host import NONFINITE_SITES
 
 
@@ -25,6 +25,15 @@ def _open_clip_dtype(loss, features):
     if features.dtype == torch.float32 or torch.is_autocast_enabled(features.device.type):
         return loss
     return loss.to(features.dtype)
+
+
+def _open_clip_sigmoid_dtype(loss, features):
+    """open_clip's SigLipLoss dtype: its labels take the features' dtype and its logits the autocast dtype inside
+    autocast (log-sigmoid runs at the logits' dtype there), so its loss is their promotion: the features' dtype outside
+    autocast and for 16-bit features of the region's dtype inside, float32 for float32 features."""
+    region = _ops.autocast_dtype(features.device.type)
+    dtype = features.dtype if region is None else torch.promote_types(features.dtype, region)
+    return loss if loss.dtype == dtype else loss.to(dtype)
 
 
 class _Loss(torch.nn.Module):
@@ -147,7 +156,8 @@ class SigLipLoss(_Loss):
     `cache_labels` has nothing to cache. With world_size > 1 (or `group`) every rank gets the global loss, (1/N) sum
     over all N x N pairs (the mean over ranks of open_clip's per-rank values); each rank's features get world_size x
     d(global loss)/d(its rows) (open_clip's: its exchanges carry gradients back), logit_scale and logit_bias
-    d(global loss)/d(them) on every rank."""
+    d(global loss)/d(them) on every rank. The loss has open_clip's dtype: the features' dtype, also for 16-bit features
+    inside autocast (float32 for float32 features); its value is computed in float32 either way."""
 
     _DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 
@@ -179,7 +189,7 @@ class SigLipLoss(_Loss):
             loss = functional.siglip_loss(image_features, text_features, logit_scale, logit_bias,
                                           algorithm=self.algorithm, threads=self.threads, report=report,
                                           image_groups=image_groups, text_groups=text_groups)
-        loss = self._kept(report, _open_clip_dtype(loss, image_features))
+        loss = self._kept(report, _open_clip_sigmoid_dtype(loss, image_features))
         return {"contrastive_loss": loss} if output_dict else loss
 
 

@@ -70,7 +70,7 @@ def test_float32_features_run_at_the_autocast_dtype(algorithm, dtype):
         for grad in (1.0, 1024.0) if dtype == torch.float16 else (1.0,):
             where = f"{name}, algorithm {algorithm}, {dtype}, incoming gradient {grad}"
             got = run(call, q, k, autocast(dtype), grad)
-            # The features cast beforehand, in the same region (the modules' loss is float32 there, as open_clip's).
+            # The features cast beforehand, in the same region (the modules' loss has open_clip's dtype there).
             want = run(call, q.to(dtype), k.to(dtype), autocast(dtype), grad)
             plain = run(call, q, k, contextlib.nullcontext(), grad)
             assert got[0].dtype == torch.float32, where
@@ -80,8 +80,10 @@ def test_float32_features_run_at_the_autocast_dtype(algorithm, dtype):
                 if w is None:  # logit_bias outside SigLIP: no gradient in either run
                     assert a is None, where
                     continue
-                assert a.dtype == (torch.float32 if i else w.dtype), where
-                assert torch.equal(a, w.float()), f"{where}: output {i} differs from the run on {dtype} features"
+                if i == 0:  # the loss: float32 here; open_clip's dtype there (SigLipLoss: the 16-bit features')
+                    a = a.to(w.dtype)
+                assert a.dtype == w.dtype if i == 0 else a.dtype == torch.float32, where
+                assert torch.equal(a, w.to(a.dtype)), f"{where}: output {i} differs from the run on {dtype} features"
             assert not torch.equal(got[0], plain[0]), f"{where}: the loss is float32's: nothing was cast"
 
 
@@ -122,6 +124,28 @@ def test_16bit_features_are_left_as_they_are(features, region):
         got[0] = got[0].to(want[0].dtype)
         for i, (a, w) in enumerate(zip(got, want)):
             assert (a is None and w is None) or torch.equal(a, w), f"{name} in a {region} region: output {i}"
+
+
+@pytest.mark.parametrize("features", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("region", [None, torch.bfloat16, torch.float16])
+def test_the_modules_loss_dtype_is_open_clips(features, region):
+    # open_clip's own ClipLoss and SigLipLoss on the same inputs give the dtype each module must return: ClipLoss
+    # float32 inside autocast (cross-entropy runs in float32), SigLipLoss the promotion of the features' dtype and the
+    # region's (its labels take the former, its log-sigmoid the latter).
+    try:
+        import open_clip.loss as oc
+    except Exception as e:  # ImportError, or an open_clip that does not import on this torch
+        require("open_clip", False, f"{type(e).__name__}: {e}")
+    q, k = unit(32, 24, 5).to(features), unit(32, 24, 6).to(features)
+    s, b = torch.tensor(SCALE), torch.tensor(BIAS)
+    region_of = contextlib.nullcontext() if region is None else autocast(region)
+    for ours, theirs, args in ((ct.ClipLoss(), oc.ClipLoss(), (s,)), (ct.SigLipLoss(), oc.SigLipLoss(), (s, b))):
+        with region_of:
+            got, want = ours(q, k, *args), theirs(q, k, *args)
+        assert got.dtype == want.dtype, (type(ours).__name__, features, region, got.dtype, want.dtype)
+        # The same loss, to the dtype's rounding (both round a float32-or-better value once at most).
+        tol = 4 * torch.finfo(want.dtype).eps if want.dtype != torch.float32 else 1e-2
+        assert abs(float(got) - float(want)) <= tol * abs(float(want)) + 1e-2, (type(ours).__name__, features, region)
 
 
 class OperatorCalls(TorchDispatchMode):
@@ -182,7 +206,10 @@ def test_torch_compile_traces_the_rule(where):
     for i, (a, w) in enumerate(zip(got, want)):
         assert a.dtype == torch.float32, i
         assert torch.equal(a, w), f"output {i}: the compiled call differs from eager autocast"
-    cast = run(clip, q.bfloat16(), k.bfloat16(), autocast(torch.bfloat16))
+    # (The functional SigLIP: the module returns bfloat16 features' loss as bfloat16, open_clip's dtype, and float32
+    # features' as float32.)
+    cast = run(lambda q, k, s, b: CF.clip_loss(q, k[:32], s) + CF.siglip_loss(q, k, s, b), q.bfloat16(), k.bfloat16(),
+               autocast(torch.bfloat16))
     assert torch.equal(got[0], cast[0]), "the compiled loss is not the one on features cast to bfloat16"
     # The same compiled function without autocast (a recompilation: dynamo guards on the autocast state) is float32.
     plain = run(clip, q, k, contextlib.nullcontext())
