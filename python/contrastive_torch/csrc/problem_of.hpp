@@ -10,10 +10,12 @@
 #include <torch/extension.h>
 
 #include <contrastive/problem.hpp>
+#include <contrastive/status.hpp>
+
+#include "errors.hpp"
 
 #include <cstddef>
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
 namespace contrastive_torch
@@ -30,9 +32,10 @@ inline std::string shape_of(const torch::Tensor& t)
   return s + ")";
 }
 
+/// invalid_argument naming `name`, raised as every refusal of the bindings is (errors.hpp).
 [[noreturn]] inline void refuse(const char* name, const std::string& what)
 {
-  throw std::invalid_argument(std::string("contrastive: ") + name + ": " + what + " [invalid_argument]");
+  raise(contrastive::status{contrastive::errc::invalid_argument, name, what});
 }
 
 /// A 1-D contiguous tensor of `n` entries of `dtype` (labels: int32; group ids: int64).
