@@ -4,6 +4,7 @@ and then with ours swapped in through open_clip's factory (python/README.md): a 
 samples differ, a few steps of AdamW. Every loss call of both runs is recorded; the two runs must log the same loss
 at every step, which holds only if ours gives open_clip's loss and, through the optimizer, its gradients."""
 
+import importlib
 import importlib.util
 import json
 import os
@@ -75,6 +76,18 @@ main(argv)
 '''
 
 
+def _training_program():
+    """(whether open_clip_train.main imports, why not): it needs open-clip-torch[training]'s webdataset and pandas
+    beyond open-clip-torch itself (scripts/setup.sh installs them)."""
+    if importlib.util.find_spec("open_clip_train") is None:
+        return False, "open-clip-torch without its open_clip_train package"
+    try:
+        importlib.import_module("open_clip_train.main")
+    except ImportError as e:
+        return False, f"open_clip_train.main does not import ({e}): pip install 'open-clip-torch[training]'"
+    return True, ""
+
+
 def _train(tmp_path, impl, extra):
     configs = tmp_path / "configs"
     configs.mkdir(exist_ok=True)
@@ -99,8 +112,7 @@ def _train(tmp_path, impl, extra):
 # float16 rounding, which ours does not have (test_open_clip.py compares those against float64).
 @pytest.mark.parametrize("extra", [["--accum-freq", "2"], ["--siglip"]], ids=["clip_accum_freq_2", "siglip"])
 def test_open_clip_train_logs_the_same_loss_with_ours(tmp_path, extra):
-    require("open_clip_train", importlib.util.find_spec("open_clip_train") is not None,
-            "open-clip-torch without its open_clip_train package")
+    require("open_clip_train", *_training_program())
     require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
     theirs = _train(tmp_path, "open_clip", extra)
     ours = _train(tmp_path, "ours", extra)
