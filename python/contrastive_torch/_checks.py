@@ -202,8 +202,9 @@ def labels(value, n_q, device):
 
 def groups(query_groups, key_groups, n_q, n_k, device, labels=None, names=("query_groups", "key_groups")):
     """Group ids (several positives per row: pair (i, j) is positive when the ids are equal): both or neither, not
-    with labels; each a 1-D integer tensor with one id per row of its side, on the CPU. Returns them as int64,
-    contiguous, or (None, None). `device` None (the features' device not known yet: CachedStep before its first
+    with labels; each a 1-D integer tensor with one id per row of its side, on the features' device or the CPU.
+    Returns them as int64, contiguous, on the features' device (CPU ids for CUDA features are copied there), or
+    (None, None). `device` None (the features' device not known yet: CachedStep before its first
     pass): the devices are not checked."""
     if query_groups is None and key_groups is None:
         return None, None
@@ -213,9 +214,6 @@ def groups(query_groups, key_groups, n_q, n_k, device, labels=None, names=("quer
     if labels is not None:
         raise ValueError(f"labels: given with {names[0]} and {names[1]}; the positives come from labels or from "
                          "group ids, not both")
-    if device is not None and device.type != "cpu":
-        raise NotImplementedError(f"{names[0]}: group ids (several positives per row) run on CPU tensors; the CUDA "
-                                  "step takes one positive per row (labels or the diagonal)")
     out = []
     for name, value, n in ((names[0], query_groups, n_q), (names[1], key_groups, n_k)):
         if not isinstance(value, torch.Tensor):
@@ -224,9 +222,9 @@ def groups(query_groups, key_groups, n_q, n_k, device, labels=None, names=("quer
             raise ValueError(f"{name}: expected shape ({n},), one id per row, got {tuple(value.shape)}")
         if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"{name}: dtype {value.dtype} is not an integer type")
-        if device is not None and value.device.type != "cpu":
-            raise ValueError(f"{name}: on {value.device} while the features are on the CPU")
-        out.append(value.to(torch.int64).contiguous())
+        if device is not None and value.device.type != "cpu" and value.device != device:
+            raise ValueError(f"{name}: on {value.device} while the features are on {device}")
+        out.append(value.to(device=device if device is not None else value.device, dtype=torch.int64).contiguous())
     return tuple(out)
 
 

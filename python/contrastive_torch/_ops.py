@@ -14,7 +14,8 @@
                                                                       float16 features' backward
 
 The grouped steps take int64 group ids (one per query, one per key; a pair is positive when its ids are equal) in
-place of labels: docs/multi_positive.md. They run on CPU tensors; their CUDA kernel refuses.
+place of labels: docs/multi_positive.md. Their CPU kernels run the host engine; their CUDA kernels a chunked PyTorch
+composition (contrastive_torch._grouped), since the device step takes one positive per row.
 
 A step computes the loss and, when `grads`, every gradient at loss scale 1 in one engine call (the host engine's
 forward and backward, or the device's one pass): loss (float32), dq and dk (the features' dtype; 0 x dim when not
@@ -39,7 +40,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import _device, _host
+from . import _device, _grouped, _host
 from ._checks import bias_value, labels_int32, scale_value
 from ._extension import HAS_CUSTOM_OPS
 
@@ -149,12 +150,16 @@ def grouped_sigmoid_step_cpu(q, k, logit_scale, logit_bias, query_groups, key_gr
     return _outputs(q, k, value, dq, dk, dlogs, dbias, max_logit, site, True)
 
 
-def grouped_step_cuda(*_args):
-    raise NotImplementedError("query_groups: group ids (several positives per row) run on CPU tensors; the CUDA "
-                              "step takes one positive per row (labels or the diagonal)")
+def grouped_softmax_step_cuda(q, k, logit_scale, query_groups, key_groups, symmetric, algorithm, threads, grads):
+    # The device step takes one positive per row: group ids run as a PyTorch composition (_grouped), whatever the
+    # algorithm asked for.
+    out = _grouped.step(q, k, logit_scale, None, query_groups, key_groups, _OBJECTIVES[symmetric], grads)
+    return _device_outputs(q, k, out, grads, False)
 
 
-grouped_softmax_step_cuda = grouped_sigmoid_step_cuda = grouped_step_cuda
+def grouped_sigmoid_step_cuda(q, k, logit_scale, logit_bias, query_groups, key_groups, algorithm, threads, grads):
+    out = _grouped.step(q, k, logit_scale, logit_bias, query_groups, key_groups, "sigmoid", grads)
+    return _device_outputs(q, k, out, grads, True)
 
 
 def softmax_step_cuda(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads):
@@ -208,6 +213,11 @@ def feature_grads_cpu(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symme
 def feature_grads_cuda(grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric, algorithm, threads,
                        fused_tiles, query_groups=None, key_groups=None):
     # The forward checked the values: the rerun converts the labels only (no second read, no synchronisation).
+    if query_groups is not None:
+        return _feature_grads_with(
+            lambda g, objective: _grouped.step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective,
+                                               True, g),
+            grad, dq, dk, q, k, logit_scale, logit_bias, labels, symmetric)
     return _feature_grads_with(
         lambda g, objective: _device.step(q, k, logit_scale, logit_bias, labels, objective,
                                           "chunked" if objective == "sigmoid" else algorithm, fused_tiles, g,
@@ -381,7 +391,7 @@ OPERATORS = (
              "sigmoid_step_cpu", "sigmoid_step_cuda",
              lambda q, k, s, b, alg, threads, grads: _fake_step(q, k, grads, True),
              _sigmoid_backward, _sigmoid_setup_context, autocast=True),
-    # Several positives per row: group ids in place of labels (CPU tensors).
+    # Several positives per row: group ids in place of labels.
     Operator("grouped_softmax_step",
              "(Tensor q, Tensor k, Tensor logit_scale, Tensor query_groups, Tensor key_groups, bool symmetric, "
              "str algorithm, SymInt threads, bool grads) -> " + _STEP_OUTPUTS,

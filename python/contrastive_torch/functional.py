@@ -30,14 +30,15 @@ Common keyword arguments:
                synchronisation), and on the CPU 'first_nonfinite' (a NONFINITE_SITES name) and 'algorithm' (the one
                the step ran). Not filled while torch.compile traces.
 
-Several positives per row (CPU tensors): clip_loss and siglip_loss take `image_groups` and `text_groups`, info_nce_loss
+Several positives per row: clip_loss and siglip_loss take `image_groups` and `text_groups`, info_nce_loss
 `query_groups` and `key_groups`, 1-D integer tensors with one id per row (give both or neither; not with labels). A
 pair is positive when its two ids are equal: every caption of the same image, not only the one on the diagonal.
 The softmax losses then take each row's cross-entropy against the uniform distribution over its positives, averaged
 over the rows that have one (clip_loss: over the images' rows and the texts' rows alike, and the two towers may differ
 in size, e.g. five captions per image); siglip_loss labels every positive pair +1. A batch without a positive pair
 gives 0 (the softmax losses). Ids that give each row exactly one positive give the one-positive loss bit for bit.
-docs/multi_positive.md has the formulas.
+docs/multi_positive.md has the formulas. CUDA tensors run them as a chunked composition of PyTorch operations
+(contrastive_torch._grouped): the device step takes one positive per row.
 
 clip_loss and siglip_loss take `group` (a torch.distributed ProcessGroup): every rank of the group calls with its own
 rows and gets the loss of the global batch (see contrastive_torch._distributed for the exchanges and the gradient

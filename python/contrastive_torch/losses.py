@@ -119,7 +119,7 @@ class ClipLoss(_Loss):
         None) shifts every row and column alike, which no softmax sees: it changes neither the loss nor the other
         gradients, and its own gradient is 0, which it gets here; a NaN or infinite bias makes the loss NaN, as it
         does open_clip's. A per-logit bias is refused. `image_groups`,
-        `text_groups`: group ids, several positives per row (functional.clip_loss; CPU tensors)."""
+        `text_groups`: group ids, several positives per row (functional.clip_loss)."""
         report = self._report()
         if self.distributed:  # the bias is checked there, inside the ranks' agreement
             grad_ranks = None if (self.gather_with_grad or self.local_loss) else 1
@@ -178,7 +178,7 @@ class SigLipLoss(_Loss):
                 image_groups=None, text_groups=None):
         """open_clip's SigLipLoss forward: the sigmoid loss of these features at scale s = logit_scale (a number or a
         one-element tensor) and bias logit_bias; a dict {"contrastive_loss": loss} when output_dict. `image_groups`,
-        `text_groups`: group ids, every pair with equal ids positive (functional.siglip_loss; CPU tensors)."""
+        `text_groups`: group ids, every pair with equal ids positive (functional.siglip_loss)."""
         report = self._report()
         if self.distributed:
             loss = _distributed.global_loss("sigmoid", image_features, text_features, logit_scale, logit_bias,
@@ -202,7 +202,7 @@ class InfoNCELoss(_Loss):
 
     def forward(self, query, keys, logit_scale, labels=None, *, query_groups=None, key_groups=None):
         """The InfoNCE loss of `query` against `keys` at scale s = logit_scale; labels[i] is row i's positive key, or
-        group ids give several positives per row (functional.info_nce_loss; CPU tensors)."""
+        group ids give several positives per row (functional.info_nce_loss)."""
         report = self._report()
         loss = functional.info_nce_loss(query, keys, logit_scale, labels, algorithm=self.algorithm,
                                         threads=self.threads, fused_tiles=self.fused_tiles, report=report,

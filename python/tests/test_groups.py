@@ -183,10 +183,6 @@ def test_refusals_name_the_argument():
     # Without ids the symmetric loss still needs as many texts as images.
     with pytest.raises(ValueError, match="text_features: the symmetric loss needs n_q == n_k .*group ids"):
         CF.clip_loss(img, unit(7, 8, 13), 10.0)
-    from contrastive_torch import _ops
-
-    with pytest.raises(NotImplementedError, match="CPU tensors"):
-        _ops.grouped_softmax_step_cuda(img, txt)
 
 
 def test_the_operators_check_the_ids_layout():
@@ -306,8 +302,16 @@ def _worker(rank, world, port, seed, out_dir):
         img, txt = unit(n_img * world, 16, seed), unit(n_txt * world, 16, seed + 1)
         ig, tg = draw_ids(n_img * world, n_txt * world, seed + 2, "random")
         mi, mt = slice(rank * n_img, (rank + 1) * n_img), slice(rank * n_txt, (rank + 1) * n_txt)
-        # Both exchanges: the library's engine and torch's all-gather with the one-process step (CUDA's default).
-        for exchange in ("engine", "gather"):
+        from contrastive_torch import _ops
+
+        host_kernels = (_ops.grouped_softmax_step_cpu, _ops.grouped_sigmoid_step_cpu, _ops.feature_grads_cpu)
+        # Both exchanges: the library's engine and torch's all-gather with the one-process step (CUDA's default),
+        # the latter also with the CUDA kernels' composition (_grouped) in place of the host engine, as CUDA runs it.
+        for exchange, composed in (("engine", False), ("gather", False), ("gather", True)):
+            _ops.grouped_softmax_step_cpu, _ops.grouped_sigmoid_step_cpu, _ops.feature_grads_cpu = (
+                (_ops.grouped_softmax_step_cuda, _ops.grouped_sigmoid_step_cuda, _ops.feature_grads_cuda)
+                if composed else host_kernels)
+            exchange_name = exchange + (" (composition)" if composed else "")
             for objective in ("symmetric", "sigmoid"):
                 b = -3.0 if objective == "sigmoid" else None
                 got = run(objective, img[mi], txt[mt], 8.0, ig[mi], tg[mt], b, group=dist.group.WORLD,
@@ -325,7 +329,7 @@ def _worker(rank, world, port, seed, out_dir):
                 for name, a, w in pairs:
                     checks[0] += 1
                     if rel(a, w) > 1e-5:
-                        failures.append(f"rank {rank}: {exchange} {objective} {name}: {rel(a, w)}")
+                        failures.append(f"rank {rank}: {exchange_name} {objective} {name}: {rel(a, w)}")
             # Only rank 1's images have a positive (on rank 0): rank 0's image term weighs 0, its texts carry all.
             # No positive anywhere: loss 0, zero gradients.
             lone = (torch.arange(n_img * world) + 1000, torch.arange(n_txt * world) + 5000)
@@ -343,7 +347,8 @@ def _worker(rank, world, port, seed, out_dir):
                     checks[0] += 1
                     bad = (a.abs().max() != 0) if name == "no positive" else (rel(a, w) > 1e-5)
                     if bool(bad):
-                        failures.append(f"rank {rank}: {exchange} {name} {part}: {a} against {w}")
+                        failures.append(f"rank {rank}: {exchange_name} {name} {part}: {a} against {w}")
+        _ops.grouped_softmax_step_cpu, _ops.grouped_sigmoid_step_cpu, _ops.feature_grads_cpu = host_kernels
         # One rank without ids: refused on every rank, naming the rank.
         try:
             CF.clip_loss(img[mi], txt[mt], 8.0, group=dist.group.WORLD, image_groups=ig[mi] if rank == 0 else None,
@@ -369,7 +374,7 @@ def test_two_gloo_ranks(seed, tmp_path):
     reports = run_ranks(_worker, 2, seed, tmp_path)
     failures = [f for got in reports for f in got["failures"]]
     assert not failures, "\n".join(failures[:20])
-    assert [got["checks"] for got in reports] == [35, 35]
+    assert [got["checks"] for got in reports] == [52, 52]
 
 
 def test_ids_are_kept_for_the_backward_only_where_it_reruns():
@@ -398,3 +403,134 @@ def test_ids_are_kept_for_the_backward_only_where_it_reruns():
     ids.fill_(0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (loss * 1024.0).backward()
+
+
+# --- the CUDA kernels' composition (contrastive_torch._grouped), run here on CPU tensors ---------------------------
+
+
+def _composition(objective, q, k, s, b, qg, kg, grads=True, loss_scale=1.0):
+    from contrastive_torch import _grouped
+
+    return _grouped.step(q, k, torch.tensor(s), torch.tensor(b), qg, kg, objective, grads, loss_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce", "sigmoid"])
+@pytest.mark.parametrize("kind", ["captions", "random", "none"])
+def test_the_cuda_composition_matches_float64_and_the_host_engine(objective, dtype, kind, seed, monkeypatch):
+    from contrastive_torch import _grouped
+
+    n_q, n_k = (12, 60) if kind == "captions" else (40, 33)
+    q, k = unit(n_q, 24, seed, dtype), unit(n_k, 24, seed + 1, dtype)
+    qg, kg = draw_ids(n_q, n_k, seed + 2, kind)
+    s, b = 12.0, -4.0
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    s64 = torch.tensor(s, dtype=torch.float64, requires_grad=True)
+    b64 = torch.tensor(b, dtype=torch.float64, requires_grad=True)
+    want = reference(objective, q64, k64, s64, qg, kg, b64)
+    want.backward()
+    want = want.detach()
+    u = torch.finfo(dtype).eps / 2
+    whole = None
+    for rows in (n_q, 7, 1):  # one chunk, several (the last one short), one row each
+        monkeypatch.setattr(_grouped, "CHUNK_ELEMENTS", rows * n_k)
+        loss, dq, dk, dlogs, dbias, max_logit, site = _composition(objective, q, k, s, b, qg, kg)
+        assert (loss.dtype, dq.dtype, dk.dtype, dlogs.dtype, site.dtype) == (torch.float32, dtype, dtype,
+                                                                             torch.float64, torch.int32)
+        assert int(site) == 0 and (dbias is not None) == (objective == "sigmoid"), (site, seed)
+        if kind == "none" and objective != "sigmoid":
+            assert float(loss) == 0.0 and not dq.any() and not dk.any() and float(dlogs) == 0.0
+            continue
+        # Logits and their statistics in float32 from the features as given; dQ and dK rounded once (bfloat16: dS
+        # rounded before the products, as the host's chunked path does).
+        assert abs(float(loss) - float(want)) <= 2e-6 * (1 + abs(float(want))), (float(loss), float(want), seed)
+        grad_tol = 1e-5 if dtype == torch.float32 else 4 * u
+        for name, got, ref in (("dq", dq, q64.grad), ("dk", dk, k64.grad)):
+            assert rel(got, ref) <= grad_tol, (name, rel(got, ref), seed)
+        assert abs(float(dlogs) - s * float(s64.grad)) <= 1e-5 * (1 + abs(s * float(s64.grad))), seed
+        if objective == "sigmoid":
+            assert abs(float(dbias) - float(b64.grad)) <= 1e-5 * (1 + abs(float(b64.grad))), seed
+        S = s * (q.double() @ k.double().T) + (b if objective == "sigmoid" else 0.0)
+        assert abs(float(max_logit) - float(S.max())) <= 1e-5 * float(S.abs().max()), seed
+        if whole is None:
+            whole = (loss, dq, dk, dlogs)
+        else:  # the chunking changes only summation order
+            assert abs(float(loss) - float(whole[0])) <= 1e-6 * (1 + abs(float(whole[0])))
+    # The host engine on the same inputs (the CPU kernel of the same operator).
+    if objective == "sigmoid":
+        host = torch.ops.contrastive_torch.grouped_sigmoid_step(q, k, torch.tensor(s), torch.tensor(b), qg, kg,
+                                                                "chunked", 0, True)
+    else:
+        host = torch.ops.contrastive_torch.grouped_softmax_step(q, k, torch.tensor(s), qg, kg,
+                                                                objective == "symmetric", "chunked", 0, True)
+    got = _composition(objective, q, k, s, b, qg, kg)
+    assert abs(float(got[0]) - float(host[0])) <= 2e-6 * (1 + abs(float(host[0])))
+    for a, h in ((got[1], host[1]), (got[2], host[2])):
+        assert rel(a, h) <= (1e-5 if dtype == torch.float32 else 4 * u) or (not h.any() and not a.any())
+
+
+def test_the_cuda_composition_reads_no_value_on_the_host():
+    # No .item(), no data-dependent shape (unique, nonzero, boolean indexing): each would synchronise a CUDA stream.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+               torch.ops.aten.masked_select.default, torch.ops.aten.index.Tensor}
+
+    class NoReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func not in syncing, f"{func} reads a value on the host"
+            return func(*args, **(kwargs or {}))
+
+    q, k = unit(20, 8, 40), unit(30, 8, 41)
+    qg, kg = draw_ids(20, 30, 42, "random")
+    for objective in ("symmetric", "info_nce", "sigmoid"):
+        with NoReads():
+            out = _composition(objective, q, k, 10.0, -3.0, qg, kg)
+        assert int(out[-1]) == 0 and torch.isfinite(out[0])
+
+
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce", "sigmoid"])
+def test_the_cuda_composition_reports_what_the_host_refuses(objective):
+    # As the device's sync-free step: no exception; a NaN or infinite loss and the first non-finite site 'logits'.
+    q, k = unit(10, 8, 43), unit(10, 8, 44)
+    qg, kg = draw_ids(10, 10, 45, "random")
+    bad_q = q.clone()
+    bad_q[3, 2] = float("inf")
+    for args in ((q, k, 0.0, -1.0), (q, k, -2.0, -1.0), (q, k, float("nan"), -1.0), (bad_q, k, 5.0, -1.0)) + (
+            ((q, k, 5.0, float("inf")),) if objective == "sigmoid" else ()):
+        loss, dq, dk, dlogs, dbias, max_logit, site = _composition(objective, *args[:2], args[2], args[3], qg, kg)
+        assert not torch.isfinite(loss) and ct.NONFINITE_SITES[int(site)] == "logits", (args[2:], loss, site)
+
+
+def test_the_cuda_kernels_behind_the_functions_and_the_modules(monkeypatch):
+    # The functions, the modules and their autograd formulas with the CPU kernels routed to the CUDA ones: the
+    # composition's results where the host engine's were, float16's rerun under a loss scale included.
+    from contrastive_torch import _ops
+
+    q, k = unit(16, 12, 46), unit(40, 12, 47)
+    qg, kg = draw_ids(16, 40, 48, "captions")
+    qs, ks = unit(24, 12, 49), unit(24, 12, 50)
+    sg, sk = draw_ids(24, 24, 51, "random")
+    host = {o: run(o, *(q, k, 9.0, qg, kg) if o != "symmetric" else (qs, ks, 9.0, sg, sk),
+                   -2.0 if o == "sigmoid" else None) for o in ("symmetric", "info_nce", "sigmoid")}
+    monkeypatch.setattr(_ops, "grouped_softmax_step_cpu", _ops.grouped_softmax_step_cuda)
+    monkeypatch.setattr(_ops, "grouped_sigmoid_step_cpu", _ops.grouped_sigmoid_step_cuda)
+    monkeypatch.setattr(_ops, "feature_grads_cpu", _ops.feature_grads_cuda)
+    for objective, want in host.items():
+        args = (q, k, 9.0, qg, kg) if objective != "symmetric" else (qs, ks, 9.0, sg, sk)
+        got = run(objective, *args, -2.0 if objective == "sigmoid" else None)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert rel(g, w) <= 1e-5, objective
+    module = ct.ClipLoss()
+    qq, kk = qs.clone().requires_grad_(), ks.clone().requires_grad_()
+    module(qq, kk, torch.tensor(9.0), image_groups=sg, text_groups=sk).backward()
+    assert rel(qq.grad, host["symmetric"][1]) <= 1e-5 and rel(kk.grad, host["symmetric"][2]) <= 1e-5
+    # float16 under a loss scale: feature_grads reruns the composition at that scale, with the ids.
+    h, hk = q.half().requires_grad_(), k.half().requires_grad_()
+    (CF.info_nce_loss(h, hk, 10.0, query_groups=qg, key_groups=kg) * 4096.0).backward()
+    q64, k64 = q.half().double().requires_grad_(), k.half().double().requires_grad_()
+    (reference("info_nce", q64, k64, 10.0, qg, kg) * 4096.0).backward()
+    assert rel(h.grad, q64.grad) <= 4e-3 and rel(hk.grad, k64.grad) <= 4e-3
+
