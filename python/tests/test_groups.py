@@ -534,3 +534,58 @@ def test_the_cuda_kernels_behind_the_functions_and_the_modules(monkeypatch):
     (reference("info_nce", q64, k64, 10.0, qg, kg) * 4096.0).backward()
     assert rel(h.grad, q64.grad) <= 4e-3 and rel(hk.grad, k64.grad) <= 4e-3
 
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce", "sigmoid"])
+def test_cuda_group_ids_match_the_host_engine(objective, dtype):
+    # CUDA tensors run the composition: the host engine's results on the same inputs, CPU ids copied over.
+    q, k = unit(96, 32, 60, dtype), unit(200, 32, 61, dtype)
+    qg, kg = draw_ids(96, 200, 62, "random")
+    if objective == "symmetric":
+        k, kg = k[:96], kg[:96]
+    b = -3.0 if objective == "sigmoid" else None
+    want = run(objective, q, k, 11.0, qg, kg, b)
+    got = run(objective, q.cuda(), k.cuda(), 11.0, qg, kg.cuda(), b)
+    u = torch.finfo(dtype).eps / 2
+    assert abs(float(got[0]) - float(want[0])) <= 2e-6 * (1 + abs(float(want[0])))
+    for g, w in zip(got[1:3], want[1:3]):
+        assert g.device.type == "cuda" and rel(g.cpu(), w) <= (1e-5 if dtype == torch.float32 else 4 * u)
+    for g, w in zip(got[3:], want[3:]):
+        if w is not None:
+            assert abs(float(g) - float(w)) <= 1e-5 * (1 + abs(float(w)))
+
+
+@needs_cuda
+def test_cuda_group_ids_step_is_captured_by_a_cuda_graph():
+    # No host synchronisation: a CUDA graph captures the grouped forward and backward, and its replay equals eager.
+    q, k = unit(64, 16, 63).cuda(), unit(64, 16, 64).cuda()
+    qg, kg = (x.cuda() for x in draw_ids(64, 64, 65, "random"))
+    s = torch.tensor(10.0, device="cuda")
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+
+    def step():
+        qq.grad = kk.grad = None
+        loss = CF.clip_loss(qq, kk, s, image_groups=qg, text_groups=kg)
+        loss.backward()
+        return loss.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_grads = (qq.grad.clone(), kk.grad.clone())
+    graph = torch.cuda.CUDAGraph()
+    qq.grad = kk.grad = None
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    assert torch.equal(qq.grad, eager_grads[0]) and torch.equal(kk.grad, eager_grads[1])
