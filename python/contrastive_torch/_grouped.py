@@ -30,7 +30,9 @@ import torch
 # Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer (the step holds four or five of them at once).
 CHUNK_ELEMENTS = 1 << 24
 
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(a, b, out_dtype=...), CUDA kernels only
+# torch.mm(a, b, out_dtype=torch.float32) for 16-bit CUDA operands: present (its CUDA kernel) in recent PyTorch; set to
+# False at the first refusal, after which the operands are copied to float32.
+_mm_out_dtype = hasattr(torch.ops.aten.mm, "dtype")
 
 OBJECTIVES = ("symmetric", "info_nce", "sigmoid")
 
@@ -44,8 +46,12 @@ def _product(a, b):
     """a @ b in float32: 16-bit operands without rounding their product to 16 bits."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.mm(a, b)
-    if a.is_cuda and _MM_OUT_DTYPE and a.dtype == b.dtype:
-        return torch.mm(a, b, out_dtype=torch.float32)
+    global _mm_out_dtype
+    if a.is_cuda and _mm_out_dtype and a.dtype == b.dtype:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a PyTorch or a card without it: refused before anything ran
+            _mm_out_dtype = False
     return torch.mm(a.float(), b.float())
 
 
