@@ -60,8 +60,12 @@ def recorded(cls):
         def forward(self, *args, **kwargs):
             out = super().forward(*args, **kwargs)
             total = sum(out.values()) if isinstance(out, dict) else out
+            # The scalars the model hands the loss: after a step they carry the loss's gradients through AdamW.
+            scalars = dict(zip(("logit_scale", "logit_bias"), args[2:]), **kwargs)
+            scalars = {name: float(scalars[name]) if scalars.get(name) is not None else None
+                       for name in ("logit_scale", "logit_bias")}
             with open(record, "a") as f:
-                f.write(json.dumps({"loss": float(total), "type": type(out).__name__,
+                f.write(json.dumps({"loss": float(total), "type": type(out).__name__, **scalars,
                                     "keys": sorted(out) if isinstance(out, dict) else None,
                                     "class": cls.__module__ + "." + cls.__name__}) + "\n")
             return out
@@ -125,5 +129,13 @@ def test_open_clip_train_logs_the_same_loss_with_ours(tmp_path, extra):
         assert (a["type"], a["keys"]) == (b["type"], b["keys"]), (step, a, b)
         # float32 throughout; a few steps of AdamW on 1e-7 differences stay far below this.
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (step, a["loss"], b["loss"])
-    # The run learned something, so equal losses are not those of frozen parameters.
+        # The logit scale (and SigLIP's bias) the model passed: equal steps, so equal gradients reached them.
+        assert abs(a["logit_scale"] - b["logit_scale"]) <= 1e-5 * abs(b["logit_scale"]), (step, a, b)
+        assert (a["logit_bias"] is None) == (b["logit_bias"] is None) == ("--siglip" not in extra), (step, a, b)
+        if a["logit_bias"] is not None:
+            assert abs(a["logit_bias"] - b["logit_bias"]) <= 1e-5 * (1 + abs(b["logit_bias"])), (step, a, b)
+    # The run learned something, so equal losses are not those of frozen parameters; the scale (and bias) moved.
     assert ours[-1]["loss"] != ours[0]["loss"]
+    assert ours[-1]["logit_scale"] != ours[0]["logit_scale"]
+    if "--siglip" in extra:
+        assert ours[-1]["logit_bias"] != ours[0]["logit_bias"]
