@@ -433,6 +433,8 @@ class Worker:
             note = f"None: {self.resolved(objective)}" if alg is None else ""
             if plus:
                 note = (note + "; " if note else "") + f"ids: {self.args.groups} pairs per group"
+                if self.dev.type == "cuda":  # the device step takes one positive per row
+                    note += ", PyTorch composition (_grouped.py) whatever the algorithm"
             if mode == "autocast":
                 cast = "cast to bf16 (its autocast rule)" if self.ours_casts() else "float32"
                 note = (note + "; " if note else "") + cast
