@@ -589,3 +589,42 @@ def test_cuda_group_ids_step_is_captured_by_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
     assert torch.equal(qq.grad, eager_grads[0]) and torch.equal(kk.grad, eager_grads[1])
+
+
+def test_the_cuda_composition_equals_the_host_engine_on_random_draws(seed, monkeypatch):
+    # Shapes from one row up, ids from a small range (duplicates, rows without a positive), every objective and
+    # dtype, chunks of any size: the composition gives the host engine's loss, gradients and diagnosis.
+    from contrastive_torch import _grouped
+
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
+    for trial in range(40):
+        objective = ("symmetric", "info_nce", "sigmoid")[trial % 3]
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[draw(0, 2)]
+        n_q, n_k, d = draw(1, 30), draw(1, 30), draw(1, 12)
+        q, k = unit(n_q, d, seed + 2 * trial, dtype), unit(n_k, d, seed + 2 * trial + 1, dtype)
+        hi = draw(1, 8)
+        qg, kg = torch.randint(0, hi, (n_q,), generator=g), torch.randint(0, hi, (n_k,), generator=g)
+        s, b = torch.tensor(float(draw(1, 40))), torch.tensor(float(draw(-8, 2)))
+        monkeypatch.setattr(_grouped, "CHUNK_ELEMENTS", draw(1, n_q) * n_k)
+        got = _grouped.step(q, k, s, b, qg, kg, objective, True)
+        if objective == "sigmoid":
+            want = torch.ops.contrastive_torch.grouped_sigmoid_step(q, k, s, b, qg, kg, "fused", 1, True)
+        else:
+            want = torch.ops.contrastive_torch.grouped_softmax_step(q, k, s, qg, kg, objective == "symmetric",
+                                                                    "fused", 1, True)
+        where = f"trial {trial} seed {seed}: {objective} {dtype} n_q {n_q} n_k {n_k} d {d} ids < {hi}"
+        u = torch.finfo(dtype).eps / 2
+        assert abs(float(got[0]) - float(want[0])) <= 4e-6 * (1 + abs(float(want[0]))), where
+        for a, w in zip(got[1:3], want[1:3]):
+            assert a.dtype == w.dtype and a.shape == w.shape, where
+            # Each gradient element against the host's, relative to the gradient's largest element.
+            assert rel(a, w) <= (2e-5 if dtype == torch.float32 else 4 * u) or not w.any() and not a.any(), where
+        # The scalars: the host forms 16-bit steps' from dS rounded to the dtype, the composition from float dS (it
+        # is the closer to float64: test_the_cuda_composition_matches_float64_and_the_host_engine).
+        scalar_tol = 2e-5 if dtype == torch.float32 else 4 * u
+        assert abs(float(got[3]) - float(want[3])) <= scalar_tol * (1 + abs(float(want[3]))), where
+        if objective == "sigmoid":
+            assert abs(float(got[4]) - float(want[4])) <= scalar_tol * (1 + abs(float(want[4]))), where
+        assert int(got[-1]) == int(want[-1]) == 0, where
+        assert abs(float(got[-2]) - float(want[-2])) <= 1e-5 * (1 + abs(float(want[-2]))), where
