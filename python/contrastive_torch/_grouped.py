@@ -11,15 +11,21 @@ the C columns that have a positive, the gradient w.r.t. the logits S = s Q K^T i
     G_ij = a_i softmax_row(S)_ij + b_j softmax_col(S)_ij - [i ~ j] (a_i / |K(g)| + b_j / |Q(g)|),
 and dQ = s G K, dK = s G^T Q, d loss / d log s = sum_ij G_ij S_ij.
 
-Memory: the logits of one chunk of rows at a time (CHUNK_ELEMENTS of them, a few float32 buffers of that size), so
-O(chunk x n_k + (n_q + n_k) d); InfoNCE and SigLIP take one product per chunk for their statistics and reuse it for the
-gradient, CLIP two (its column statistics span every row). No value is read on the host (no synchronisation; the
-group sizes are counted on the device by sorting the ids): a value the host engine refuses (a non-finite or
-non-positive logit_scale, a non-finite logit_bias or feature) gives a NaN loss and the first non-finite site
-'logits', as on the device's sync-free step.
+Memory: the logits of one chunk of rows at a time (CHUNK_ELEMENTS of them, four to seven float32 buffers of that
+size), so O(chunk x n_k + (n_q + n_k) d); InfoNCE and SigLIP take one product per chunk for their statistics and
+reuse it for the gradient, CLIP two (its column statistics span every row). No value is read on the host: the group
+sizes are counted on the device by sorting the ids, and a value the host engine refuses (a non-finite or non-positive
+logit_scale, a non-finite logit_bias or feature) gives a NaN or infinite loss and the first non-finite site 'logits',
+as on the device's sync-free step. With CUDA tensors for the features, ids, logit_scale and logit_bias, a CUDA graph
+captures the step; a Python number or CPU tensor is copied to the device first (that copy waits), and float16's
+backward reads the incoming gradient on the host (as every float16 step does).
 
-Precision: the logits in float32 from the features (16-bit products are exact in float32; torch.mm's float32 output on
-CUDA, float32 copies elsewhere), their statistics in float32, the loss and d loss / d log s summed in float64. Before
+Precision, the host engine's forms: each row's log-sum-exp as its largest logit m plus log1p(rest), rest the sum of
+exp(S - m) over the row's other logits (the columns' merged over the chunks), so a trained batch's loss keeps its
+small excess over the floor; the positives' distance below m summed directly; on a positive, G's softmax-minus-target
+formed as (a_i / |K|) expm1(log P + log |K|), exact where P is close to 1 / |K|; d loss / d log s from S - m (each
+direction's G sums to zero along it). The logits in float32 from the features (16-bit products are exact in float32;
+torch.mm's float32 output on CUDA, float32 copies elsewhere), the loss and d loss / d log s summed in float64. Before
 the gradient products dS is rounded to bfloat16 for bfloat16 features, as the device's tensor-core products and the
 host's chunked path do; float16 features keep it in float32 (dS ~ 1 / (R n_k) would fall below float16's range in a
 large batch). float32 products follow torch.backends.cuda.matmul.allow_tf32 as torch.matmul does. dQ and dK are
@@ -27,12 +33,18 @@ rounded once to the features' dtype, at the loss scale given."""
 
 import torch
 
-# Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer (the step holds four or five of them at once).
+# Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer. The step's peak, measured on CPU tensors (growth of
+# the resident set, one chunk of 4096 x 4096): 6.5 such buffers for CLIP, 5.5 for InfoNCE, 4.3 for SigLIP (the
+# logits, the parts of G as they are formed, the positives' mask), about 420 MiB for CLIP.
 CHUNK_ELEMENTS = 1 << 24
 
-# torch.mm(a, b, out_dtype=torch.float32) for 16-bit CUDA operands: present (its CUDA kernel) in recent PyTorch; set to
-# False at the first refusal, after which the operands are copied to float32.
-_mm_out_dtype = hasattr(torch.ops.aten.mm, "dtype")
+# torch.mm(a, b, out_dtype=torch.float32) for 16-bit CUDA operands, per dtype: present (its CUDA kernel) in recent
+# PyTorch; False after its first refusal (an older PyTorch, TunableOp, a reduced-precision setting), after which that
+# dtype's operands are copied to float32.
+_mm_out_dtype = dict.fromkeys((torch.bfloat16, torch.float16), hasattr(torch.ops.aten.mm, "dtype"))
+# What is not a refusal of the call itself but the device's state: raised again, the flag left as it is.
+_DEVICE_ERRORS = tuple(e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
+                       if e is not None)
 
 OBJECTIVES = ("symmetric", "info_nce", "sigmoid")
 
@@ -46,12 +58,13 @@ def _product(a, b):
     """a @ b in float32: 16-bit operands without rounding their product to 16 bits."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.mm(a, b)
-    global _mm_out_dtype
-    if a.is_cuda and _mm_out_dtype and a.dtype == b.dtype:
+    if a.is_cuda and _mm_out_dtype.get(a.dtype) and a.dtype == b.dtype:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a PyTorch or a card without it: refused before anything ran
-            _mm_out_dtype = False
+        except _DEVICE_ERRORS:
+            raise
+        except (RuntimeError, TypeError):  # refused before anything ran
+            _mm_out_dtype[a.dtype] = False
     return torch.mm(a.float(), b.float())
 
 
@@ -81,50 +94,96 @@ def _check(q, k, query_groups, key_groups, objective):
                              f"{tuple(ids.shape)} [shape_mismatch]")
 
 
+def _max_rest(S, dim):
+    """Along `dim`: (m, rest), the largest entry and the sum of exp(S - m) over every entry but one at the maximum,
+    so that log-sum-exp = m + log1p(rest) keeps a row's tiny excess over its largest logit (a trained batch's)."""
+    m, at = S.max(dim)
+    e = torch.exp(S - m.unsqueeze(dim))
+    e.scatter_(dim, at.unsqueeze(dim), 0.0)
+    return m, e.sum(dim)
+
+
+def _merge(m1, r1, m2, r2):
+    """Two (m, rest) pairs of disjoint parts as the pair of their union (NaN propagates through m)."""
+    first = m1 >= m2
+    big, small = torch.where(first, m1, m2), torch.where(first, m2, m1)
+    r_big, r_small = torch.where(first, r1, r2), torch.where(first, r2, r1)
+    weight = torch.where(small == -float("inf"), 0.0, torch.exp(small - big))
+    return big, r_big + (1.0 + r_small) * weight
+
+
+def _softmax_part(S, m, lse_rest, pos, weight, pos_weight, log_count, dim):
+    """One direction's share of G: weight P off the positives and, on them, pos_weight (count P - 1) formed as
+    pos_weight expm1(log P + log count) (exact where P is close to 1 / count, as after training); P =
+    exp(S - m - log1p(rest)) along the direction's `dim` (1: rows, 0: columns). Returns it and its share of
+    d loss / d log s, sum G (S - m): the share sums to zero along `dim`, so measuring S from m loses nothing."""
+    shape = (-1, 1) if dim == 1 else (1, -1)
+    centred = S - m.reshape(shape)
+    log_p = centred - torch.log1p(lse_rest).reshape(shape)
+    part = torch.exp(log_p).mul_(weight.reshape(shape))
+    # On the positives the expm1 form, elsewhere weight P: selected in place (x * 1 and x + 0 are exact; both finite
+    # for finite logits).
+    on_pos = log_p.add_(log_count.reshape(shape)).expm1_().mul_(pos_weight.reshape(shape)).mul_(pos)
+    part = part.mul_(~pos).add_(on_pos)
+    return part, centred.mul_(part).sum(1).double().sum()
+
+
 def step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, grads, loss_scale=1.0):
     """One grouped step: (loss float32, dq, dk (the features' dtype, at `loss_scale`; 0 x d when not `grads`),
     d loss / d log s (float64), d loss / d b (float64; sigmoid, else None), the largest logit (float32; sigmoid: of
     S + b), the first non-finite site (int32, a NONFINITE_SITES index)), every one a tensor on the features' device.
-    `objective`: 'symmetric', 'info_nce' or 'sigmoid'."""
+    `objective`: 'symmetric', 'info_nce' or 'sigmoid'. Runs outside autocast (a float16 backward's rerun may be
+    called inside a region, whose casts would round the float32 products)."""
     _check(q, k, query_groups, key_groups, objective)
+    with torch.autocast(q.device.type, enabled=False):
+        return _step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, grads, loss_scale)
+
+
+def _step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, grads, loss_scale):
     device, dtype = q.device, q.dtype
     n_q, n_k = q.shape[0], k.shape[0]
     sym, sig = objective == "symmetric", objective == "sigmoid"
-    nan = float("nan")
-    s = logit_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    nan, inf = float("nan"), float("inf")
+    f32 = dict(dtype=torch.float32, device=device)
+    s = logit_scale.detach().reshape(()).to(**f32)
     s = torch.where((s > 0) & torch.isfinite(s), s, nan)
     b = None
     if sig:
-        b = logit_bias.detach().reshape(()).to(device=device, dtype=torch.float32)
+        b = logit_bias.detach().reshape(()).to(**f32)
         b = torch.where(torch.isfinite(b), b, nan)
     qg, kg = query_groups.to(device), key_groups.to(device)
-    f64 = dict(dtype=torch.float64, device=device)
 
     if not sig:
-        keys_of_row = _sizes(qg, kg)  # |K(g(i))|
+        # Per row: a_i = [P(i) nonempty] / R (1 / 2R symmetric), a_i / |K(g(i))| on its positives; per column
+        # likewise b_j = [Q(g(j)) nonempty] / 2C and b_j / |Q(g(j))|.
+        keys_of_row = _sizes(qg, kg)
         has_row = keys_of_row > 0
-        rows = has_row.sum().to(torch.float64).clamp(min=1)
-        a = torch.where(has_row, (0.5 if sym else 1.0) / rows, 0.0)
-        pos_row = torch.where(has_row, a / keys_of_row.clamp(min=1), 0.0).float()
-        a = a.float()
+        a = torch.where(has_row, (0.5 if sym else 1.0) / has_row.sum().to(torch.float64).clamp(min=1), 0.0)
+        a_pos = (a / keys_of_row.clamp(min=1)).float()
+        a, log_keys = a.float(), keys_of_row.clamp(min=1).log().float()
+        row_m = torch.empty(n_q, **f32)
+        row_rest = torch.empty(n_q, **f32)
         if sym:
-            queries_of_col = _sizes(kg, qg)  # |Q(g(j))|
+            queries_of_col = _sizes(kg, qg)
             has_col = queries_of_col > 0
             bc = torch.where(has_col, 0.5 / has_col.sum().to(torch.float64).clamp(min=1), 0.0)
-            pos_col = torch.where(has_col, bc / queries_of_col.clamp(min=1), 0.0).float()
-            bc = bc.float()
-            col_lse = torch.full((n_k,), -float("inf"), dtype=torch.float32, device=device)
-            col_pos = torch.zeros(n_k, dtype=torch.float32, device=device)
-        lse = torch.empty(n_q, dtype=torch.float32, device=device)
+            bc_pos = (bc / queries_of_col.clamp(min=1)).float()
+            bc, log_queries = bc.float(), queries_of_col.clamp(min=1).log().float()
+            # The columns' running statistics over the chunks: (m, rest), and the positives' distance below the
+            # running m (their count, and the sum of m - S over them).
+            col_m = torch.full((n_k,), -inf, **f32)
+            col_rest = torch.zeros(n_k, **f32)
+            col_count = torch.zeros(n_k, **f32)
+            col_gap = torch.zeros(n_k, **f32)
 
-    loss = torch.zeros((), **f64)
-    dlogs = torch.zeros((), **f64)
-    dbias = torch.zeros((), **f64) if sig else None
-    max_logit = torch.full((), -float("inf"), dtype=torch.float32, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    dlogs = torch.zeros((), dtype=torch.float64, device=device)
+    dbias = torch.zeros((), dtype=torch.float64, device=device) if sig else None
+    max_logit = torch.full((), -inf, **f32)
     bad_logits = torch.zeros((), dtype=torch.bool, device=device)
     if grads:
         dq = torch.empty_like(q)
-        dk_sum = torch.zeros(k.shape, dtype=torch.float32, device=device)
+        dk_sum = torch.zeros(k.shape, **f32)
         # float16's dS stays float32 (its products take float32 operands); bfloat16's is rounded to bfloat16.
         k_op, q_op = (k.float(), q.float()) if dtype == torch.float16 else (k, q)
         factor = s * float(loss_scale)
@@ -132,52 +191,64 @@ def step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, gra
     chunk = rows_per_chunk(n_q, n_k)
 
     def logits(r0, r1):
-        S = _product(q[r0:r1], kt).mul_(s)
-        return S, qg[r0:r1, None] == kg[None, :]
+        return _product(q[r0:r1], kt).mul_(s), qg[r0:r1, None] == kg[None, :]
 
-    def gradient_products(r0, r1, G, S):
-        nonlocal dlogs
-        dlogs = dlogs + (G * S).sum(dtype=torch.float64)
-        Gm = G.to(torch.bfloat16) if dtype == torch.bfloat16 else G
-        dq[r0:r1] = _product(Gm, k_op).mul_(factor).to(dtype)
-        dk_sum.add_(_product(Gm.t(), q_op[r0:r1]))
+    def gradient_products(r0, r1, G):
+        G = G.to(torch.bfloat16) if dtype == torch.bfloat16 else G
+        dq[r0:r1] = _product(G, k_op).mul_(factor).to(dtype)
+        dk_sum.add_(_product(G.t(), q_op[r0:r1]))
+
+    def seen(x):
+        nonlocal bad_logits, max_logit
+        low, high = torch.aminmax(x)  # NaN in either
+        bad_logits = bad_logits | ~(torch.isfinite(low) & torch.isfinite(high))
+        max_logit = torch.maximum(max_logit, high)
 
     for r0 in range(0, n_q, chunk):
         r1 = min(n_q, r0 + chunk)
         S, pos = logits(r0, r1)
         if sig:
-            z = S + b
-            bad_logits = bad_logits | ~torch.isfinite(z).all()
-            max_logit = torch.maximum(max_logit, z.amax())
-            sign = torch.where(pos, 1.0, -1.0)
-            loss = loss - torch.nn.functional.logsigmoid(sign * z).sum(dtype=torch.float64) / n_q
+            # u = -l z, l = +1 on the positives and -1 elsewhere: the term is softplus(u) = -log sigmoid(l z) and
+            # d term / d z = -l sigmoid(u).
+            minus_l = pos.to(torch.float32).mul_(-2.0).add_(1.0)
+            u = S + b
+            seen(u)
+            u.mul_(minus_l)
+            loss = loss + torch.nn.functional.softplus(u).sum(1).double().sum() / n_q
             if grads:
-                G = torch.sigmoid(-sign * z).mul_(sign).mul_(-1.0 / n_q)
-                dbias = dbias + G.sum(dtype=torch.float64)
-                gradient_products(r0, r1, G, S)
+                G = u.sigmoid_().mul_(minus_l).mul_(1.0 / n_q)
+                dbias = dbias + G.sum(1).double().sum()
+                dlogs = dlogs + S.mul_(G).sum(1).double().sum()
+                gradient_products(r0, r1, G)
             continue
-        bad_logits = bad_logits | ~torch.isfinite(S).all()
-        max_logit = torch.maximum(max_logit, S.amax())
-        row_lse = torch.logsumexp(S, 1)
-        lse[r0:r1] = row_lse
-        on_pos = torch.where(pos, S, 0.0)
-        loss = loss + (a[r0:r1] * row_lse).sum(dtype=torch.float64) - \
-            (pos_row[r0:r1] * on_pos.sum(1)).sum(dtype=torch.float64)
+        seen(S)
+        m, rest = _max_rest(S, 1)
+        row_m[r0:r1], row_rest[r0:r1] = m, rest
+        # Row i's term: lse_i - mean over P(i) of S_ij = log1p(rest_i) + (sum over P(i) of (m_i - S_ij)) / |P(i)|.
+        gap = (m[:, None] - S).mul_(pos).sum(1)
+        loss = loss + (a[r0:r1] * torch.log1p(rest) + a_pos[r0:r1] * gap).double().sum()
         if sym:
-            col_lse = torch.logaddexp(col_lse, torch.logsumexp(S, 0))
-            col_pos.add_(on_pos.sum(0))
+            cm, crest = _max_rest(S, 0)
+            count = pos.sum(0).float()
+            cgap = (cm[None, :] - S).mul_(pos).sum(0)
+            new_m, new_rest = _merge(col_m, col_rest, cm, crest)
+            col_gap = (torch.where(col_count > 0, col_gap + col_count * (new_m - col_m), 0.0) +
+                       torch.where(count > 0, cgap + count * (new_m - cm), 0.0))
+            col_m, col_rest, col_count = new_m, new_rest, col_count + count
         elif grads:  # InfoNCE: the row statistics are the chunk's own, so its gradient follows at once
-            G = torch.exp(S - row_lse[:, None]).mul_(a[r0:r1, None]).sub_(torch.where(pos, pos_row[r0:r1, None], 0.0))
-            gradient_products(r0, r1, G, S)
+            G, share = _softmax_part(S, m, rest, pos, a[r0:r1], a_pos[r0:r1], log_keys[r0:r1], 1)
+            dlogs = dlogs + share
+            gradient_products(r0, r1, G)
     if sym:
-        loss = loss + (bc * col_lse).sum(dtype=torch.float64) - (pos_col * col_pos).sum(dtype=torch.float64)
+        loss = loss + (bc * torch.log1p(col_rest) + bc_pos * col_gap).double().sum()
         for r0 in range(0, n_q, chunk) if grads else ():
             r1 = min(n_q, r0 + chunk)
             S, pos = logits(r0, r1)
-            G = torch.exp(S - lse[r0:r1, None]).mul_(a[r0:r1, None])
-            G.add_(torch.exp(S - col_lse[None, :]).mul_(bc[None, :]))
-            G.sub_(torch.where(pos, pos_row[r0:r1, None] + pos_col[None, :], 0.0))
-            gradient_products(r0, r1, G, S)
+            G, share = _softmax_part(S, row_m[r0:r1], row_rest[r0:r1], pos, a[r0:r1], a_pos[r0:r1],
+                                     log_keys[r0:r1], 1)
+            C, col_share = _softmax_part(S.t(), col_m, col_rest, pos.t(), bc, bc_pos, log_queries, 1)
+            dlogs = dlogs + share + col_share
+            gradient_products(r0, r1, G.add_(C.t()))
 
     loss = loss.float()
     checks = [(bad_logits, 1), (~torch.isfinite(loss), 2)]

@@ -561,16 +561,22 @@ def test_cuda_group_ids_match_the_host_engine(objective, dtype):
 
 
 @needs_cuda
-def test_cuda_group_ids_step_is_captured_by_a_cuda_graph():
-    # No host synchronisation: a CUDA graph captures the grouped forward and backward, and its replay equals eager.
-    q, k = unit(64, 16, 63).cuda(), unit(64, 16, 64).cuda()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("objective", ["symmetric", "sigmoid"])
+def test_cuda_group_ids_step_is_captured_by_a_cuda_graph(objective, dtype):
+    # No host synchronisation with every input on the device: a CUDA graph captures the grouped forward and backward,
+    # and its replay equals eager. (float16's backward reads the incoming gradient on the host, as every float16 step.)
+    q, k = unit(64, 16, 63, dtype).cuda(), unit(64, 16, 64, dtype).cuda()
     qg, kg = (x.cuda() for x in draw_ids(64, 64, 65, "random"))
-    s = torch.tensor(10.0, device="cuda")
+    s, b = torch.tensor(10.0, device="cuda"), torch.tensor(-3.0, device="cuda")
     qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
 
     def step():
         qq.grad = kk.grad = None
-        loss = CF.clip_loss(qq, kk, s, image_groups=qg, text_groups=kg)
+        if objective == "symmetric":
+            loss = CF.clip_loss(qq, kk, s, image_groups=qg, text_groups=kg)
+        else:
+            loss = CF.siglip_loss(qq, kk, s, b, image_groups=qg, text_groups=kg)
         loss.backward()
         return loss.detach()
 
@@ -628,3 +634,47 @@ def test_the_cuda_composition_equals_the_host_engine_on_random_draws(seed, monke
             assert abs(float(got[4]) - float(want[4])) <= scalar_tol * (1 + abs(float(want[4]))), where
         assert int(got[-1]) == int(want[-1]) == 0, where
         assert abs(float(got[-2]) - float(want[-2])) <= 1e-5 * (1 + abs(float(want[-2]))), where
+
+
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce"])
+def test_the_cuda_composition_keeps_a_trained_batchs_digits(objective):
+    # Keys next to their queries at a large scale (a trained batch): the loss sits just above its floor and G on each
+    # positive is a small difference. The log1p / expm1 forms keep them (a plain exp(S - lse) lost the gradients' and
+    # d loss / d log s's digits here: 6e-3 and 1e-2 relative).
+    g = torch.Generator().manual_seed(70)
+    q = F.normalize(torch.randn(64, 32, generator=g), dim=1)
+    k = F.normalize(q + 0.01 * torch.randn(64, 32, generator=g), dim=1)
+    ids = torch.arange(64)
+    k2 = F.normalize(q + 0.01 * torch.randn(64, 32, generator=g), dim=1)  # a second caption of each image
+    for keys, key_ids, s in ((k, ids, 30.0), (torch.cat([k, k2]), torch.cat([ids, ids]), 100.0)):
+        got = _composition(objective, q, keys, s, 0.0, ids, key_ids)
+        q64, k64 = q.double().requires_grad_(), keys.double().requires_grad_()
+        s64 = torch.tensor(s, dtype=torch.float64, requires_grad=True)
+        want = reference(objective, q64, k64, s64, ids, key_ids)
+        want.backward()
+        want = want.detach()
+        host = torch.ops.contrastive_torch.grouped_softmax_step(q, keys, torch.tensor(s), ids, key_ids,
+                                                                objective == "symmetric", "fused", 1, True)
+        dlogs = s * float(s64.grad)
+
+        def errors(out):
+            return (abs(float(out[0]) - float(want)) / abs(float(want)), rel(out[1], q64.grad), rel(out[2], k64.grad),
+                    abs(float(out[3]) - dlogs) / abs(dlogs))
+
+        # Within the host engine's own error (float32 logits at s = 100 bound both near 1e-4 for two positives).
+        for mine, theirs, name in zip(errors(got), errors(host), ("loss", "dq", "dk", "dlogs")):
+            assert mine <= 2 * theirs + 1e-6, (name, s, mine, theirs)
+
+
+def test_the_cuda_composition_ignores_an_autocast_region():
+    # float16's backward reruns the step, possibly inside the caller's autocast region: its float32 products must
+    # not be cast down there.
+    q, k = unit(40, 16, 71, torch.float16), unit(50, 16, 72, torch.float16)
+    qg, kg = draw_ids(40, 50, 73, "random")
+    for objective in ("symmetric", "info_nce", "sigmoid"):
+        k_used, kg_used = (k[:40], kg[:40]) if objective == "symmetric" else (k, kg)
+        plain = _composition(objective, q, k_used, 20.0, -3.0, qg, kg_used, loss_scale=1024.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = _composition(objective, q, k_used, 20.0, -3.0, qg, kg_used, loss_scale=1024.0)
+        for a, b in zip(plain, inside):
+            assert a is None and b is None or torch.equal(a, b), objective
