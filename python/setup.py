@@ -9,6 +9,7 @@ fallback and for users who compile against them).
 Options: see README.md beside this file (CUDA_HOME, CONTRASTIVE_NATIVE, CONTRASTIVE_TORCH_CUDA).
 """
 
+import importlib.util
 import os
 import re
 import shutil
@@ -48,6 +49,21 @@ def headers_dir():
     sys.exit(f"contrastive_torch: the library's headers are neither in {REPO_INCLUDE} nor in {PACKAGED_INCLUDE}")
 
 
+def native():
+    """Whether the CPU extension is compiled with -march=native (CONTRASTIVE_NATIVE, default 1)."""
+    return os.environ.get("CONTRASTIVE_NATIVE", "1") != "0"
+
+
+def building_cpu_isa():
+    """This CPU's instruction-set extensions, as contrastive_torch/_cpu.py reads them (loaded from the source tree:
+    the package itself is not importable before it is built)."""
+    path = os.path.join(HERE, "contrastive_torch", "_cpu.py")
+    spec = importlib.util.spec_from_file_location("_contrastive_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cpu_isa()
+
+
 def cuda_home():
     home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
     if not os.path.isfile(os.path.join(home, "include", "cuda_fp16.h")):
@@ -70,7 +86,8 @@ def want_cuda():
 
 class build_py_with_headers(build_py):
     """Copies include/contrastive and VERSION into the package, so an installed contrastive_torch carries the headers
-    and knows its version."""
+    and knows its version; with -march=native, writes NATIVE_ISA (the building CPU's instruction-set extensions), which
+    the package checks before it loads the CPU extension on another machine (contrastive_torch/_cpu.py)."""
 
     def run(self):
         super().run()
@@ -81,6 +98,14 @@ class build_py_with_headers(build_py):
             shutil.copytree(src, dst)
         with open(os.path.join(self.build_lib, "contrastive_torch", "VERSION"), "w") as f:
             f.write(version() + "\n")
+        isa_file = os.path.join(self.build_lib, "contrastive_torch", "NATIVE_ISA")
+        isa = building_cpu_isa() if native() else None
+        if isa is None:
+            if os.path.exists(isa_file):
+                os.remove(isa_file)
+        else:
+            with open(isa_file, "w") as f:
+                f.write(" ".join(sorted(isa)) + "\n")
 
 
 include = headers_dir()
@@ -90,7 +115,7 @@ cuda = cuda_home()
 _torch_major_minor = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 std_flags = ["-std=c++17"] if _torch_major_minor < (2, 1) else []
 cxx_flags = ["-O3", "-DNDEBUG"] + std_flags
-if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
+if native():
     cxx_flags.append("-march=native")
 ext_modules = [
     cpp_extension.CppExtension(

@@ -46,6 +46,7 @@ GPU machine: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYT
 import argparse
 import contextlib
 import gc
+import glob
 import json
 import math
 import os
@@ -881,9 +882,10 @@ def remove_build_lock():
     """torch's extension build waits for its lock file: one left by the killed worker would hold every later build
     (this script's next worker, scripts/gpu_torch_check.sh) forever."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch-extensions"))
-    for name in ("contrastive_torch_cuda_ext", "contrastive_torch_ext"):
+    # The host build's name carries its CPU's tag (contrastive_torch._extension.host_build_name).
+    for lock in glob.glob(os.path.join(root, "contrastive_torch*_ext*", "lock")):
         with contextlib.suppress(OSError):
-            os.remove(os.path.join(root, name, "lock"))
+            os.remove(lock)
 
 
 def watch(args, proc, t0):

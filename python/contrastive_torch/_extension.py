@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from . import _cpu
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # An installed package carries the headers (setup.py copies them); a source checkout has them two levels up.
 _PACKAGED_INCLUDE = os.path.join(_HERE, "include")
@@ -69,6 +71,28 @@ def _prebuilt(name):
         return None
 
 
+def installed_isa_lacking(path=None):
+    """The instruction-set extensions the installed CPU extension was compiled for (-march=native where pip built it:
+    the NATIVE_ISA file setup.py writes beside this module) that this CPU lacks; [] where there is no such file (a
+    portable build, a source checkout) or this CPU's set is unknown."""
+    try:
+        with open(path or os.path.join(_HERE, "NATIVE_ISA")) as f:
+            required = f.read().split()
+    except OSError:
+        return []
+    return _cpu.lacking(required)
+
+
+def _native():
+    return os.environ.get("CONTRASTIVE_NATIVE", "1") != "0"
+
+
+def host_build_name():
+    """The compile-on-first-use build's name in torch's extension cache: one per CPU instruction-set set where it is
+    compiled with -march=native (a cache shared by machines of different CPUs keeps one build for each), else one."""
+    return "contrastive_torch_ext" + (f"_{_cpu.build_tag()}" if _native() else "")
+
+
 def _announce(what, name):
     """One line on stderr before a build that may take minutes (silent when torch's cache already holds it: the
     load then takes about a second)."""
@@ -91,19 +115,28 @@ def _build(name, **kwargs):
 
 
 def extension():
-    """The compiled host extension: the one `pip install` built, else compiled on first call."""
+    """The compiled host extension: the one `pip install` built, else compiled on first call (also where the
+    installed one was compiled with -march=native on a CPU with instructions this one lacks)."""
     with _lock:
         if "host" not in _loaded:
-            ext = _prebuilt("_C")
+            missing = installed_isa_lacking()
+            if missing:
+                # Loading it would end the process at its first such instruction.
+                print(f"contrastive_torch: the installed CPU extension was compiled with -march=native on a CPU with "
+                      f"{', '.join(missing)}, which this CPU lacks: compiling one for this CPU instead (reinstall "
+                      "here, or install with CONTRASTIVE_NATIVE=0 for a build any x86-64 CPU runs)", file=sys.stderr,
+                      flush=True)
+            ext = None if missing else _prebuilt("_C")
             if ext is None:
                 from torch.utils import cpp_extension
 
-                _announce("host extension", "contrastive_torch_ext")
+                name = host_build_name()
+                _announce("host extension", name)
                 cuda = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
                 flags = ["-O3", "-DNDEBUG"] + _std_flags()
-                if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0":
+                if _native():
                     flags.append("-march=native")
-                ext = _build("contrastive_torch_ext", sources=[os.path.join(_HERE, "csrc", "binding.cpp")],
+                ext = _build(name, sources=[os.path.join(_HERE, "csrc", "binding.cpp")],
                              extra_include_paths=[_include_dir(), os.path.join(cuda, "include")], extra_cflags=flags)
             _loaded["host"] = ext
     return _loaded["host"]

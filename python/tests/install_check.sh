@@ -38,6 +38,13 @@ assert ext.__name__ == "contrastive_torch._C", f"extension {ext.__name__}: not t
 assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "include", "contrastive", "contrastive.hpp"))
 for src in ("binding.cpp", "binding_cuda.cu", "errors.hpp", "problem_of.hpp", "torch_comm.hpp"):  # the on-first-use build's sources
     assert os.path.isfile(os.path.join(os.path.dirname(ct.__file__), "csrc", src)), f"csrc/{src} not installed"
+# -march=native (the default): the building CPU's instruction sets recorded beside the extension, which this CPU has.
+from contrastive_torch import _cpu, _extension
+isa_file = os.path.join(os.path.dirname(ct.__file__), "NATIVE_ISA")
+if os.environ.get("CONTRASTIVE_NATIVE", "1") != "0" and _cpu.cpu_isa() is not None:
+    with open(isa_file) as f:
+        assert frozenset(f.read().split()) == _cpu.cpu_isa(), "NATIVE_ISA is not this CPU's set"
+    assert _extension.installed_isa_lacking() == []
 if os.environ.get("CONTRASTIVE_TORCH_CUDA") == "1":
     import importlib
     cuda = importlib.import_module("contrastive_torch._C_cuda")  # built by pip (with nvcc), loads without a GPU

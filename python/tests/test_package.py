@@ -1,5 +1,6 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-"""The package's public surface: one version number with CMake, and every name in __all__ importable."""
+"""The package's public surface: one version number with CMake, and every name in __all__ importable; the CPU
+extension kept to the CPUs it was compiled for."""
 
 import os
 import re
@@ -59,3 +60,69 @@ def test_the_python_reference_is_current(tmp_path):
                    capture_output=True)
     with open(os.path.join(ROOT, "docs", "api", "python.md")) as f:
         assert fresh.read_text() == f.read(), "docs/api/python.md is stale: run scripts/python_api.py"
+
+
+def test_cpu_isa_reads_this_cpu():
+    from contrastive_torch import _cpu
+
+    have = _cpu.cpu_isa()
+    if have is None:  # not an x86-64 Linux machine: nothing is checked
+        assert _cpu.lacking(["avx512f"]) == [] and _cpu.build_tag() == "generic"
+        return
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).partition(":")[2].split())
+    assert have == flags & _cpu.ISA_FLAGS and "sse4_2" in have
+
+
+def test_lacking_and_build_tag():
+    from contrastive_torch import _cpu
+
+    assert _cpu.lacking(["avx2", "avx512f", "avx512_bf16", "not_an_isa_flag"], frozenset({"avx2"})) == [
+        "avx512_bf16", "avx512f"]
+    assert _cpu.lacking(["avx2"], frozenset({"avx2", "fma"})) == []
+    tags = {_cpu.build_tag(frozenset(s)) for s in ({"avx2"}, {"avx2", "fma"}, {"avx2", "fma", "avx512f"})}
+    assert len(tags) == 3 and all(re.fullmatch(r"[0-9a-f]{8}", t) for t in tags)
+    assert _cpu.build_tag(frozenset({"fma", "avx2"})) == _cpu.build_tag(frozenset({"avx2", "fma"}))
+
+
+def test_installed_isa_file_is_read(tmp_path, monkeypatch):
+    from contrastive_torch import _cpu, _extension
+
+    monkeypatch.setattr(_cpu, "cpu_isa", lambda cpuinfo=None: frozenset({"avx2", "fma"}))
+    path = tmp_path / "NATIVE_ISA"
+    path.write_text("avx2 avx512f avx512bw fma\n")
+    assert _extension.installed_isa_lacking(str(path)) == ["avx512bw", "avx512f"]
+    path.write_text("avx2 fma\n")
+    assert _extension.installed_isa_lacking(str(path)) == []
+    assert _extension.installed_isa_lacking(str(tmp_path / "absent")) == []  # a portable build or a checkout
+
+
+def test_an_extension_compiled_for_another_cpu_is_not_loaded(monkeypatch, capsys):
+    # Loading it would end the process (SIGILL) at its first instruction this CPU lacks: the package compiles one for
+    # this CPU instead, under a name of its own in torch's cache, and says why.
+    from contrastive_torch import _extension
+
+    built = []
+
+    def refuse(name):
+        raise AssertionError(f"the installed {name} was loaded")
+
+    monkeypatch.setattr(_extension, "_loaded", {})
+    monkeypatch.setattr(_extension, "installed_isa_lacking", lambda path=None: ["avx512_bf16", "avx512f"])
+    monkeypatch.setattr(_extension, "_prebuilt", refuse)
+    monkeypatch.setattr(_extension, "_announce", lambda what, name: None)
+    monkeypatch.setattr(_extension, "_build", lambda name, **kw: built.append((name, kw)) or "compiled here")
+    monkeypatch.setenv("CONTRASTIVE_NATIVE", "1")
+    assert _extension.extension() == "compiled here"
+    assert "avx512_bf16, avx512f, which this CPU lacks" in capsys.readouterr().err
+    name, kw = built[0]
+    assert name == _extension.host_build_name() and name.startswith("contrastive_torch_ext")
+    assert "-march=native" in kw["extra_cflags"]
+    # A build this CPU runs is loaded as before.
+    monkeypatch.setattr(_extension, "_loaded", {})
+    monkeypatch.setattr(_extension, "installed_isa_lacking", lambda path=None: [])
+    monkeypatch.setattr(_extension, "_prebuilt", lambda name: "installed")
+    assert _extension.extension() == "installed"
+    # Without -march=native the cached build has one name whatever the CPU.
+    monkeypatch.setenv("CONTRASTIVE_NATIVE", "0")
+    assert _extension.host_build_name() == "contrastive_torch_ext"
