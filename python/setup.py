@@ -86,8 +86,7 @@ def want_cuda():
 
 class build_py_with_headers(build_py):
     """Copies include/contrastive and VERSION into the package, so an installed contrastive_torch carries the headers
-    and knows its version; with -march=native, writes NATIVE_ISA (the building CPU's instruction-set extensions), which
-    the package checks before it loads the CPU extension on another machine (contrastive_torch/_cpu.py)."""
+    and knows its version."""
 
     def run(self):
         super().run()
@@ -98,14 +97,41 @@ class build_py_with_headers(build_py):
             shutil.copytree(src, dst)
         with open(os.path.join(self.build_lib, "contrastive_torch", "VERSION"), "w") as f:
             f.write(version() + "\n")
-        isa_file = os.path.join(self.build_lib, "contrastive_torch", "NATIVE_ISA")
+
+
+class build_ext_recording_isa(cpp_extension.BuildExtension.with_options(use_ninja=False)):
+    """PyTorch's extension build, which also writes NATIVE_ISA beside the extensions: the building CPU's
+    instruction-set extensions where the CPU extension is compiled with -march=native (absent for a portable build),
+    which the package checks before it loads that extension on another machine (contrastive_torch/_cpu.py). setuptools
+    keeps an extension newer than its sources, whatever its flags or the CPU that compiled it: so a build directory
+    whose last build had another record (another CPU, or CONTRASTIVE_NATIVE changed) is rebuilt, and the record always
+    describes the extension beside it."""
+
+    def run(self):
         isa = building_cpu_isa() if native() else None
+        record = "" if isa is None else " ".join(sorted(isa)) + "\n"
+        stamp = os.path.join(self.build_temp, "contrastive_native_isa")
+        try:
+            with open(stamp) as f:
+                previous = f.read()
+        except OSError:
+            previous = None
+        if previous != "native " + record:
+            self.force = True
+        super().run()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write("native " + record)
+        package = os.path.join(HERE, "contrastive_torch") if self.inplace else os.path.join(self.build_lib,
+                                                                                            "contrastive_torch")
+        isa_file = os.path.join(package, "NATIVE_ISA")
         if isa is None:
             if os.path.exists(isa_file):
                 os.remove(isa_file)
         else:
+            os.makedirs(package, exist_ok=True)
             with open(isa_file, "w") as f:
-                f.write(" ".join(sorted(isa)) + "\n")
+                f.write(record)
 
 
 include = headers_dir()
@@ -141,5 +167,5 @@ if want_cuda():
 setup(
     version=version(),
     ext_modules=ext_modules,
-    cmdclass={"build_py": build_py_with_headers, "build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_py": build_py_with_headers, "build_ext": build_ext_recording_isa},
 )

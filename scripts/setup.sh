@@ -10,9 +10,10 @@
 # nvcc for the device path) is expected at /usr/local/cuda and is not installed here.
 #
 # `test` also makes a git-ignored virtual environment, .venv-torch/ at the repository root (CONTRASTIVE_TORCH_VENV
-# moves it; then configure with -DCONTRASTIVE_TORCH_PYTHON=<venv>/bin/python), with the current PyPI torch, pytest, numpy,
-# open-clip-torch and the two packages its training program (open_clip_train) imports beyond it, webdataset and pandas
-# (open-clip-torch[training] without transformers, which the tests do not use): the PyTorch extension's tests run there
+# moves it; then configure with -DCONTRASTIVE_TORCH_PYTHON=<venv>/bin/python), with the current PyPI torch, pytest,
+# numpy, open-clip-torch and the two packages its training program (open_clip_train) imports beyond it, webdataset and
+# pandas (open-clip-torch[training] without transformers, which the tests do not use): the PyTorch extension's tests
+# run there
 # (tests/CMakeLists.txt finds it). PyPI's default Linux torch wheel brings CUDA's libraries, about 5.5 GB on disk and
 # 1-4 minutes to install; a CPU-only wheel index is not used (a machine that reaches only PyPI cannot get it). When the
 # venv already imports all of them, nothing is installed. CONTRASTIVE_TORCH_SPEC (default `torch`) picks another torch,
@@ -65,12 +66,14 @@ fi
 # The PyTorch venv. setuptools >= 77 and --no-build-isolation: the install test builds the package against this torch.
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${CONTRASTIVE_TORCH_VENV:-$root/.venv-torch}
-probe='import torch, pytest, numpy, open_clip, webdataset, pandas, setuptools; print("torch", torch.__version__, "open_clip", open_clip.__version__)'
+probe='import torch, pytest, numpy, open_clip, webdataset, pandas, setuptools
+print("torch", torch.__version__, "open_clip", open_clip.__version__)'
 if [ -x "$venv/bin/python" ] && have=$("$venv/bin/python" -c "$probe" 2>/dev/null); then
   echo "setup.sh test: $venv present ($have)"
   exit 0
 fi
-echo "setup.sh test: making $venv (${CONTRASTIVE_TORCH_SPEC:-torch} from PyPI, with pytest, numpy, open-clip-torch, webdataset, pandas)"
+echo "setup.sh test: making $venv (${CONTRASTIVE_TORCH_SPEC:-torch} from PyPI, with pytest, numpy, open-clip-torch," \
+  "webdataset, pandas)"
 /usr/bin/python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q "${CONTRASTIVE_TORCH_SPEC:-torch}" pytest numpy open-clip-torch \
   "webdataset>=0.2.5,<=0.2.86" pandas "setuptools>=77"

@@ -11,9 +11,10 @@ import hashlib
 import platform
 
 # The extensions a compiler may emit under -march=native (vector, bit-manipulation and matrix instructions), by their
-# /proc/cpuinfo names.
+# /proc/cpuinfo names (SSE3 is 'pni' there).
 ISA_FLAGS = frozenset((
-    "sse3", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe",
+    "pni", "ssse3", "sse4_1", "sse4_2", "sse4a", "popcnt", "cx16", "avx", "avx2", "fma", "fma4", "xop", "f16c", "bmi1",
+    "bmi2", "abm", "movbe", "3dnowprefetch",
     "adx", "aes", "pclmulqdq", "sha_ni", "gfni", "vaes", "vpclmulqdq", "avx_vnni", "avx512f", "avx512bw", "avx512cd",
     "avx512dq", "avx512vl", "avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni", "avx512_bitalg",
     "avx512_vpopcntdq", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"))

@@ -1,8 +1,8 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 """Shared by the tests: which optional parts must be there, and fresh random seeds.
 
-CONTRASTIVE_TORCH_REQUIRE (comma-separated: open_clip, custom_ops, compile, distributed; tests/CMakeLists.txt sets all
-four for the venv of scripts/setup.sh) turns the skip of a missing part into a failure, so CI cannot pass by skipping.
+CONTRASTIVE_TORCH_REQUIRE (comma-separated: open_clip, open_clip_train, custom_ops, compile, distributed;
+tests/CMakeLists.txt sets all five for the venv of scripts/setup.sh) turns the skip of a missing part into a failure, so CI cannot pass by skipping.
 CONTRASTIVE_TEST_SEED fixes the seeds that the parity tests otherwise draw afresh on every run (each failure message
 names its seed)."""
 

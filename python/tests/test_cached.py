@@ -206,10 +206,10 @@ def scalar_scales(f, t, s, b, ids, sigmoid):
     logit_bias (sum of |dL/dS_ij|). Each of their gradients is a sum over the logits that cancels (here to a hundredth
     of its terms), so features that differ in their last bits (the towers run on other rows per call) move it by
     eps32 of its terms, not of itself."""
-    S = (float(s) * f.detach().double() @ t.detach().double().T).requires_grad_()
+    S = (float(s.detach()) * f.detach().double() @ t.detach().double().T).requires_grad_()
     pos = ids["image_groups"][:, None] == ids["text_groups"][None, :]
     if sigmoid:
-        loss = -F.logsigmoid((2 * pos.double() - 1) * (S + float(b))).sum() / S.shape[0]
+        loss = -F.logsigmoid((2 * pos.double() - 1) * (S + float(b.detach()))).sum() / S.shape[0]
     else:
         def direction(L, p):
             has = p.any(1)
