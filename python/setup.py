@@ -5,6 +5,7 @@ fallback and for users who compile against them).
 
     pip install --no-build-isolation ./python
     CONTRASTIVE_NATIVE=0 pip wheel --no-build-isolation --no-deps ./python -w dist     # portable wheel
+    python setup.py sdist     # a source distribution carrying the headers and VERSION: it installs on its own
 
 Options: see README.md beside this file (CUDA_HOME, CONTRASTIVE_NATIVE, CONTRASTIVE_TORCH_CUDA).
 """
@@ -17,6 +18,7 @@ import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 try:
     import torch
@@ -99,6 +101,20 @@ class build_py_with_headers(build_py):
             f.write(version() + "\n")
 
 
+class sdist_with_headers(sdist):
+    """A source distribution that builds on its own: the library's headers and VERSION, which live beside python/ in
+    the repository, go into its contrastive_torch/ (where headers_dir() and version() look when there is no
+    repository around)."""
+
+    def make_release_tree(self, base_dir, files):
+        super().make_release_tree(base_dir, files)
+        package = os.path.join(base_dir, "contrastive_torch")
+        shutil.copytree(os.path.join(headers_dir(), "contrastive"), os.path.join(package, "include", "contrastive"),
+                        dirs_exist_ok=True)
+        with open(os.path.join(package, "VERSION"), "w") as f:
+            f.write(version() + "\n")
+
+
 class build_ext_recording_isa(cpp_extension.BuildExtension.with_options(use_ninja=False)):
     """PyTorch's extension build, which also writes NATIVE_ISA beside the extensions: the building CPU's
     instruction-set extensions where the CPU extension is compiled with -march=native (absent for a portable build),
@@ -167,5 +183,5 @@ if want_cuda():
 setup(
     version=version(),
     ext_modules=ext_modules,
-    cmdclass={"build_py": build_py_with_headers, "build_ext": build_ext_recording_isa},
+    cmdclass={"build_py": build_py_with_headers, "build_ext": build_ext_recording_isa, "sdist": sdist_with_headers},
 )

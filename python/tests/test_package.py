@@ -5,6 +5,8 @@ extension kept to the CPUs it was compiled for."""
 import os
 import re
 
+import pytest
+
 import contrastive_torch as ct
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -126,3 +128,32 @@ def test_an_extension_compiled_for_another_cpu_is_not_loaded(monkeypatch, capsys
     # Without -march=native the cached build has one name whatever the CPU.
     monkeypatch.setenv("CONTRASTIVE_NATIVE", "0")
     assert _extension.host_build_name() == "contrastive_torch_ext"
+
+
+def test_the_source_distribution_carries_what_it_builds_from(tmp_path):
+    # python/ builds against the library's headers and VERSION, which live beside it in the repository: the sdist
+    # must carry both (setup.py's sdist command copies them in), or it cannot be installed anywhere else.
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+
+    for part in ("include", "VERSION"):
+        if not os.path.exists(os.path.join(ROOT, part)):
+            pytest.skip(f"no repository around the tests ({part})")
+    src = tmp_path / "repo"
+    shutil.copytree(os.path.join(ROOT, "python"), src / "python",
+                    ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "*.so", "__pycache__", "tests"))
+    shutil.copytree(os.path.join(ROOT, "include"), src / "include")
+    shutil.copy(os.path.join(ROOT, "VERSION"), src / "VERSION")
+    out = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=src / "python",
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, CONTRASTIVE_TORCH_CUDA="0"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (archive,) = (tmp_path / "dist").iterdir()
+    with tarfile.open(archive) as tar:
+        members = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
+        for needed in ("setup.py", "pyproject.toml", "contrastive_torch/VERSION", "contrastive_torch/_cpu.py",
+                       "contrastive_torch/include/contrastive/contrastive.hpp",
+                       "contrastive_torch/include/contrastive/host/engine.hpp", "contrastive_torch/csrc/binding.cpp"):
+            assert needed in members, f"the sdist lacks {needed}"
+        assert tar.extractfile(members["contrastive_torch/VERSION"]).read().decode().strip() == ct.__version__
