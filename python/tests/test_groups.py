@@ -39,21 +39,7 @@ def draw_ids(n_q, n_k, seed, kind):
 
 def reference(objective, q, k, s, qg, kg, b=0.0):
     """The loss in float64 from its definition (docs/multi_positive.md), differentiable by torch."""
-    S = s * q.double() @ k.double().T
-    pos = qg[:, None] == kg[None, :]
-    if objective == "sigmoid":
-        return -F.logsigmoid((2 * pos.double() - 1) * (S + b)).sum() / q.shape[0]
-
-    def direction(S, pos):
-        has = pos.any(1)
-        if not bool(has.any()):
-            return S.sum() * 0
-        mean_pos = (S * pos).sum(1) / pos.sum(1).clamp(min=1)
-        return (torch.logsumexp(S, 1) - mean_pos)[has].mean()
-
-    if objective == "info_nce":
-        return direction(S, pos)
-    return (direction(S, pos) + direction(S.T, pos.T)) / 2
+    return reference_of_logits(objective, s * q.double() @ k.double().T, qg, kg, b)
 
 
 def reference_of_logits(objective, S, qg, kg, b=0.0):
