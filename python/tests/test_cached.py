@@ -206,15 +206,11 @@ def scalar_scales(f, t, s, b, ids, sigmoid):
     logit_bias (sum of |dL/dS_ij|). Each of their gradients is a sum over the logits that cancels (here to a hundredth
     of its terms), so features that differ in their last bits (the towers run on other rows per call) move it by
     eps32 of its terms, not of itself."""
+    from test_groups import reference_of_logits
+
     S = (float(s.detach()) * f.detach().double() @ t.detach().double().T).requires_grad_()
-    pos = ids["image_groups"][:, None] == ids["text_groups"][None, :]
-    if sigmoid:
-        loss = -F.logsigmoid((2 * pos.double() - 1) * (S + float(b.detach()))).sum() / S.shape[0]
-    else:
-        def direction(L, p):
-            has = p.any(1)
-            return (torch.logsumexp(L, 1) - (L * p).sum(1) / p.sum(1).clamp(min=1))[has].mean()
-        loss = (direction(S, pos) + direction(S.T, pos.T)) / 2
+    loss = reference_of_logits("sigmoid" if sigmoid else "symmetric", S, ids["image_groups"], ids["text_groups"],
+                               float(b.detach()) if sigmoid else 0.0)
     G, = torch.autograd.grad(loss, S)
     return {"logit_scale": float((G * S).abs().sum()), "logit_bias": float(G.abs().sum())}
 
