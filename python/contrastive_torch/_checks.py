@@ -221,7 +221,8 @@ def groups(query_groups, key_groups, n_q, n_k, device, labels=None, names=("quer
         if value.dim() != 1 or value.shape[0] != n:
             raise ValueError(f"{name}: expected shape ({n},), one id per row, got {tuple(value.shape)}")
         if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"{name}: dtype {value.dtype} is not an integer type")
+            raise TypeError(f"{name}: dtype {value.dtype} is not one of the id types int64, int32, int16, int8 and "
+                            "uint8")
         if device is not None and value.device.type != "cpu" and value.device != device:
             raise ValueError(f"{name}: on {value.device} while the features are on {device}")
         out.append(value.to(device=device if device is not None else value.device, dtype=torch.int64).contiguous())

@@ -189,8 +189,9 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         # Under torch.autocast, float32 features run at its dtype, as in one process (the operators' autocast rule):
         # cast here, before the exchange, so the ranks agree on and move the dtype the steps run at.
         q, k = autocast_features(q, k)
-        if q.shape[0] == 0:
-            raise ValueError("image_features: no rows on this rank; every rank of the group needs at least one")
+        for name, x in zip(names, (q, k)):  # group ids let the towers differ in length, not vanish on a rank
+            if x.shape[0] == 0:
+                raise ValueError(f"{name}: no rows on this rank; every rank of the group needs at least one")
         if exchange is None:
             exchange = "gather" if q.device.type == "cuda" else "engine"
         if exchange not in _EXCHANGES:

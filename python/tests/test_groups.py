@@ -352,6 +352,24 @@ def _worker(rank, world, port, seed, out_dir):
                     if bool(bad):
                         failures.append(f"rank {rank}: {exchange_name} {name} {part}: {a} against {w}")
         _ops.grouped_softmax_step_cpu, _ops.grouped_sigmoid_step_cpu, _ops.feature_grads_cpu = host_kernels
+        # Ids let a rank's towers differ in length, not vanish: a rank without texts is refused on every rank, by
+        # name, over both exchanges (the gather once refused on that rank alone and left the other in a collective),
+        # and the group still serves the next call.
+        for exchange in ("engine", "gather"):
+            for objective in ("symmetric", "sigmoid"):
+                texts, b = slice(0, 0) if rank == 1 else mt, -3.0 if objective == "sigmoid" else None
+                try:
+                    run(objective, img[mi], txt[texts], 8.0, ig[mi], tg[texts], b, group=dist.group.WORLD,
+                        exchange=exchange)
+                    failures.append(f"rank {rank}: {exchange} {objective}: a rank without texts was not refused")
+                except ValueError as e:
+                    checks[0] += 1
+                    if not str(e).startswith("text_features: rank 1: no rows on this rank"):
+                        failures.append(f"rank {rank}: {exchange} {objective}: refusal reads {e}")
+            got = run("symmetric", img[mi], txt[mt], 8.0, ig[mi], tg[mt], group=dist.group.WORLD, exchange=exchange)
+            checks[0] += 1
+            if not bool(torch.isfinite(got[0])):
+                failures.append(f"rank {rank}: {exchange}: the call after the refusal gave {got[0]}")
         # One rank without ids: refused on every rank, naming the rank.
         try:
             CF.clip_loss(img[mi], txt[mt], 8.0, group=dist.group.WORLD, image_groups=ig[mi] if rank == 0 else None,
@@ -377,7 +395,7 @@ def test_two_gloo_ranks(seed, tmp_path):
     reports = run_ranks(_worker, 2, seed, tmp_path)
     failures = [f for got in reports for f in got["failures"]]
     assert not failures, "\n".join(failures[:20])
-    assert [got["checks"] for got in reports] == [52, 52]
+    assert [got["checks"] for got in reports] == [58, 58]
 
 
 def test_ids_are_kept_for_the_backward_only_where_it_reruns():
@@ -682,9 +700,12 @@ def test_the_cuda_composition_keeps_a_trained_batchs_digits(objective):
             return (abs(float(out[0]) - float(want)) / abs(float(want)), rel(out[1], q64.grad), rel(out[2], k64.grad),
                     abs(float(out[3]) - dlogs) / abs(dlogs))
 
-        # Within the host engine's own error (float32 logits at s = 100 bound both near 1e-4 for two positives).
-        for mine, theirs, name in zip(errors(got), errors(host), ("loss", "dq", "dk", "dlogs")):
-            assert mine <= 2 * theirs + 1e-6, (name, s, mine, theirs)
+        # Within the host engine's own error, or within what float32 logits allow: a row with two positives takes
+        # their difference, which float32 logits at s = 100 give to ~1e-4 relative (the forms this guards against
+        # lost 6e-3 of dq and 1e-2 of d loss / d log s).
+        for mine, theirs, name, floor in zip(errors(got), errors(host), ("loss", "dq", "dk", "dlogs"),
+                                             (1e-6, 1e-3, 1e-3, 1e-3)):
+            assert mine <= max(2 * theirs + 1e-6, floor), (name, s, mine, theirs)
 
 
 def test_the_cuda_composition_ignores_an_autocast_region():

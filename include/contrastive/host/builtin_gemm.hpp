@@ -19,6 +19,7 @@
 #include <contrastive/host/gemm.hpp>
 #include <contrastive/host/operands.hpp>
 #include <contrastive/host/thread_pool.hpp>
+#include <contrastive/numeric/groups.hpp>
 #include <contrastive/problem.hpp>
 
 #include <algorithm>
@@ -46,6 +47,7 @@ struct worker_scratch
   std::vector<float> kl;      // fused: up to key_run tiles as b_panels over d [cols / NR][d][NR]  (S = Q K^T)
   std::vector<float> col_max; // nk_pad column running max (symmetric forward)
   std::vector<float> col_sum; // nk_pad column running sum
+  std::vector<positive_stats> col_pos; // nk_pad columns' positives (grouped symmetric forward)
   // The same operands in the bfloat16 pair layouts of host/gemm.hpp (builtin backend, bfloat16, where bf16_dot):
   std::vector<std::uint16_t> qa16, qb16, ga16, gt16, kt16, kl16;
   std::size_t block_i0 = 0; // the row block prepared by the last query_block
@@ -62,6 +64,7 @@ struct worker_scratch
     return (qa.capacity() + qb.capacity() + tile.capacity() + ga.capacity() + gt.capacity() + acc.capacity() +
             panel.capacity() + kt.capacity() + kl.capacity() + col_max.capacity() + col_sum.capacity()) *
                sizeof(float) +
+           col_pos.capacity() * sizeof(positive_stats) +
            (qa16.capacity() + qb16.capacity() + ga16.capacity() + gt16.capacity() + kt16.capacity() + kl16.capacity()) *
                sizeof(std::uint16_t);
   }

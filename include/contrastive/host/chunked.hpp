@@ -62,41 +62,114 @@ bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
   return any;
 }
 
-/// Row i's statistics from its chunk row x of a grouped step (numeric/groups.hpp): nothing is masked; the ids tell
-/// the positives.
+/// Row i's statistics from its chunk row x of a grouped step (numeric/groups.hpp): the ids tell the positives, which
+/// a softmax objective keeps apart from the negatives without masking them (the buffer's logits serve the backward).
 template <class O, class T, class Gemm>
 void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
 {
-  const float m = lane_max(st.n_k,
-                           -detail::infinity_f,
-                           [&](std::size_t j)
-                           {
-                             return x[j];
-                           });
+  const std::int64_t id = st.groups.q_ids[i];
+  const std::int64_t* k_ids = st.groups.k_ids;
   if constexpr (!O::softmax)
   {
-    const std::int64_t id = st.groups.q_ids[i];
+    const float m = lane_max(st.n_k,
+                             -detail::infinity_f,
+                             [&](std::size_t j)
+                             {
+                               return x[j];
+                             });
     float loss = 0.0f;
     for (std::size_t j = 0; j < st.n_k; ++j)
     {
-      loss += O::term(x[j], st.groups.k_ids[j] == id).loss;
+      loss += O::term(x[j], k_ids[j] == id).loss;
     }
     set_pairwise_row<O>(st, i, loss, m, false);
   }
   else
   {
-    online_lse all{};
-    all.rebase(m);
-    const float shift = all.shift();
-    all.sum = lane_sum(st.n_k,
+    const auto negative = [&](std::size_t j)
+    {
+      return k_ids[j] == id ? -detail::infinity_f : x[j];
+    };
+    online_lse neg{};
+    neg.rebase(lane_max(st.n_k, -detail::infinity_f, negative));
+    const float shift = neg.shift();
+    neg.sum = lane_sum(st.n_k,
                        [&](std::size_t j)
                        {
-                         return detail::exp_approx(x[j] - shift);
+                         return detail::exp_approx(negative(j) - shift);
                        });
-    st.pos[i] = 0.0f;
-    st.add_positives(i, 0, st.n_k, x);
-    st.set_grouped_row(i, all);
+    positive_stats& mine = st.row_pos[i];
+    mine = positive_stats{};
+    for (std::size_t j = 0; j < st.n_k && st.groups.row_inv[i] > 0.0f; ++j)
+    {
+      if (k_ids[j] == id)
+      {
+        mine.absorb(x[j]);
+      }
+    }
+    st.set_grouped_row(i, neg);
   }
+}
+
+/// The chunk's column partials (part_max, part_sum over the chunk's rows) merged into the running column state.
+template <class T, class Gemm>
+void merge_column_partials(
+    engine_state<T, Gemm>& st, std::size_t j0, std::size_t cols, const float* part_max, const float* part_sum)
+{
+  for (std::size_t jj = 0; jj < cols; ++jj)
+  {
+    online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
+    run.merge(online_lse{part_max[jj], part_sum[jj]});
+    st.col_run_max[j0 + jj] = run.max;
+    st.col_run_sum[j0 + jj] = run.sum;
+  }
+}
+
+/// Grouped symmetric: the negatives' partials of key tile [j0, j0 + cols) over the chunk's rows (from c0), merged
+/// into the running state, and its positives absorbed into the running positives (col_run_pos).
+template <class T, class Gemm>
+void grouped_column_partials(engine_state<T, Gemm>& st,
+                             std::size_t c0,
+                             std::size_t rows,
+                             std::size_t j0,
+                             std::size_t cols,
+                             float* part_max,
+                             float* part_sum)
+{
+  const std::int64_t* k_ids = st.groups.k_ids + j0;
+  for (std::size_t r = 0; r < rows; ++r)
+  {
+    const float* x = &st.chunk[r * st.nk_pad + j0];
+    const std::int64_t id = st.groups.q_ids[c0 + r];
+    for (std::size_t jj = 0; jj < cols; ++jj)
+    {
+      part_max[jj] = detail::max_f(part_max[jj], k_ids[jj] == id ? -detail::infinity_f : x[jj]);
+    }
+    for (std::size_t jj = 0; jj < cols && st.groups.row_inv[c0 + r] > 0.0f; ++jj)
+    {
+      if (k_ids[jj] == id)
+      {
+        st.col_run_pos[j0 + jj].absorb(x[jj]);
+      }
+    }
+  }
+  float shift[block_n];
+  for (std::size_t jj = 0; jj < cols; ++jj)
+  {
+    online_lse part{};
+    part.rebase(part_max[jj]);
+    shift[jj] = part.shift();
+  }
+  for (std::size_t r = 0; r < rows; ++r)
+  {
+    const float* x = &st.chunk[r * st.nk_pad + j0];
+    const std::int64_t id = st.groups.q_ids[c0 + r];
+    for (std::size_t jj = 0; jj < cols; ++jj)
+    {
+      part_sum[jj] += detail::exp_approx((k_ids[jj] == id ? -detail::infinity_f : x[jj]) - shift[jj]);
+    }
+  }
+  merge_column_partials(st, j0, cols, part_max, part_sum);
 }
 
 /// Forward statistics of the chunk in the buffer: each row's negatives and positive (the positive's slot is set to
@@ -165,6 +238,11 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
           float part_sum[block_n];
           std::fill(part_max, part_max + cols, -detail::infinity_f);
           std::fill(part_sum, part_sum + cols, 0.0f);
+          if (st.grouped()) // the positives apart: into the running positives, out of the negatives' partials
+          {
+            grouped_column_partials(st, c0, rows, j0, cols, part_max, part_sum);
+            return;
+          }
           for (std::size_t r = 0; r < rows; ++r)
           {
             const float* x = &st.chunk[r * st.nk_pad + j0];
@@ -188,13 +266,7 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
               part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
             }
           }
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
-            run.merge(online_lse{part_max[jj], part_sum[jj]});
-            st.col_run_max[j0 + jj] = run.max;
-            st.col_run_sum[j0 + jj] = run.sum;
-          }
+          merge_column_partials(st, j0, cols, part_max, part_sum);
         });
   }
 }
@@ -208,6 +280,7 @@ row_pass chunked_forward_rows(engine_state<T, Gemm>& st, float s)
   st.begin_forward(); // grouped: no row's positive sum left from an earlier step (the sigmoid rows set none)
   std::fill(st.col_run_max.begin(), st.col_run_max.end(), -detail::infinity_f);
   std::fill(st.col_run_sum.begin(), st.col_run_sum.end(), 0.0f);
+  std::fill(st.col_run_pos.begin(), st.col_run_pos.end(), positive_stats{});
   bool bad = false;
   for (std::size_t c0 = 0; c0 < st.n_q; c0 += st.chunk_rows)
   {

@@ -164,6 +164,9 @@ public:
   ///               copy: its tiles are packed into scratch); cblas: n_k d for 16-bit, 0 for float
   ///   statistics  5 n_q [+ 4 n_k symmetric]          row lse, loss, max, positive, log_sum; column lse, loss,
   ///                                                  shift, log_sum
+  ///   grouped     softmax objectives with group ids (p.grouped()): 4 n_q [+ n_k symmetric], the rows' positives
+  ///               and the columns' pos_log, [+ 4 nk_pad per worker symmetric, not chunked; + 4 n_k symmetric
+  ///               chunked], the columns' positives
   ///   scratch     W (query block, G, G^T and key tiles [builtin block_m d + block_m dp + 2 block_m block_n,
   ///               fused + block_n dp + key_run d, halved for bfloat16 on the bf16 dot kernel (16-bit panels, d
   ///               rounded up to even), + MR dp; cblas 16-bit block_m d]
@@ -220,7 +223,13 @@ public:
     const checked_size nk_pad = detail::round_up(checked_size(p.n_k), block_n);
     const checked_size f = sizeof(float);
     constexpr bool sym = O::columns;
-    const checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
+    const bool grouped = O::softmax && p.grouped();
+    const checked_size positives = checked_size(positive_floats);
+    checked_size stats = checked_size(5) * checked_size(p.n_q) + checked_size(sym ? 4 : 0) * p.n_k;
+    if (grouped)
+    {
+      stats = stats + positives * p.n_q + checked_size(sym ? 1 : 0) * p.n_k;
+    }
     checked_size per_worker = backend::worker_floats(sh, materialized) + checked_size(block_m * block_n);
     if (materialized)
     {
@@ -228,12 +237,16 @@ public:
     }
     if (sym && !chunked)
     {
-      per_worker = per_worker + checked_size(2) * nk_pad;
+      per_worker = per_worker + checked_size(2) * nk_pad + (grouped ? positives * nk_pad : checked_size(0));
     }
     checked_size floats = backend::held_floats(sh, materialized) + stats + checked_size(workers_for(p)) * per_worker;
     if constexpr (chunked)
     {
       floats = floats + checked_size(chunk_rows_for(p)) * nk_pad + nk_pad * dp + checked_size(sym ? 2 : 0) * p.n_k;
+      if (grouped && sym)
+      {
+        floats = floats + positives * p.n_k;
+      }
       return floats * f;
     }
     else if constexpr (!materialized)
@@ -339,6 +352,9 @@ public:
     s.col_loss.resize(sym ? s.n_k : 0);
     s.col_shift.resize(sym ? s.n_k : 0);
     s.col_log_sum.resize(sym ? s.n_k : 0);
+    const bool grouped = O::softmax && p.grouped();
+    s.row_pos.resize(grouped ? s.n_q : 0);
+    s.col_pos_log.resize(grouped && sym ? s.n_k : 0);
     s.chunk_cached = false;
     if constexpr (chunked)
     {
@@ -349,6 +365,7 @@ public:
       s.chunk.resize(s.chunk_rows * s.nk_pad);
       s.col_run_max.resize(sym ? s.n_k : 0);
       s.col_run_sum.resize(sym ? s.n_k : 0);
+      s.col_run_pos.resize(grouped && sym ? s.n_k : 0);
     }
     else if constexpr (materialized)
     {
@@ -398,12 +415,22 @@ public:
       }
       ws.col_max.resize(sym && !chunked ? s.nk_pad : 0);
       ws.col_sum.resize(sym && !chunked ? s.nk_pad : 0);
+      ws.col_pos.resize(grouped && sym && !chunked ? s.nk_pad : 0);
     }
     if constexpr (!chunked)
     {
       free(s.chunk);
       free(s.col_run_max);
       free(s.col_run_sum);
+      free(s.col_run_pos);
+    }
+    if (!grouped)
+    {
+      free(s.row_pos);
+    }
+    if (!grouped || !sym)
+    {
+      free(s.col_pos_log);
     }
     s.mm.prepare(s.pool, s.workers, sh, s.q, s.k, materialized);
   }
@@ -447,6 +474,20 @@ public:
       return st_.template column_partial<Algorithm>(j);
     }
   }
+  /// Grouped symmetric, after `forward_rows`: column j's positives over this engine's rows.
+  template <class Algorithm>
+  positive_stats column_positives(std::size_t j) const noexcept
+  {
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return materialized_ ? st_.template column_positives<algorithm::materialized>(j)
+                           : st_.template column_positives<algorithm::fused>(j);
+    }
+    else
+    {
+      return st_.template column_positives<Algorithm>(j);
+    }
+  }
   /// Row i's positive logit (after `forward_rows`): column i's positive, for the symmetric objective.
   float positive(std::size_t i) const noexcept
   {
@@ -462,6 +503,11 @@ public:
   void set_column(std::size_t j, const contrastive::row_loss& rl) noexcept
   {
     st_.set_column(j, rl);
+  }
+  /// Grouped symmetric: column j's finished statistics (numeric/groups.hpp's finish_grouped), before `backward`.
+  void set_column(std::size_t j, const grouped_stats& g) noexcept
+  {
+    st_.set_column(j, g);
   }
 
   /// Backward of `loss_scale * loss` after `forward_rows` and (symmetric) every `set_column`, with the batch's
@@ -501,8 +547,9 @@ public:
     std::size_t b = (s.row_lse.capacity() + s.row_loss.capacity() + s.row_max.capacity() + s.pos.capacity() +
                      s.row_log_sum.capacity() + s.col_lse.capacity() + s.col_loss.capacity() + s.col_shift.capacity() +
                      s.col_log_sum.capacity() + s.dq_acc.capacity() + s.dk_acc.capacity() + s.chunk.capacity() +
-                     s.col_run_max.capacity() + s.col_run_sum.capacity()) *
+                     s.col_run_max.capacity() + s.col_run_sum.capacity() + s.col_pos_log.capacity()) *
                         sizeof(float) +
+                    (s.row_pos.capacity() + s.col_run_pos.capacity()) * sizeof(positive_stats) +
                     s.logits.capacity() * sizeof(T) + s.mm.bytes();
     for (const auto& ws : s.scratch)
     {
@@ -528,10 +575,13 @@ public:
                     &s.dk_acc,
                     &s.chunk,
                     &s.col_run_max,
-                    &s.col_run_sum})
+                    &s.col_run_sum,
+                    &s.col_pos_log})
     {
       free(*v);
     }
+    free(s.row_pos);
+    free(s.col_run_pos);
     s.mm.release();
     std::vector<T>().swap(s.logits);
     std::vector<worker_scratch>().swap(s.scratch);
@@ -558,9 +608,10 @@ private:
     return dp.ok() && nq_pad.ok() && nk_pad.ok();
   }
 
-  static void free(std::vector<float>& v) noexcept
+  template <class V>
+  static void free(std::vector<V>& v) noexcept
   {
-    std::vector<float>().swap(v);
+    std::vector<V>().swap(v);
   }
 
   engine_state<T, Gemm> st_;

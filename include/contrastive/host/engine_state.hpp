@@ -48,8 +48,9 @@ struct engine_state
   const T* k = nullptr;
   std::size_t n_q = 0, n_k = 0, d = 0, dp = 0, nq_pad = 0, nk_pad = 0;
   const std::int32_t* labels = nullptr;
-  /// Several positives per row (numeric/groups.hpp): nothing is kept apart; pos[i] holds the sum of row i's positive
-  /// logits (softmax objectives) and the tiles test each pair's ids.
+  /// Several positives per row (numeric/groups.hpp): the tiles test each pair's ids. Softmax objectives keep the
+  /// positives apart from the negatives' statistics, in row_pos (and, symmetric, the workers' col_pos or col_run_pos),
+  /// and pos[i] then holds row i's pos_log (numeric/groups.hpp's grouped_stats); the sigmoid objective keeps none.
   group_view groups;
   float scale = 1.0f;
   float bias = 0.0f;          ///< sigmoid: the logit bias b of z = S + b (0 otherwise)
@@ -64,6 +65,9 @@ struct engine_state
   // Each log-sum-exp as shift + log_sum (row_loss::shift, log_sum), which the backward's softmax reads. A row's shift
   // is its largest logit, max(row_max, pos), so only the columns store theirs.
   std::vector<float> row_log_sum, col_shift, col_log_sum;
+  // Grouped softmax: each row's positives (the forward's running state), and each column's finished pos_log.
+  std::vector<positive_stats> row_pos;
+  std::vector<float> col_pos_log;
   std::vector<T> logits;             // materialized: n_q x n_k
   std::vector<float> dq_acc, dk_acc; // fused: float accumulators unless dq/dk serve in place; chunked: dk_acc
   std::vector<worker_scratch> scratch;
@@ -73,6 +77,7 @@ struct engine_state
   chunk_options chunk_request;
   std::size_t chunk_rows = 0;
   std::vector<float> chunk, col_run_max, col_run_sum;
+  std::vector<positive_stats> col_run_pos; // grouped symmetric: the columns' running positives
   bool chunk_cached = false;
 
   std::size_t positive_of(std::size_t i) const noexcept
@@ -88,34 +93,59 @@ struct engine_state
   {
     return groups.q_ids[i] == groups.k_ids[j];
   }
-  /// Called by every forward before its tiles: a grouped step's positive sums start at 0.
+  /// Called by every forward before its tiles: a grouped step's rows start without positives.
   void begin_forward() noexcept
   {
-    if (grouped())
+    std::fill(row_pos.begin(), row_pos.end(), positive_stats{});
+    if (grouped()) // the sigmoid objective sets no pos[i]: none left from an earlier step
     {
       std::fill(pos.begin(), pos.end(), 0.0f);
     }
   }
-  /// Grouped softmax: the sum of row i's positive logits among the cols of row x (keys from j0) into pos[i].
-  void add_positives(std::size_t i, std::size_t j0, std::size_t cols, const float* x) noexcept
+  /// Grouped softmax forward: moves each positive of a tile's rows (rows x cols at (i0, j0), row stride block_n, at
+  /// x) out of the logits into its row's positives and, `columns`, into `col_pos` (indexed by key), leaving -inf in
+  /// its slot: the negatives' statistics then run as with one positive per row.
+  void take_positives(std::size_t i0,
+                      std::size_t j0,
+                      std::size_t rows,
+                      std::size_t cols,
+                      float* x,
+                      positive_stats* col_pos) noexcept
   {
-    const std::int64_t id = groups.q_ids[i];
     const std::int64_t* k_ids = groups.k_ids + j0;
-    float sum = 0.0f;
-    for (std::size_t jj = 0; jj < cols; ++jj)
+    for (std::size_t ii = 0; ii < rows; ++ii)
     {
-      sum += k_ids[jj] == id ? x[jj] : 0.0f;
+      if (groups.row_inv[i0 + ii] == 0.0f) // no key shares this row's id
+      {
+        continue;
+      }
+      const std::int64_t id = groups.q_ids[i0 + ii];
+      float* row = x + ii * block_n;
+      positive_stats& mine = row_pos[i0 + ii];
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        if (k_ids[jj] == id)
+        {
+          mine.absorb(row[jj]);
+          if (col_pos != nullptr)
+          {
+            col_pos[j0 + jj].absorb(row[jj]);
+          }
+          row[jj] = -detail::infinity_f;
+        }
+      }
     }
-    pos[i] += sum;
   }
-  /// Grouped softmax: row i's finished statistics from its state over every logit (positives included) and the sum
-  /// of its positives in pos[i]: loss = lse - mean positive, formed as log_sum + (shift - mean); 0 without a positive.
-  void set_grouped_row(std::size_t i, const online_lse& all) noexcept
+  /// Grouped softmax: row i's finished statistics from its negatives' state and its positives (row_pos[i]); pos[i]
+  /// takes its pos_log.
+  void set_grouped_row(std::size_t i, const online_lse& negatives) noexcept
   {
-    contrastive::row_loss rl = finish_row(all, -detail::infinity_f);
-    const float inv = groups.row_inv[i];
-    rl.loss = inv > 0.0f ? rl.log_sum + (rl.shift - pos[i] * inv) : 0.0f;
-    set_row(i, rl, all.max);
+    const grouped_stats g = finish_grouped(negatives, row_pos[i]);
+    row_lse[i] = g.lse;
+    row_loss[i] = g.loss;
+    row_log_sum[i] = g.log_sum;
+    row_max[i] = g.shift;
+    pos[i] = g.pos_log;
   }
 
   /// Runs f(i0, rows, ws, w) for every row block [i0, i0 + rows), one block per task, on worker w with its scratch ws
@@ -247,6 +277,13 @@ struct engine_state
     const bool bad = scaled_tile<Algorithm, O>(i0, j0, rows, cols, ws);
     // The positive is kept apart from the negatives' statistics (row and, symmetric, column: the same element).
     mask_positives(i0, j0, rows, cols, ws, true);
+    if constexpr (O::softmax)
+    {
+      if (grouped())
+      {
+        take_positives(i0, j0, rows, cols, ws.tile.data(), O::columns ? ws.col_pos.data() : nullptr);
+      }
+    }
     if constexpr (!O::softmax)
     {
       pairwise_tile<O>(*this, i0, j0, rows, cols, ws, sig_loss, sig_max, false);
@@ -256,10 +293,6 @@ struct engine_state
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
         const float* x = &tile[ii * block_n];
-        if (grouped())
-        {
-          add_positives(i0 + ii, j0, cols, x);
-        }
         const float m = lane_max(cols,
                                  -detail::infinity_f,
                                  [&](std::size_t jj)
@@ -444,8 +477,9 @@ struct engine_state
     }
   }
 
-  /// Grouped softmax, G of a tile: a_i P_ij + b_j C_ij - [i ~ j] (a_i / |P(i)| + b_j / |Q(g(j))|) with a_i =
-  /// row_coef where row i has a positive (else 0) and b_j = col_coef where column j has one (numeric/groups.hpp).
+  /// Grouped softmax, G of a tile: a_i P_ij + b_j C_ij off the positives and, on them, (a_i / |P(i)|) expm1((S_ij -
+  /// shift_i) - pos_log_i) + (b_j / |Q(g(j))|) expm1((S_ij - shift_j) - pos_log_j) (numeric/groups.hpp's
+  /// grouped_stats), with a_i = row_coef where row i has a positive (else 0) and b_j = col_coef where column j has one.
   template <class O>
   void grouped_gradient_tile(std::size_t i0,
                              std::size_t j0,
@@ -474,8 +508,20 @@ struct engine_state
       const std::size_t i = i0 + ii;
       const float inv = groups.row_inv[i];
       const float a = inv > 0.0f ? gc.row_coef : 0.0f, ap = a * inv;
-      const float rs = row_max[i], rl = row_log_sum[i];
+      const float rs = row_max[i], rl = row_log_sum[i], rp = pos[i];
       const std::int64_t id = groups.q_ids[i];
+      // The positives' logits, before the softmax overwrites them (none where no key shares the row's id).
+      std::size_t at[block_n];
+      float xp[block_n];
+      std::size_t n_pos = 0;
+      for (std::size_t jj = 0; jj < cols && inv > 0.0f; ++jj)
+      {
+        if (k_ids[jj] == id)
+        {
+          at[n_pos] = jj;
+          xp[n_pos++] = g[jj];
+        }
+      }
       if constexpr (sym)
       {
         const float* cs = &col_shift[j0];
@@ -483,16 +529,24 @@ struct engine_state
         for (std::size_t jj = 0; jj < cols; ++jj)
         {
           const float x = g[jj];
-          const float v = a * detail::exp_approx((x - rs) - rl) + b[jj] * detail::exp_approx((x - cs[jj]) - cl[jj]);
-          g[jj] = k_ids[jj] == id ? v - (ap + bp[jj]) : v;
+          g[jj] = a * detail::exp_approx((x - rs) - rl) + b[jj] * detail::exp_approx((x - cs[jj]) - cl[jj]);
+        }
+        const float* cp = &col_pos_log[j0];
+        for (std::size_t t = 0; t < n_pos; ++t)
+        {
+          const std::size_t jj = at[t];
+          g[jj] = ap * ::expm1f((xp[t] - rs) - rp) + bp[jj] * ::expm1f((xp[t] - cs[jj]) - cp[jj]);
         }
       }
       else
       {
         for (std::size_t jj = 0; jj < cols; ++jj)
         {
-          const float v = a * detail::exp_approx((g[jj] - rs) - rl);
-          g[jj] = k_ids[jj] == id ? v - ap : v;
+          g[jj] = a * detail::exp_approx((g[jj] - rs) - rl);
+        }
+        for (std::size_t t = 0; t < n_pos; ++t)
+        {
+          g[at[t]] = ap * ::expm1f((xp[t] - rs) - rp);
         }
       }
       std::fill(g + cols, g + block_n, 0.0f);
@@ -515,6 +569,12 @@ struct engine_state
     col_shift[j] = rl.shift;
     col_log_sum[j] = rl.log_sum;
   }
+  /// Grouped softmax: column j's finished statistics.
+  void set_column(std::size_t j, const grouped_stats& g) noexcept
+  {
+    set_column(j, contrastive::row_loss{g.lse, g.loss, g.shift, g.log_sum});
+    col_pos_log[j] = g.pos_log;
+  }
 
   /// Empties every worker's column partials (symmetric forward; a no-op where they are not sized).
   void reset_column_partials() noexcept
@@ -523,6 +583,7 @@ struct engine_state
     {
       std::fill(ws.col_max.begin(), ws.col_max.end(), -detail::infinity_f);
       std::fill(ws.col_sum.begin(), ws.col_sum.end(), 0.0f);
+      std::fill(ws.col_pos.begin(), ws.col_pos.end(), positive_stats{});
     }
   }
 
@@ -571,6 +632,25 @@ struct engine_state
     }
   }
 
+  /// Grouped symmetric: column j's positives over this engine's rows, merged as `column_partial`.
+  template <class Algorithm>
+  positive_stats column_positives(std::size_t j) const noexcept
+  {
+    if constexpr (algorithm_traits<Algorithm>::chunks)
+    {
+      return col_run_pos[j];
+    }
+    else
+    {
+      positive_stats c{};
+      for (unsigned w = 0; w < workers; ++w)
+      {
+        c.merge(scratch[w].col_pos[j]);
+      }
+      return c;
+    }
+  }
+
   /// The row phase's result from the finished row statistics: the rows' loss sum, the largest logit and whether a
   /// logit (a positive included) was non-finite.
   template <class O>
@@ -578,21 +658,16 @@ struct engine_state
   {
     row_pass r;
     r.logits_nonfinite = logits_nonfinite;
-    double row_sum = 0.0, col_positives = 0.0;
+    double row_sum = 0.0;
     float max_logit = -detail::infinity_f;
     const bool gr = grouped();
     for (std::size_t i = 0; i < n_q; ++i)
     {
       row_sum += row_loss[i];
       r.logits_nonfinite |= !(pos[i] - pos[i] == 0.0f);
-      // Grouped: row_max covers every logit, and pos holds a sum (numeric/groups.hpp's column term needs it).
+      // Grouped: row_max covers every logit (softmax: the row's shift), and pos holds no logit.
       max_logit = detail::max_nan(max_logit, gr ? row_max[i] : detail::max_nan(row_max[i], pos[i]));
-      if (gr && O::columns)
-      {
-        col_positives += static_cast<double>(pos[i]) * static_cast<double>(groups.row_col_inv[i]);
-      }
     }
-    r.column_positives = col_positives;
     r.row_loss_sum = row_sum;
     r.max_logit = max_logit;
     return r;

@@ -27,9 +27,6 @@ struct row_pass
   double row_loss_sum = 0.0; ///< sum of the row losses of this engine's rows
   float max_logit = 0.0f;    ///< largest logit S_ij (materialized: its element-type value)
   bool logits_nonfinite = false;
-  /// Grouped symmetric step: sum_i (1 / |Q(g(i))|) sum_{j in P(i)} S_ij over these rows, the positives' part of the
-  /// column terms (numeric/groups.hpp); 0 otherwise.
-  double column_positives = 0.0;
 };
 
 /// Result of a backward pass. `grad_logit_scale` is d(loss_scale * loss)/d(log s); `grad_logit_bias` is

@@ -18,7 +18,9 @@
 /// tile (host/engine_state.hpp).
 
 #include <contrastive/numeric/loss_math.hpp>
+#include <contrastive/numeric/online_lse.hpp>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -27,6 +29,120 @@
 
 namespace contrastive
 {
+/// The positive logits of one row (or column) of a grouped softmax step, kept apart from its negatives: their
+/// largest value and, measured from it, their count, `deficit` = sum expm1(S - max) (<= 0, and 0 when every positive
+/// equals the max) and `gap` = sum (max - S) (>= 0). From these `finish_grouped` forms the loss and the positives'
+/// gradient without the cancellations of lse - mean S and P - 1/|P| after training (a positive at the row's max with
+/// negatives far below it). Merging is associative up to rounding: chunks, workers and ranks combine their parts.
+struct positive_stats
+{
+  float max = -detail::infinity_f; ///< largest positive logit (-inf when empty)
+  float deficit = 0.0f;            ///< sum over the positives of expm1(S - max)
+  float gap = 0.0f;                ///< sum over the positives of max - S
+  float count = 0.0f;              ///< number of positives (exact in float below 2^24)
+
+  /// Measures the state from `new_max` (>= max; the state not empty).
+  void rebase(float new_max) noexcept
+  {
+    const float shift = max - new_max; // <= 0
+    deficit = count * ::expm1f(shift) + ::expf(shift) * deficit;
+    gap += count * (new_max - max);
+    max = new_max;
+  }
+  /// Adds one positive logit; NaN poisons the state (its max and sums).
+  void absorb(float x) noexcept
+  {
+    if (count == 0.0f || x != x || max != max)
+    {
+      const bool poisoned = x != x || max != max;
+      max = poisoned ? x + max : x;
+      deficit = gap = poisoned ? max : 0.0f;
+      count += 1.0f;
+      return;
+    }
+    if (x > max)
+    {
+      rebase(x);
+    }
+    deficit += ::expm1f(x - max);
+    gap += max - x;
+    count += 1.0f;
+  }
+  /// Combines the positives of two disjoint parts of a row (or column).
+  void merge(positive_stats o) noexcept
+  {
+    if (o.count == 0.0f)
+    {
+      return;
+    }
+    if (count == 0.0f)
+    {
+      *this = o;
+      return;
+    }
+    if (max != max || o.max != o.max)
+    {
+      max = deficit = gap = max + o.max;
+      count += o.count;
+      return;
+    }
+    if (o.max > max)
+    {
+      rebase(o.max);
+    }
+    else if (o.max < max)
+    {
+      o.rebase(max);
+    }
+    deficit += o.deficit;
+    gap += o.gap;
+    count += o.count;
+  }
+};
+
+/// Floats one positive_stats holds (the engines' memory accounting).
+inline constexpr std::size_t positive_floats = sizeof(positive_stats) / sizeof(float);
+
+/// A grouped softmax row's (or column's) finished statistics: `shift` is its largest logit, log_sum = log sum_j
+/// exp(S_j - shift) over every logit, `pos_log` = log_sum - log |P| formed without cancellation (the positives'
+/// G is a (|P| P_j - 1) / |P| = (a / |P|) expm1((S_j - shift) - pos_log)), and loss = lse - mean of the positives
+/// (0 without a positive: the row takes no part).
+struct grouped_stats
+{
+  float lse, loss, shift, log_sum, pos_log;
+};
+
+/// The statistics of a row (or column) from its negatives' state and its positives'. Where a positive is the largest
+/// logit, log_sum = log |P| + log1p((deficit + rest) / |P|) with `rest` the negatives' sum measured from it: one
+/// positive at the max gives log1p(rest) exactly, as the one-positive loss (numeric/online_lse.hpp's finish_row).
+inline grouped_stats finish_grouped(online_lse negatives, const positive_stats& positives) noexcept
+{
+  if (positives.count == 0.0f) // no positive: the negatives' statistics (its G has coefficient 0), loss 0
+  {
+    const float log_sum = negatives.max == -detail::infinity_f ? 0.0f : ::logf(negatives.sum);
+    return {negatives.max + log_sum, 0.0f, negatives.max, log_sum, log_sum};
+  }
+  if (positives.max != positives.max || negatives.max != negatives.max)
+  {
+    const float nan = positives.max + negatives.max + detail::infinity_f * 0.0f;
+    return {nan, nan, nan, nan, nan};
+  }
+  const float k = positives.count;
+  const float log_k = ::logf(k);
+  if (positives.max >= negatives.max)
+  {
+    const float m = positives.max;
+    const float rest =
+        negatives.max == -detail::infinity_f ? 0.0f : negatives.sum * detail::exp_approx(negatives.max - m);
+    const float pos_log = ::log1pf((positives.deficit + rest) / k);
+    const float log_sum = log_k + pos_log;
+    return {m + log_sum, log_sum + positives.gap / k, m, log_sum, pos_log};
+  }
+  const float m = negatives.max; // a negative is the largest logit: every sum below adds positive terms
+  const float log_sum = ::logf(negatives.sum + (k + positives.deficit) * detail::exp_approx(positives.max - m));
+  return {m + log_sum, log_sum + ((m - positives.max) + positives.gap / k), m, log_sum, log_sum - log_k};
+}
+
 /// What a grouped step's engine reads besides the logits: the ids of its rows and keys and, per row and key, the
 /// reciprocal group sizes (0 where there is no positive). Non-owning; null q_ids: not grouped.
 struct group_view
@@ -34,7 +150,6 @@ struct group_view
   const std::int64_t* q_ids = nullptr; ///< this engine's rows
   const std::int64_t* k_ids = nullptr; ///< this engine's keys (a rank: every rank's keys)
   const float* row_inv = nullptr;      ///< per row: 1 / |P(i)|, or 0
-  const float* row_col_inv = nullptr;  ///< symmetric, per row: 1 / |Q(g(i))| where P(i) is nonempty, else 0
   const float* col_inv = nullptr;      ///< symmetric, per key: 1 / |Q(g(j))|, or 0
 };
 
@@ -44,7 +159,7 @@ struct group_view
 /// a global key index), which computes the same loss with the single-positive paths' exact positive term.
 struct group_weights
 {
-  std::vector<float> row_inv, row_col_inv, col_inv;
+  std::vector<float> row_inv, col_inv;
   std::vector<std::int32_t> labels;
   std::size_t rows_with_positive = 0; ///< R, over the batch
   std::size_t cols_with_positive = 0; ///< C, over the batch (symmetric; else 0)
@@ -104,7 +219,6 @@ struct group_weights
       }
     }
     row_inv.assign(n_q, 0.0f);
-    row_col_inv.assign(sym ? n_q : 0, 0.0f);
     col_inv.assign(sym ? n_k_total : 0, 0.0f);
     labels.assign(single_positive ? n_q : 0, 0);
     for (std::size_t i = 0; i < n_q; ++i)
@@ -115,10 +229,6 @@ struct group_weights
         continue;
       }
       row_inv[i] = static_cast<float>(1.0 / static_cast<double>(it->second.keys));
-      if (sym)
-      {
-        row_col_inv[i] = static_cast<float>(1.0 / static_cast<double>(it->second.queries));
-      }
       if (single_positive)
       {
         labels[i] = static_cast<std::int32_t>(it->second.first_key);
@@ -134,16 +244,12 @@ struct group_weights
   /// The engine's view, with its rows' and keys' ids.
   group_view view(const std::int64_t* q_ids, const std::int64_t* k_ids) const noexcept
   {
-    return {q_ids,
-            k_ids,
-            row_inv.data(),
-            row_col_inv.empty() ? nullptr : row_col_inv.data(),
-            col_inv.empty() ? nullptr : col_inv.data()};
+    return {q_ids, k_ids, row_inv.data(), col_inv.empty() ? nullptr : col_inv.data()};
   }
 
   std::size_t bytes_held() const noexcept
   {
-    return (row_inv.capacity() + row_col_inv.capacity() + col_inv.capacity()) * sizeof(float) +
+    return (row_inv.capacity() + col_inv.capacity()) * sizeof(float) +
            labels.capacity() * sizeof(std::int32_t);
   }
 };

@@ -323,7 +323,10 @@ private:
     {
       block.labels = grouped_ || !O::takes_labels ? nullptr : groups_.labels.data();
     }
-    block.query_groups = block.key_groups = nullptr; // the engine reads the ids through set_groups
+    if (!grouped_) // a grouped step's engine sizes its positives' buffers from them, and reads the ids through set_groups
+    {
+      block.query_groups = block.key_groups = nullptr;
+    }
     const bool outputs = single && need_grads;
     std::size_t bytes = 0;
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
@@ -357,7 +360,7 @@ private:
                                 : group_view{});
     gc_ = grouped_ ? O::grouped_coefficients(batch_.n_q_total, groups_.rows_with_positive, groups_.cols_with_positive)
                    : O::coefficients(batch_.n_q_total, batch_.n_k_total);
-    const float* col_inv = grouped_ && O::columns ? groups_.col_inv.data() : nullptr;
+    const bool grouped_columns = grouped_ && O::columns;
     host::row_pass rp;
     const status compute = guarded(
         [&]
@@ -370,7 +373,7 @@ private:
       CONTRASTIVE_RETURN_IF_ERROR(compute);
       if constexpr (O::columns)
       {
-        col_loss_sum = finish_columns<Algorithm>(engine_, p.n_k, col_inv);
+        col_loss_sum = finish_columns<Algorithm>(engine_, p.n_k, grouped_columns);
       }
     }
     else
@@ -378,11 +381,12 @@ private:
       if constexpr (O::columns)
       {
         CONTRASTIVE_RETURN_IF_ERROR(
-            combine_columns<Algorithm>(comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, col_inv, col_loss_sum));
+            combine_columns<Algorithm>(
+            comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, grouped_columns, col_loss_sum));
       }
       // Every rank's rows, combined in rank order (identical bits everywhere); a failure on any rank is agreed on.
       const rank_forward mine{
-          rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0, rp.column_positives};
+          rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0};
       std::vector<rank_forward> all;
       CONTRASTIVE_RETURN_IF_ERROR(gather_ranks(comm_, needs(compute, "the host engine mid-step", bytes, p), mine, all));
       rp = combine_ranks(all);
@@ -391,7 +395,7 @@ private:
                                        groups_.rows_with_positive,
                                        groups_.cols_with_positive,
                                        rp.row_loss_sum,
-                                       col_loss_sum - rp.column_positives)
+                                       col_loss_sum)
                      : O::mean(batch_.n_q_total, batch_.n_k_total, rp.row_loss_sum, col_loss_sum),
             rp.max_logit,
             rp.logits_nonfinite};
@@ -502,7 +506,8 @@ private:
     const detail::checked_size bytes =
         engine_.template bytes_for<Algorithm>(block) +
         (single ? detail::checked_size(0)
-                : rank_buffers<Element>::bytes_for(p.n_q, p.n_k, n_k_total, p.dim, O::columns));
+                : rank_buffers<Element>::bytes_for(
+                      p.n_q, p.n_k, n_k_total, p.dim, O::columns, O::softmax && p.grouped()));
     if (!bytes.ok())
     {
       return {errc::size_overflow,
@@ -560,16 +565,20 @@ private:
   status gather_keys(const problem_type& p)
   {
     constexpr bool sym = O::columns;
+    const bool grouped = O::softmax && p.grouped();
     const std::size_t d = p.dim;
     status alloc = guarded(
         [&]
         {
-          ranks_.resize(p.n_q, p.n_k, batch_.n_k_total, d, sym);
+          ranks_.resize(p.n_q, p.n_k, batch_.n_k_total, d, sym, grouped);
         });
     CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(
         comm_,
         needs(
-            alloc, "its buffers", rank_buffers<Element>::bytes_for(p.n_q, p.n_k, batch_.n_k_total, d, sym).value, p)));
+            alloc,
+            "its buffers",
+            rank_buffers<Element>::bytes_for(p.n_q, p.n_k, batch_.n_k_total, d, sym, grouped).value,
+            p)));
     CONTRASTIVE_RETURN_IF_ERROR(
         comm_.allgatherv_rows(p.k, ranks_.k_rows.data(), d * sizeof(Element), ranks_.k_all.data()));
     for (std::size_t i = 0; i < p.n_q; ++i)

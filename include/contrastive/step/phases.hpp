@@ -91,30 +91,24 @@ inline status with_bytes(const status& st,
           std::string(what) + " needs " + std::to_string(bytes) + sizes + "): " + st.reason()};
 }
 
-/// Column j's finished statistics from its state over every row and its positive logit; grouped (`col_inv` not
-/// null: 1 / |Q(g(j))| per column, 0 without a positive): the state holds every logit, and the column's term in the
-/// loss sum is its lse where it has a positive (the positives' part is the rows' `column_positives`).
-inline contrastive::row_loss finish_column(online_lse state, float positive, const float* col_inv, std::size_t j)
-{
-  if (col_inv == nullptr)
-  {
-    return finish_row(state, positive);
-  }
-  contrastive::row_loss rl = finish_row(state, -detail::infinity_f);
-  rl.loss = col_inv[j] > 0.0f ? rl.lse : 0.0f;
-  return rl;
-}
-
-/// Phase 5 for one process (symmetric): every column finished from the engine's own partials over all its rows;
-/// returns the sum of the column losses (grouped: see finish_column).
+/// Phase 5 for one process (symmetric): every column finished from the engine's own partials over all its rows (its
+/// negatives and its positive; `grouped`: its negatives and its positives, numeric/groups.hpp's finish_grouped);
+/// returns the sum of the column losses (grouped: 0 for a column without a positive).
 template <class Algorithm, class Engine>
-double finish_columns(Engine& engine, std::size_t n_k, const float* col_inv)
+double finish_columns(Engine& engine, std::size_t n_k, bool grouped)
 {
   double col_loss_sum = 0.0;
   for (std::size_t j = 0; j < n_k; ++j)
   {
-    const contrastive::row_loss rl =
-        finish_column(engine.template column_partial<Algorithm>(j), col_inv ? 0.0f : engine.positive(j), col_inv, j);
+    if (grouped)
+    {
+      const grouped_stats g = finish_grouped(engine.template column_partial<Algorithm>(j),
+                                             engine.template column_positives<Algorithm>(j));
+      engine.set_column(j, g);
+      col_loss_sum += static_cast<double>(g.loss);
+      continue;
+    }
+    const contrastive::row_loss rl = finish_row(engine.template column_partial<Algorithm>(j), engine.positive(j));
     engine.set_column(j, rl);
     col_loss_sum += static_cast<double>(rl.loss);
   }
@@ -134,7 +128,10 @@ struct rank_buffers
   std::vector<std::int32_t> labels;           ///< this rank's rows' global positives
   std::vector<std::int64_t> q_ids, k_ids;     ///< grouped: every rank's query and key group ids
   std::vector<float> dq_f, dk_all_f, dk_f;    ///< float partials (dq_f, dk_f: 16-bit elements only)
-  std::vector<float> col_a, col_b;            ///< symmetric: the columns' maxima, then their sums and positives
+  /// Symmetric: the columns' maxima (grouped: the negatives', then the positives'), then their sums and positives
+  /// (grouped: the negatives' sums, then the positives' deficits, gaps and counts), `columns` of each.
+  std::vector<float> col_a, col_b;
+  std::size_t columns = 0;
 
   std::size_t bytes_held() const noexcept
   {
@@ -144,34 +141,37 @@ struct rank_buffers
                sizeof(float);
   }
 
-  /// The bytes `resize` asks for: this rank's n_q rows and n_k keys of a batch of n_k_total keys of dimension d.
-  static detail::checked_size
-  bytes_for(std::size_t n_q, std::size_t n_k, std::size_t n_k_total, std::size_t d, bool symmetric) noexcept
+  /// The bytes `resize` asks for: this rank's n_q rows and n_k keys of a batch of n_k_total keys of dimension d;
+  /// `grouped`: a symmetric step with group ids.
+  static detail::checked_size bytes_for(
+      std::size_t n_q, std::size_t n_k, std::size_t n_k_total, std::size_t d, bool symmetric, bool grouped) noexcept
   {
     using detail::checked_size;
     return checked_size(n_k_total) * d * sizeof(Element) + checked_size(n_q) * sizeof(std::int32_t) +
            (checked_size(float_out ? 0 : n_q) * d + checked_size(n_k_total) * d +
-            checked_size(float_out ? 0 : n_k) * d + checked_size(symmetric ? n_k_total : 0) * std::size_t(3)) *
+            checked_size(float_out ? 0 : n_k) * d +
+            checked_size(symmetric ? n_k_total : 0) * std::size_t(grouped ? 6 : 3)) *
                sizeof(float);
   }
 
   /// Sizes every buffer (may throw std::bad_alloc; the driver guards it).
-  void resize(std::size_t n_q, std::size_t n_k, std::size_t n_k_total, std::size_t d, bool symmetric)
+  void resize(std::size_t n_q, std::size_t n_k, std::size_t n_k_total, std::size_t d, bool symmetric, bool grouped)
   {
     k_all.resize(n_k_total * d);
     labels.resize(n_q);
     dq_f.resize(float_out ? 0 : n_q * d);
     dk_all_f.resize(n_k_total * d);
     dk_f.resize(float_out ? 0 : n_k * d);
-    col_a.resize(symmetric ? n_k_total : 0);
-    col_b.resize(symmetric ? 2 * n_k_total : 0);
+    columns = symmetric ? n_k_total : 0;
+    col_a.resize(columns * (grouped ? 2 : 1));
+    col_b.resize(columns * (grouped ? 4 : 2));
   }
 };
 
 /// What a rank's row phase contributes to the batch's forward (doubles: one all-gather of plain values).
 struct rank_forward
 {
-  double row_loss_sum, max_logit, logits_bad, column_positives;
+  double row_loss_sum, max_logit, logits_bad;
 };
 /// What a rank's backward contributes: d(loss_scale * loss)/d(log s), d(loss_scale * loss)/d b, the dQ/dK flags.
 struct rank_backward
@@ -187,7 +187,6 @@ inline host::row_pass combine_ranks(const std::vector<rank_forward>& all) noexce
   for (const rank_forward& f : all)
   {
     r.row_loss_sum += f.row_loss_sum;
-    r.column_positives += f.column_positives;
     r.max_logit = detail::max_nan(r.max_logit, static_cast<float>(f.max_logit));
     r.logits_nonfinite |= f.logits_bad != 0.0;
   }
@@ -239,10 +238,10 @@ status gather_ranks(const Comm& comm, const status& local, const R& mine, std::v
 
 /// Phase 5 for ranks (symmetric): each rank's partial column states over its `n_local` rows (from `engine`, whose
 /// rows start at global query `q_off`), combined over the ranks (the maxima, then the rebased sums and the
-/// positives) and finished into the engine; `col_loss_sum` is the sum of the finished column losses (identical on
-/// every rank). If this rank's forward failed (`compute`; its engine may be released) it still takes part in both
-/// reductions, with neutral partials, so the others are not left waiting; the driver refuses the step on every rank
-/// afterwards.
+/// positives; `grouped`: the positives' states, numeric/groups.hpp's positive_stats) and finished into the engine;
+/// `col_loss_sum` is the sum of the finished column losses (identical on every rank). If this rank's forward failed
+/// (`compute`; its engine may be released) it still takes part in both reductions, with neutral partials, so the
+/// others are not left waiting; the driver refuses the step on every rank afterwards.
 template <class Algorithm, class Comm, class Engine, class Element>
 status combine_columns(const Comm& comm,
                        Engine& engine,
@@ -250,35 +249,60 @@ status combine_columns(const Comm& comm,
                        std::size_t n_local,
                        std::size_t q_off,
                        const status& compute,
-                       const float* col_inv,
+                       bool grouped,
                        double& col_loss_sum)
 {
-  const std::size_t n = b.col_a.size();
+  const std::size_t n = b.columns;
   const bool local_ok = compute.ok();
+  float* neg_max = b.col_a.data();
+  float* pos_max = neg_max + n; // grouped
   for (std::size_t j = 0; j < n; ++j)
   {
-    b.col_a[j] = local_ok ? engine.template column_partial<Algorithm>(j).max : -detail::infinity_f;
+    neg_max[j] = local_ok ? engine.template column_partial<Algorithm>(j).max : -detail::infinity_f;
+    if (grouped)
+    {
+      pos_max[j] = local_ok ? engine.template column_positives<Algorithm>(j).max : -detail::infinity_f;
+    }
   }
-  CONTRASTIVE_RETURN_IF_ERROR(comm.allreduce(b.col_a.data(), n, distributed::reduce_op::max));
+  CONTRASTIVE_RETURN_IF_ERROR(comm.allreduce(b.col_a.data(), grouped ? 2 * n : n, distributed::reduce_op::max));
   float* sums = b.col_b.data();
-  float* pos = b.col_b.data() + n;
+  float* pos = b.col_b.data() + n; // grouped: the positives' deficits, gaps and counts from here
   for (std::size_t j = 0; j < n; ++j)
   {
     online_lse st = local_ok ? engine.template column_partial<Algorithm>(j) : online_lse{};
-    st.rebase(b.col_a[j] == -detail::infinity_f ? st.max : b.col_a[j]);
+    st.rebase(neg_max[j] == -detail::infinity_f ? st.max : neg_max[j]);
     sums[j] = st.max == -detail::infinity_f ? 0.0f : st.sum;
     pos[j] = 0.0f;
+    if (grouped)
+    {
+      positive_stats ps = local_ok ? engine.template column_positives<Algorithm>(j) : positive_stats{};
+      if (ps.count > 0.0f && ps.max != pos_max[j])
+      {
+        ps.rebase(pos_max[j]);
+      }
+      pos[j] = ps.deficit;
+      pos[n + j] = ps.gap;
+      pos[2 * n + j] = ps.count;
+    }
   }
   // Column j's positive is global query j: owned by the rank whose queries start at q_off (grouped: none apart).
-  for (std::size_t i = 0; local_ok && col_inv == nullptr && i < n_local; ++i)
+  for (std::size_t i = 0; local_ok && !grouped && i < n_local; ++i)
   {
     pos[q_off + i] = engine.positive(i);
   }
-  CONTRASTIVE_RETURN_IF_ERROR(comm.allreduce(b.col_b.data(), 2 * n, distributed::reduce_op::sum));
+  CONTRASTIVE_RETURN_IF_ERROR(comm.allreduce(b.col_b.data(), grouped ? 4 * n : 2 * n, distributed::reduce_op::sum));
   col_loss_sum = 0.0;
   for (std::size_t j = 0; local_ok && j < n; ++j)
   {
-    const contrastive::row_loss rl = finish_column(online_lse{b.col_a[j], sums[j]}, pos[j], col_inv, j);
+    if (grouped)
+    {
+      const grouped_stats g = finish_grouped(online_lse{neg_max[j], sums[j]},
+                                             positive_stats{pos_max[j], pos[j], pos[n + j], pos[2 * n + j]});
+      engine.set_column(j, g);
+      col_loss_sum += static_cast<double>(g.loss);
+      continue;
+    }
+    const contrastive::row_loss rl = finish_row(online_lse{neg_max[j], sums[j]}, pos[j]);
     engine.set_column(j, rl);
     col_loss_sum += static_cast<double>(rl.loss);
   }
