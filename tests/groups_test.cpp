@@ -639,8 +639,7 @@ TEST(Groups, TrainedBatchKeepsItsDigits)
   {
     for (float s : {30.0f, 100.0f})
     {
-      const grouped_ref ref =
-          grouped_reference(ct::to_double(q), ct::to_double(k), n, n_k, dim, qid, kid, obj, s, 0.0);
+      const grouped_ref ref = grouped_reference(ct::to_double(q), ct::to_double(k), n, n_k, dim, qid, kid, obj, s, 0.0);
       const auto check = [&](const char* what, const cl::core_values& v, double dq_err, double dk_err)
       {
         SCOPED_TRACE(std::string(what) + " " + cl::to_string(obj) + " s " + std::to_string(s));

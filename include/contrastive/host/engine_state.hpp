@@ -105,12 +105,8 @@ struct engine_state
   /// Grouped softmax forward: moves each positive of a tile's rows (rows x cols at (i0, j0), row stride block_n, at
   /// x) out of the logits into its row's positives and, `columns`, into `col_pos` (indexed by key), leaving -inf in
   /// its slot: the negatives' statistics then run as with one positive per row.
-  void take_positives(std::size_t i0,
-                      std::size_t j0,
-                      std::size_t rows,
-                      std::size_t cols,
-                      float* x,
-                      positive_stats* col_pos) noexcept
+  void take_positives(
+      std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, float* x, positive_stats* col_pos) noexcept
   {
     const std::int64_t* k_ids = groups.k_ids + j0;
     for (std::size_t ii = 0; ii < rows; ++ii)
@@ -241,7 +237,7 @@ struct engine_state
   /// the softmax statistics and the sigmoid negatives' sums then skip it, and the positive is treated apart.
   void mask_positives(std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, worker_scratch& ws, bool save)
   {
-    if (grouped()) // the positives stay among the logits (sigmoid: the tile tests the ids; softmax: add_positives)
+    if (grouped()) // the ids tell the positives (sigmoid: the tile tests them; softmax: take_positives)
     {
       return;
     }

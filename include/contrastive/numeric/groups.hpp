@@ -13,9 +13,10 @@
 /// objective w.r.t. S_ij is
 ///   G_ij = a_i P_ij + b_j C_ij - [i ~ j] (a_i / |K(g)| + b_j / |Q(g)|),
 /// a_i = [P(i) nonempty] row_coef, b_j = [column j has a positive] col_coef (row_coef 1/R, or 1/(2R) symmetric;
-/// col_coef 1/(2C)). This header counts the groups once per step (`group_weights`); each objective gives its
-/// coefficients and mean (grouped_coefficients, grouped_mean in objectives/), and the engines apply them tile by
-/// tile (host/engine_state.hpp).
+/// col_coef 1/(2C)). This header counts the groups once per step (`group_weights`) and keeps a row's positives apart
+/// from its negatives (`positive_stats`, `finish_grouped`: the loss and the positives' G without cancellation);
+/// each objective gives its coefficients and mean (grouped_coefficients, grouped_mean in objectives/), and the
+/// engines apply them tile by tile (host/engine_state.hpp).
 
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
@@ -249,8 +250,7 @@ struct group_weights
 
   std::size_t bytes_held() const noexcept
   {
-    return (row_inv.capacity() + col_inv.capacity()) * sizeof(float) +
-           labels.capacity() * sizeof(std::int32_t);
+    return (row_inv.capacity() + col_inv.capacity()) * sizeof(float) + labels.capacity() * sizeof(std::int32_t);
   }
 };
 

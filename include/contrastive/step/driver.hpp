@@ -323,7 +323,8 @@ private:
     {
       block.labels = grouped_ || !O::takes_labels ? nullptr : groups_.labels.data();
     }
-    if (!grouped_) // a grouped step's engine sizes its positives' buffers from them, and reads the ids through set_groups
+    // A grouped step's engine sizes its positives' buffers from the ids; it reads them through set_groups.
+    if (!grouped_)
     {
       block.query_groups = block.key_groups = nullptr;
     }
@@ -380,13 +381,11 @@ private:
     {
       if constexpr (O::columns)
       {
-        CONTRASTIVE_RETURN_IF_ERROR(
-            combine_columns<Algorithm>(
+        CONTRASTIVE_RETURN_IF_ERROR(combine_columns<Algorithm>(
             comm_, engine_, ranks_, p.n_q, batch_.q_off, compute, grouped_columns, col_loss_sum));
       }
       // Every rank's rows, combined in rank order (identical bits everywhere); a failure on any rank is agreed on.
-      const rank_forward mine{
-          rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0};
+      const rank_forward mine{rp.row_loss_sum, static_cast<double>(rp.max_logit), rp.logits_nonfinite ? 1.0 : 0.0};
       std::vector<rank_forward> all;
       CONTRASTIVE_RETURN_IF_ERROR(gather_ranks(comm_, needs(compute, "the host engine mid-step", bytes, p), mine, all));
       rp = combine_ranks(all);
@@ -505,9 +504,9 @@ private:
     block.n_k = n_k_total;
     const detail::checked_size bytes =
         engine_.template bytes_for<Algorithm>(block) +
-        (single ? detail::checked_size(0)
-                : rank_buffers<Element>::bytes_for(
-                      p.n_q, p.n_k, n_k_total, p.dim, O::columns, O::softmax && p.grouped()));
+        (single
+             ? detail::checked_size(0)
+             : rank_buffers<Element>::bytes_for(p.n_q, p.n_k, n_k_total, p.dim, O::columns, O::softmax && p.grouped()));
     if (!bytes.ok())
     {
       return {errc::size_overflow,
@@ -574,11 +573,10 @@ private:
         });
     CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree(
         comm_,
-        needs(
-            alloc,
-            "its buffers",
-            rank_buffers<Element>::bytes_for(p.n_q, p.n_k, batch_.n_k_total, d, sym, grouped).value,
-            p)));
+        needs(alloc,
+              "its buffers",
+              rank_buffers<Element>::bytes_for(p.n_q, p.n_k, batch_.n_k_total, d, sym, grouped).value,
+              p)));
     CONTRASTIVE_RETURN_IF_ERROR(
         comm_.allgatherv_rows(p.k, ranks_.k_rows.data(), d * sizeof(Element), ranks_.k_all.data()));
     for (std::size_t i = 0; i < p.n_q; ++i)

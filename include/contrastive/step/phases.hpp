@@ -102,8 +102,8 @@ double finish_columns(Engine& engine, std::size_t n_k, bool grouped)
   {
     if (grouped)
     {
-      const grouped_stats g = finish_grouped(engine.template column_partial<Algorithm>(j),
-                                             engine.template column_positives<Algorithm>(j));
+      const grouped_stats g =
+          finish_grouped(engine.template column_partial<Algorithm>(j), engine.template column_positives<Algorithm>(j));
       engine.set_column(j, g);
       col_loss_sum += static_cast<double>(g.loss);
       continue;
