@@ -86,18 +86,32 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
   }
   else
   {
-    const auto negative = [&](std::size_t j)
-    {
-      return k_ids[j] == id ? -detail::infinity_f : x[j];
-    };
+    // The negatives' state measured from the row's largest logit, a positive's or not (a valid online_lse: sum is
+    // relative to max), so the max runs without a select.
     online_lse neg{};
-    neg.rebase(lane_max(st.n_k, -detail::infinity_f, negative));
+    neg.rebase(lane_max(st.n_k,
+                        -detail::infinity_f,
+                        [&](std::size_t j)
+                        {
+                          return x[j];
+                        }));
     const float shift = neg.shift();
-    neg.sum = lane_sum(st.n_k,
-                       [&](std::size_t j)
-                       {
-                         return detail::exp_approx(negative(j) - shift);
-                       });
+    // The exponentials over a masked copy, a key tile at a time: a select inside the loop would keep it scalar.
+    float masked[block_n];
+    neg.sum = 0.0f;
+    for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
+    {
+      const std::size_t cols = std::min(block_n, st.n_k - j0);
+      for (std::size_t jj = 0; jj < cols; ++jj)
+      {
+        masked[jj] = k_ids[j0 + jj] == id ? -detail::infinity_f : x[j0 + jj];
+      }
+      neg.sum += lane_sum(cols,
+                          [&](std::size_t jj)
+                          {
+                            return detail::exp_approx(masked[jj] - shift);
+                          });
+    }
     positive_stats& mine = st.row_pos[i];
     mine = positive_stats{};
     for (std::size_t j = 0; j < st.n_k && st.groups.row_inv[i] > 0.0f; ++j)
@@ -141,9 +155,9 @@ void grouped_column_partials(engine_state<T, Gemm>& st,
   {
     const float* x = &st.chunk[r * st.nk_pad + j0];
     const std::int64_t id = st.groups.q_ids[c0 + r];
-    for (std::size_t jj = 0; jj < cols; ++jj)
+    for (std::size_t jj = 0; jj < cols; ++jj) // every logit: the reference point, as grouped_chunk_row's
     {
-      part_max[jj] = detail::max_f(part_max[jj], k_ids[jj] == id ? -detail::infinity_f : x[jj]);
+      part_max[jj] = detail::max_f(part_max[jj], x[jj]);
     }
     for (std::size_t jj = 0; jj < cols && st.groups.row_inv[c0 + r] > 0.0f; ++jj)
     {
@@ -160,13 +174,18 @@ void grouped_column_partials(engine_state<T, Gemm>& st,
     part.rebase(part_max[jj]);
     shift[jj] = part.shift();
   }
+  float masked[block_n]; // as grouped_chunk_row: the exponentials over a masked copy
   for (std::size_t r = 0; r < rows; ++r)
   {
     const float* x = &st.chunk[r * st.nk_pad + j0];
     const std::int64_t id = st.groups.q_ids[c0 + r];
     for (std::size_t jj = 0; jj < cols; ++jj)
     {
-      part_sum[jj] += detail::exp_approx((k_ids[jj] == id ? -detail::infinity_f : x[jj]) - shift[jj]);
+      masked[jj] = k_ids[jj] == id ? -detail::infinity_f : x[jj];
+    }
+    for (std::size_t jj = 0; jj < cols; ++jj)
+    {
+      part_sum[jj] += detail::exp_approx(masked[jj] - shift[jj]);
     }
   }
   merge_column_partials(st, j0, cols, part_max, part_sum);

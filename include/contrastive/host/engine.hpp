@@ -365,7 +365,14 @@ public:
       s.chunk.resize(s.chunk_rows * s.nk_pad);
       s.col_run_max.resize(sym ? s.n_k : 0);
       s.col_run_sum.resize(sym ? s.n_k : 0);
-      s.col_run_pos.resize(grouped && sym ? s.n_k : 0);
+      if (grouped && sym)
+      {
+        s.col_run_pos.resize(s.n_k);
+      }
+      else
+      {
+        free(s.col_run_pos);
+      }
     }
     else if constexpr (materialized)
     {
@@ -415,7 +422,14 @@ public:
       }
       ws.col_max.resize(sym && !chunked ? s.nk_pad : 0);
       ws.col_sum.resize(sym && !chunked ? s.nk_pad : 0);
-      ws.col_pos.resize(grouped && sym && !chunked ? s.nk_pad : 0);
+      if (grouped && sym && !chunked)
+      {
+        ws.col_pos.resize(s.nk_pad);
+      }
+      else
+      {
+        free(ws.col_pos); // released: a grouped step may have sized it
+      }
     }
     if constexpr (!chunked)
     {

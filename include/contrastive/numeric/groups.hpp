@@ -65,8 +65,9 @@ struct positive_stats
     {
       rebase(x);
     }
-    deficit += ::expm1f(x - max);
-    gap += max - x;
+    const float below = x == max ? 0.0f : max - x; // a tie with an infinite max is 0 below it, not NaN
+    deficit += ::expm1f(-below);
+    gap += below;
     count += 1.0f;
   }
   /// Combines the positives of two disjoint parts of a row (or column).

@@ -162,9 +162,10 @@ struct rank_buffers
     dq_f.resize(float_out ? 0 : n_q * d);
     dk_all_f.resize(n_k_total * d);
     dk_f.resize(float_out ? 0 : n_k * d);
-    columns = symmetric ? n_k_total : 0;
-    col_a.resize(columns * (grouped ? 2 : 1));
-    col_b.resize(columns * (grouped ? 4 : 2));
+    const std::size_t n = symmetric ? n_k_total : 0;
+    col_a.resize(n * (grouped ? 2 : 1));
+    col_b.resize(n * (grouped ? 4 : 2));
+    columns = n; // after the buffers that hold them
   }
 };
 
