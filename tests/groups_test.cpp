@@ -698,3 +698,43 @@ TEST(Groups, TrainedBatchKeepsItsDigits)
     }
   }
 }
+
+// The positives' buffers are held only by the steps that use them: after a grouped step, a step without ids holds
+// what a fresh core's holds, and a grouped step after it what a fresh grouped one holds (every host algorithm).
+template <class A>
+void buffers_follow_the_step()
+{
+  const std::size_t n = 300, dim = 16;
+  const auto q = ct::random_rows<float>(n, dim, 81), k = ct::random_rows<float>(n, dim, 82);
+  const batch_ids ids = make_ids(1, n, n, 83);
+  std::vector<float> dq(n * dim), dk(n * dim);
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce, cl::objective::sigmoid})
+  {
+    SCOPED_TRACE(std::string(A::name) + " " + cl::to_string(obj));
+    cl::problem<float> plain{q.data(), k.data(), n, n, dim, nullptr, obj};
+    cl::problem<float> grouped = plain;
+    grouped.query_groups = ids.q.data();
+    grouped.key_groups = ids.k.data();
+    const auto held = [&](cl::core<float, A>& c, const cl::problem<float>& p)
+    {
+      cl::core_values v;
+      const cl::status st =
+          c.step(p, 10.0f, obj == cl::objective::sigmoid ? -2.0f : 0.0f, 1.0f, dq.data(), dk.data(), v);
+      EXPECT_TRUE(st.ok()) << st.message();
+      return c.bytes_held();
+    };
+    cl::core<float, A> used(2), fresh_plain(2), fresh_grouped(2);
+    const std::size_t with_ids = held(used, grouped);
+    EXPECT_EQ(held(used, plain), held(fresh_plain, plain));
+    EXPECT_EQ(held(used, grouped), held(fresh_grouped, grouped));
+    EXPECT_EQ(with_ids, fresh_grouped.bytes_held());
+  }
+}
+
+TEST(Groups, BuffersFollowTheStep)
+{
+  buffers_follow_the_step<cl::algorithm::fused>();
+  buffers_follow_the_step<cl::algorithm::materialized>();
+  buffers_follow_the_step<cl::algorithm::chunked>();
+  buffers_follow_the_step<cl::algorithm::automatic>();
+}

@@ -608,6 +608,7 @@ private:
     grouped_ = false;
     if (!p.grouped())
     {
+      groups_ = group_weights{}; // released: a grouped step may have sized them
       return {};
     }
     status counted = guarded(
