@@ -738,3 +738,52 @@ TEST(Groups, BuffersFollowTheStep)
   buffers_follow_the_step<cl::algorithm::chunked>();
   buffers_follow_the_step<cl::algorithm::automatic>();
 }
+
+// positive_stats: absorbing a row's positives one by one or merging any split of them gives the same state (max and
+// count exactly, deficit and gap to float rounding) as float64 from the definition; ties with an infinite max add 0.
+TEST(Groups, PositiveStatsMergeLikeOneStream)
+{
+  std::mt19937 rng(91);
+  std::uniform_real_distribution<float> logit(-60.0f, 60.0f);
+  for (int trial = 0; trial < 500; ++trial)
+  {
+    const std::size_t n = 1 + rng() % 40;
+    std::vector<float> x(n);
+    for (float& v : x)
+    {
+      v = rng() % 4 == 0 ? 7.0f : logit(rng); // ties too
+    }
+    const std::size_t cut = rng() % (n + 1);
+    cl::positive_stats one, left, right;
+    for (std::size_t i = 0; i < n; ++i)
+    {
+      one.absorb(x[i]);
+      (i < cut ? left : right).absorb(x[i]);
+    }
+    right.merge(left);
+    const double m = *std::max_element(x.begin(), x.end());
+    double deficit = 0.0, gap = 0.0;
+    for (float v : x)
+    {
+      deficit += std::expm1(static_cast<double>(v) - m);
+      gap += m - static_cast<double>(v);
+    }
+    for (const cl::positive_stats& s : {one, right})
+    {
+      ASSERT_EQ(s.max, static_cast<float>(m));
+      ASSERT_EQ(s.count, static_cast<float>(n));
+      ASSERT_NEAR(s.deficit, deficit, 1e-5 * (1.0 + std::fabs(deficit))) << "trial " << trial;
+      ASSERT_NEAR(s.gap, gap, 1e-5 * (1.0 + gap)) << "trial " << trial;
+    }
+  }
+  for (float inf : {cl::detail::infinity_f, -cl::detail::infinity_f})
+  {
+    cl::positive_stats s;
+    s.absorb(inf);
+    s.absorb(inf);
+    EXPECT_EQ(s.max, inf);
+    EXPECT_EQ(s.deficit, 0.0f);
+    EXPECT_EQ(s.gap, 0.0f);
+    EXPECT_EQ(s.count, 2.0f);
+  }
+}
