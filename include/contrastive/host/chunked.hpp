@@ -62,6 +62,20 @@ bool chunk_logits(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows)
   return any;
 }
 
+/// An online_lse without terms, measured from the largest of x[0, n) (-inf: empty): a chunk row's, whose sum the caller
+/// adds.
+inline online_lse measured_from_max(const float* x, std::size_t n) noexcept
+{
+  online_lse st{};
+  st.rebase(lane_max(n,
+                     -detail::infinity_f,
+                     [&](std::size_t j)
+                     {
+                       return x[j];
+                     }));
+  return st;
+}
+
 /// Row i's statistics from its chunk row x of a grouped step (numeric/groups.hpp): the ids tell the positives, which
 /// a softmax objective keeps apart from the negatives without masking them (the buffer's logits serve the backward).
 template <class O, class T, class Gemm>
@@ -88,13 +102,7 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
   {
     // The negatives' state measured from the row's largest logit, a positive's or not (a valid online_lse: sum is
     // relative to max), so the max runs without a select.
-    online_lse neg{};
-    neg.rebase(lane_max(st.n_k,
-                        -detail::infinity_f,
-                        [&](std::size_t j)
-                        {
-                          return x[j];
-                        }));
+    online_lse neg = measured_from_max(x, st.n_k);
     const float shift = neg.shift();
     // The exponentials over a masked copy, a key tile at a time: a select inside the loop would keep it scalar.
     float masked[block_n];
@@ -231,13 +239,7 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
                    }
                    else
                    {
-                     online_lse neg{};
-                     neg.rebase(lane_max(st.n_k,
-                                         -detail::infinity_f,
-                                         [&](std::size_t j)
-                                         {
-                                           return x[j];
-                                         }));
+                     online_lse neg = measured_from_max(x, st.n_k);
                      const float shift = neg.shift();
                      neg.sum = lane_sum(st.n_k,
                                         [&](std::size_t j)

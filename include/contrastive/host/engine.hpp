@@ -478,29 +478,21 @@ public:
   template <class Algorithm>
   online_lse column_partial(std::size_t j) const noexcept
   {
-    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
-    {
-      return materialized_ ? st_.template column_partial<algorithm::materialized>(j)
-                           : st_.template column_partial<algorithm::fused>(j);
-    }
-    else
-    {
-      return st_.template column_partial<Algorithm>(j);
-    }
+    return ran<Algorithm>(
+        [&](auto a)
+        {
+          return st_.template column_partial<decltype(a)>(j);
+        });
   }
   /// Grouped symmetric, after `forward_rows`: column j's positives over this engine's rows.
   template <class Algorithm>
   positive_stats column_positives(std::size_t j) const noexcept
   {
-    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
-    {
-      return materialized_ ? st_.template column_positives<algorithm::materialized>(j)
-                           : st_.template column_positives<algorithm::fused>(j);
-    }
-    else
-    {
-      return st_.template column_positives<Algorithm>(j);
-    }
+    return ran<Algorithm>(
+        [&](auto a)
+        {
+          return st_.template column_positives<decltype(a)>(j);
+        });
   }
   /// Row i's positive logit (after `forward_rows`): column i's positive, for the symmetric objective.
   float positive(std::size_t i) const noexcept
@@ -602,6 +594,20 @@ public:
   }
 
 private:
+  /// f(A{}) for the concrete algorithm A the last prepare ran: Algorithm, or for automatic the one it chose.
+  template <class Algorithm, class F>
+  decltype(auto) ran(F&& f) const noexcept
+  {
+    if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
+    {
+      return materialized_ ? f(algorithm::materialized{}) : f(algorithm::fused{});
+    }
+    else
+    {
+      return f(Algorithm{});
+    }
+  }
+
   /// The padded shape of p; false when a padded size does not fit size_t.
   template <class Problem>
   static bool shape_of(const Problem& p, gemm_shape& sh) noexcept
