@@ -104,30 +104,28 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
     // relative to max), so the max runs without a select.
     online_lse neg = measured_from_max(x, st.n_k);
     const float shift = neg.shift();
-    // The exponentials over a masked copy, a key tile at a time: a select inside the loop would keep it scalar.
+    // The exponentials over a copy with the positives masked, a key tile at a time (a select inside the loop would
+    // keep it scalar), and the positives into the row's.
+    positive_stats& mine = st.row_pos[i];
+    mine = positive_stats{};
     float masked[block_n];
     neg.sum = 0.0f;
     for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
     {
       const std::size_t cols = std::min(block_n, st.n_k - j0);
-      for (std::size_t jj = 0; jj < cols; ++jj)
+      std::copy_n(x + j0, cols, masked);
+      const std::size_t *at, *end;
+      st.groups.positives_in(i, j0, j0 + cols, at, end);
+      for (; at != end; ++at)
       {
-        masked[jj] = k_ids[j0 + jj] == id ? -detail::infinity_f : x[j0 + jj];
+        mine.absorb(x[*at]);
+        masked[*at - j0] = -detail::infinity_f;
       }
       neg.sum += lane_sum(cols,
                           [&](std::size_t jj)
                           {
                             return detail::exp_approx(masked[jj] - shift);
                           });
-    }
-    positive_stats& mine = st.row_pos[i];
-    mine = positive_stats{};
-    for (std::size_t j = 0; j < st.n_k && st.groups.row_inv[i] > 0.0f; ++j)
-    {
-      if (k_ids[j] == id)
-      {
-        mine.absorb(x[j]);
-      }
     }
     st.set_grouped_row(i, neg);
   }
@@ -158,21 +156,12 @@ void grouped_column_partials(engine_state<T, Gemm>& st,
                              float* part_max,
                              float* part_sum)
 {
-  const std::int64_t* k_ids = st.groups.k_ids + j0;
   for (std::size_t r = 0; r < rows; ++r)
   {
     const float* x = &st.chunk[r * st.nk_pad + j0];
-    const std::int64_t id = st.groups.q_ids[c0 + r];
     for (std::size_t jj = 0; jj < cols; ++jj) // every logit: the reference point, as grouped_chunk_row's
     {
       part_max[jj] = detail::max_f(part_max[jj], x[jj]);
-    }
-    for (std::size_t jj = 0; jj < cols && st.groups.row_inv[c0 + r] > 0.0f; ++jj)
-    {
-      if (k_ids[jj] == id)
-      {
-        st.col_run_pos[j0 + jj].absorb(x[jj]);
-      }
     }
   }
   float shift[block_n];
@@ -186,10 +175,13 @@ void grouped_column_partials(engine_state<T, Gemm>& st,
   for (std::size_t r = 0; r < rows; ++r)
   {
     const float* x = &st.chunk[r * st.nk_pad + j0];
-    const std::int64_t id = st.groups.q_ids[c0 + r];
-    for (std::size_t jj = 0; jj < cols; ++jj)
+    std::copy_n(x, cols, masked);
+    const std::size_t *at, *end;
+    st.groups.positives_in(c0 + r, j0, j0 + cols, at, end);
+    for (; at != end; ++at)
     {
-      masked[jj] = k_ids[jj] == id ? -detail::infinity_f : x[jj];
+      st.col_run_pos[*at].absorb(x[*at - j0]);
+      masked[*at - j0] = -detail::infinity_f;
     }
     for (std::size_t jj = 0; jj < cols; ++jj)
     {

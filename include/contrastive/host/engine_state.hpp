@@ -108,27 +108,21 @@ struct engine_state
   void take_positives(
       std::size_t i0, std::size_t j0, std::size_t rows, std::size_t cols, float* x, positive_stats* col_pos) noexcept
   {
-    const std::int64_t* k_ids = groups.k_ids + j0;
     for (std::size_t ii = 0; ii < rows; ++ii)
     {
-      if (groups.row_inv[i0 + ii] == 0.0f) // no key shares this row's id
-      {
-        continue;
-      }
-      const std::int64_t id = groups.q_ids[i0 + ii];
+      const std::size_t *at, *end;
+      groups.positives_in(i0 + ii, j0, j0 + cols, at, end);
       float* row = x + ii * block_n;
       positive_stats& mine = row_pos[i0 + ii];
-      for (std::size_t jj = 0; jj < cols; ++jj)
+      for (; at != end; ++at)
       {
-        if (k_ids[jj] == id)
+        float& v = row[*at - j0];
+        mine.absorb(v);
+        if (col_pos != nullptr)
         {
-          mine.absorb(row[jj]);
-          if (col_pos != nullptr)
-          {
-            col_pos[j0 + jj].absorb(row[jj]);
-          }
-          row[jj] = -detail::infinity_f;
+          col_pos[*at].absorb(v);
         }
+        v = -detail::infinity_f;
       }
     }
   }
@@ -492,7 +486,6 @@ struct engine_state
       b[jj] = inv > 0.0f ? gc.col_coef : 0.0f;
       bp[jj] = b[jj] * inv;
     }
-    const std::int64_t* k_ids = groups.k_ids + j0;
     for (std::size_t ii = 0; ii < block_m; ++ii)
     {
       float* g = &ws.tile[ii * block_n];
@@ -505,18 +498,16 @@ struct engine_state
       const float inv = groups.row_inv[i];
       const float a = inv > 0.0f ? gc.row_coef : 0.0f, ap = a * inv;
       const float rs = row_max[i], rl = row_log_sum[i], rp = pos[i];
-      const std::int64_t id = groups.q_ids[i];
-      // The positives' logits, before the softmax overwrites them (none where no key shares the row's id).
+      // The positives' logits, before the softmax overwrites them.
+      const std::size_t *first, *last;
+      groups.positives_in(i, j0, j0 + cols, first, last);
       std::size_t at[block_n];
       float xp[block_n];
       std::size_t n_pos = 0;
-      for (std::size_t jj = 0; jj < cols && inv > 0.0f; ++jj)
+      for (; first != last; ++first)
       {
-        if (k_ids[jj] == id)
-        {
-          at[n_pos] = jj;
-          xp[n_pos++] = g[jj];
-        }
+        at[n_pos] = *first - j0;
+        xp[n_pos++] = g[*first - j0];
       }
       if constexpr (sym)
       {

@@ -21,6 +21,7 @@
 #include <contrastive/numeric/loss_math.hpp>
 #include <contrastive/numeric/online_lse.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -153,6 +154,20 @@ struct group_view
   const std::int64_t* k_ids = nullptr; ///< this engine's keys (a rank: every rank's keys)
   const float* row_inv = nullptr;      ///< per row: 1 / |P(i)|, or 0
   const float* col_inv = nullptr;      ///< symmetric, per key: 1 / |Q(g(j))|, or 0
+  /// Every key's index, grouped by id and increasing within a group; row i's positive keys are
+  /// key_order[row_keys[2 i], row_keys[2 i + 1]) (an empty range without a positive).
+  const std::size_t* key_order = nullptr;
+  const std::size_t* row_keys = nullptr;
+
+  /// Row i's positive keys in [j0, j1), in increasing order: [first, last) of key_order.
+  void positives_in(
+      std::size_t i, std::size_t j0, std::size_t j1, const std::size_t*& first, const std::size_t*& last) const noexcept
+  {
+    const std::size_t* b = key_order + row_keys[2 * i];
+    const std::size_t* e = key_order + row_keys[2 * i + 1];
+    first = std::lower_bound(b, e, j0);
+    last = std::lower_bound(first, e, j1);
+  }
 };
 
 /// The counts of one grouped step over the whole batch (every rank's ids), and this engine's per-row and per-key
@@ -162,6 +177,8 @@ struct group_view
 struct group_weights
 {
   std::vector<float> row_inv, col_inv;
+  std::vector<std::size_t> key_order, row_keys; ///< group_view's
+
   std::vector<std::int32_t> labels;
   std::size_t rows_with_positive = 0; ///< R, over the batch
   std::size_t cols_with_positive = 0; ///< C, over the batch (symmetric; else 0)
@@ -180,7 +197,7 @@ struct group_weights
   {
     struct group
     {
-      std::size_t queries = 0, keys = 0, first_key = 0;
+      std::size_t queries = 0, keys = 0, first_key = 0, offset = 0, filled = 0;
     };
     std::unordered_map<std::int64_t, group> groups;
     groups.reserve(n_k_total + n_q_total);
@@ -220,6 +237,20 @@ struct group_weights
         cols_with_positive += groups.find(k_all[j])->second.queries != 0 ? 1 : 0;
       }
     }
+    // Every key's index grouped by id (a group's keys in increasing order), and each of this engine's rows' range.
+    std::size_t next = 0;
+    for (auto& entry : groups)
+    {
+      entry.second.offset = next;
+      next += entry.second.keys;
+    }
+    key_order.resize(n_k_total);
+    for (std::size_t j = 0; j < n_k_total; ++j)
+    {
+      group& g = groups.find(k_all[j])->second;
+      key_order[g.offset + g.filled++] = j;
+    }
+    row_keys.assign(2 * n_q, 0);
     row_inv.assign(n_q, 0.0f);
     col_inv.assign(sym ? n_k_total : 0, 0.0f);
     labels.assign(single_positive ? n_q : 0, 0);
@@ -231,6 +262,8 @@ struct group_weights
         continue;
       }
       row_inv[i] = static_cast<float>(1.0 / static_cast<double>(it->second.keys));
+      row_keys[2 * i] = it->second.offset;
+      row_keys[2 * i + 1] = it->second.offset + it->second.keys;
       if (single_positive)
       {
         labels[i] = static_cast<std::int32_t>(it->second.first_key);
@@ -246,12 +279,15 @@ struct group_weights
   /// The engine's view, with its rows' and keys' ids.
   group_view view(const std::int64_t* q_ids, const std::int64_t* k_ids) const noexcept
   {
-    return {q_ids, k_ids, row_inv.data(), col_inv.empty() ? nullptr : col_inv.data()};
+    return {
+        q_ids, k_ids, row_inv.data(), col_inv.empty() ? nullptr : col_inv.data(), key_order.data(), row_keys.data()};
   }
 
   std::size_t bytes_held() const noexcept
   {
-    return (row_inv.capacity() + col_inv.capacity()) * sizeof(float) + labels.capacity() * sizeof(std::int32_t);
+    return (row_inv.capacity() + col_inv.capacity()) * sizeof(float) +
+           (key_order.capacity() + row_keys.capacity()) * sizeof(std::size_t) +
+           labels.capacity() * sizeof(std::int32_t);
   }
 };
 
