@@ -48,9 +48,10 @@ struct engine_state
   const T* k = nullptr;
   std::size_t n_q = 0, n_k = 0, d = 0, dp = 0, nq_pad = 0, nk_pad = 0;
   const std::int32_t* labels = nullptr;
-  /// Several positives per row (numeric/groups.hpp): the tiles test each pair's ids. Softmax objectives keep the
-  /// positives apart from the negatives' statistics, in row_pos (and, symmetric, the workers' col_pos or col_run_pos),
-  /// and pos[i] then holds row i's pos_log (numeric/groups.hpp's grouped_stats); the sigmoid objective keeps none.
+  /// Several positives per row (numeric/groups.hpp). Softmax objectives find each row's positives in a tile from the
+  /// keys sorted by id (group_view::positives_in) and keep them apart from the negatives' statistics, in row_pos (and,
+  /// symmetric, the workers' col_pos or col_run_pos); pos[i] then holds row i's pos_log (grouped_stats). The sigmoid
+  /// objective's tiles test each pair's ids.
   group_view groups;
   float scale = 1.0f;
   float bias = 0.0f;          ///< sigmoid: the logit bias b of z = S + b (0 otherwise)
