@@ -4,7 +4,8 @@ CUDA extension (contrastive_torch._C_cuda, or built with nvcc on first use from 
 
 `pip install --no-build-isolation ./python` builds both at install time. From a source checkout on sys.path they are
 compiled on first use with torch.utils.cpp_extension and cached in torch's extension directory (TORCH_EXTENSIONS_DIR);
-on 2 cores the host extension's first build takes about two minutes. Processes that build at once (the ranks of a
+on 2 cores the host extension's first build takes about two minutes, and again after the library's headers changed
+(the builds carry their digest, `headers_digest`). Processes that build at once (the ranks of a
 torchrun job with a cold cache) wait for one build under torch's lock file; the distributed losses build in their
 constructor, before their first collective, so no rank sits in a collective while another compiles.
 """
@@ -83,6 +84,29 @@ def installed_isa_lacking(path=None):
     return _cpu.lacking(required)
 
 
+def headers_digest(include_dir=None):
+    """A digest of the library's headers (names and contents; default: those the builds include). The builds compiled
+    on first use carry it as a define: torch's extension cache rebuilds when the sources or the flags change, and the
+    headers are neither, so a checkout whose headers changed (a `git pull`) would otherwise keep loading a build of the
+    old ones."""
+    import hashlib
+
+    root = include_dir or _include_dir()
+    h = hashlib.sha1()
+    for folder, subfolders, files in os.walk(root):
+        subfolders.sort()
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _digest_flag():
+    return [f"-DCONTRASTIVE_HEADERS_DIGEST={headers_digest()}"]
+
+
 def _native():
     return os.environ.get("CONTRASTIVE_NATIVE", "1") != "0"
 
@@ -133,7 +157,7 @@ def extension():
                 name = host_build_name()
                 _announce("host extension", name)
                 cuda = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME or "/usr/local/cuda"
-                flags = ["-O3", "-DNDEBUG"] + _std_flags()
+                flags = ["-O3", "-DNDEBUG"] + _std_flags() + _digest_flag()
                 if _native():
                     flags.append("-march=native")
                 ext = _build(name, sources=[os.path.join(_HERE, "csrc", "binding.cpp")],
@@ -151,8 +175,10 @@ def cuda_extension():
             if ext is None:
                 _announce("CUDA extension", "contrastive_torch_cuda_ext")
                 ext = _build("contrastive_torch_cuda_ext", sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],
-                             extra_include_paths=[_include_dir()], extra_cflags=["-O3", "-DNDEBUG"] + _std_flags(),
-                             extra_cuda_cflags=["-O3", "-DNDEBUG", "--expt-relaxed-constexpr"] + _std_flags(),
+                             extra_include_paths=[_include_dir()],
+                             extra_cflags=["-O3", "-DNDEBUG"] + _std_flags() + _digest_flag(),
+                             extra_cuda_cflags=["-O3", "-DNDEBUG", "--expt-relaxed-constexpr"] + _std_flags()
+                             + _digest_flag(),
                              extra_ldflags=["-lcublas"])
             _loaded["cuda"] = ext
     return _loaded["cuda"]

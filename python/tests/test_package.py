@@ -157,3 +157,18 @@ def test_the_source_distribution_carries_what_it_builds_from(tmp_path):
                        "contrastive_torch/include/contrastive/host/engine.hpp", "contrastive_torch/csrc/binding.cpp"):
             assert needed in members, f"the sdist lacks {needed}"
         assert tar.extractfile(members["contrastive_torch/VERSION"]).read().decode().strip() == ct.__version__
+
+
+def test_a_header_change_rebuilds_the_extension_compiled_on_first_use(tmp_path):
+    # torch's extension cache rebuilds on a changed source or flag; the headers' digest is one of the flags.
+    from contrastive_torch import _extension
+
+    include = tmp_path / "include" / "contrastive"
+    include.mkdir(parents=True)
+    (include / "a.hpp").write_text("int a;\n")
+    (include / "b.hpp").write_text("int b;\n")
+    first = _extension.headers_digest(str(tmp_path / "include"))
+    assert first == _extension.headers_digest(str(tmp_path / "include"))
+    (include / "b.hpp").write_text("int b2;\n")
+    assert _extension.headers_digest(str(tmp_path / "include")) != first
+    assert re.fullmatch(r"-DCONTRASTIVE_HEADERS_DIGEST=[0-9a-f]{16}", _extension._digest_flag()[0])
