@@ -145,21 +145,22 @@ void merge_column_partials(
   }
 }
 
-/// Grouped symmetric: the negatives' partials of key tile [j0, j0 + cols) over the chunk's rows (from c0), merged
-/// into the running state, and its positives absorbed into the running positives (col_run_pos).
+/// Symmetric: the column partials of key tile [j0, j0 + cols) over the chunk's rows (from c0), merged into the
+/// running state. Grouped: the positives go to the running positives (col_run_pos) and out of the negatives' sums,
+/// which are measured from every logit's max (as grouped_chunk_row's).
 template <class T, class Gemm>
-void grouped_column_partials(engine_state<T, Gemm>& st,
-                             std::size_t c0,
-                             std::size_t rows,
-                             std::size_t j0,
-                             std::size_t cols,
-                             float* part_max,
-                             float* part_sum)
+void column_partials(engine_state<T, Gemm>& st,
+                     std::size_t c0,
+                     std::size_t rows,
+                     std::size_t j0,
+                     std::size_t cols,
+                     float* part_max,
+                     float* part_sum)
 {
   for (std::size_t r = 0; r < rows; ++r)
   {
     const float* x = &st.chunk[r * st.nk_pad + j0];
-    for (std::size_t jj = 0; jj < cols; ++jj) // every logit: the reference point, as grouped_chunk_row's
+    for (std::size_t jj = 0; jj < cols; ++jj)
     {
       part_max[jj] = detail::max_f(part_max[jj], x[jj]);
     }
@@ -171,21 +172,25 @@ void grouped_column_partials(engine_state<T, Gemm>& st,
     part.rebase(part_max[jj]);
     shift[jj] = part.shift();
   }
-  float masked[block_n]; // as grouped_chunk_row: the exponentials over a masked copy
+  float masked[block_n]; // grouped: the exponentials over a masked copy, as grouped_chunk_row's
   for (std::size_t r = 0; r < rows; ++r)
   {
     const float* x = &st.chunk[r * st.nk_pad + j0];
-    std::copy_n(x, cols, masked);
-    const std::size_t *at, *end;
-    st.groups.positives_in(c0 + r, j0, j0 + cols, at, end);
-    for (; at != end; ++at)
+    if (st.grouped())
     {
-      st.col_run_pos[*at].absorb(x[*at - j0]);
-      masked[*at - j0] = -detail::infinity_f;
+      std::copy_n(x, cols, masked);
+      const std::size_t *at, *end;
+      st.groups.positives_in(c0 + r, j0, j0 + cols, at, end);
+      for (; at != end; ++at)
+      {
+        st.col_run_pos[*at].absorb(x[*at - j0]);
+        masked[*at - j0] = -detail::infinity_f;
+      }
+      x = masked;
     }
     for (std::size_t jj = 0; jj < cols; ++jj)
     {
-      part_sum[jj] += detail::exp_approx(masked[jj] - shift[jj]);
+      part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
     }
   }
   merge_column_partials(st, j0, cols, part_max, part_sum);
@@ -251,35 +256,7 @@ void chunk_statistics(engine_state<T, Gemm>& st, std::size_t c0, std::size_t row
           float part_sum[block_n];
           std::fill(part_max, part_max + cols, -detail::infinity_f);
           std::fill(part_sum, part_sum + cols, 0.0f);
-          if (st.grouped()) // the positives apart: into the running positives, out of the negatives' partials
-          {
-            grouped_column_partials(st, c0, rows, j0, cols, part_max, part_sum);
-            return;
-          }
-          for (std::size_t r = 0; r < rows; ++r)
-          {
-            const float* x = &st.chunk[r * st.nk_pad + j0];
-            for (std::size_t jj = 0; jj < cols; ++jj)
-            {
-              part_max[jj] = detail::max_f(part_max[jj], x[jj]);
-            }
-          }
-          float shift[block_n];
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            online_lse part{};
-            part.rebase(part_max[jj]);
-            shift[jj] = part.shift();
-          }
-          for (std::size_t r = 0; r < rows; ++r)
-          {
-            const float* x = &st.chunk[r * st.nk_pad + j0];
-            for (std::size_t jj = 0; jj < cols; ++jj)
-            {
-              part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
-            }
-          }
-          merge_column_partials(st, j0, cols, part_max, part_sum);
+          column_partials(st, c0, rows, j0, cols, part_max, part_sum);
         });
   }
 }
