@@ -81,10 +81,10 @@ inline online_lse measured_from_max(const float* x, std::size_t n) noexcept
 template <class O, class T, class Gemm>
 void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
 {
-  const std::int64_t id = st.groups.q_ids[i];
-  const std::int64_t* k_ids = st.groups.k_ids;
   if constexpr (!O::softmax)
   {
+    const std::int64_t id = st.groups.q_ids[i];
+    const std::int64_t* k_ids = st.groups.k_ids;
     const float m = lane_max(st.n_k,
                              -detail::infinity_f,
                              [&](std::size_t j)
@@ -128,20 +128,6 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
                           });
     }
     st.set_grouped_row(i, neg);
-  }
-}
-
-/// The chunk's column partials (part_max, part_sum over the chunk's rows) merged into the running column state.
-template <class T, class Gemm>
-void merge_column_partials(
-    engine_state<T, Gemm>& st, std::size_t j0, std::size_t cols, const float* part_max, const float* part_sum)
-{
-  for (std::size_t jj = 0; jj < cols; ++jj)
-  {
-    online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
-    run.merge(online_lse{part_max[jj], part_sum[jj]});
-    st.col_run_max[j0 + jj] = run.max;
-    st.col_run_sum[j0 + jj] = run.sum;
   }
 }
 
@@ -193,7 +179,13 @@ void column_partials(engine_state<T, Gemm>& st,
       part_sum[jj] += detail::exp_approx(x[jj] - shift[jj]);
     }
   }
-  merge_column_partials(st, j0, cols, part_max, part_sum);
+  for (std::size_t jj = 0; jj < cols; ++jj) // merged into the running column state
+  {
+    online_lse run{st.col_run_max[j0 + jj], st.col_run_sum[j0 + jj]};
+    run.merge(online_lse{part_max[jj], part_sum[jj]});
+    st.col_run_max[j0 + jj] = run.max;
+    st.col_run_sum[j0 + jj] = run.sum;
+  }
 }
 
 /// Forward statistics of the chunk in the buffer: each row's negatives and positive (the positive's slot is set to

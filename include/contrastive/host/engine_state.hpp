@@ -89,11 +89,6 @@ struct engine_state
   {
     return groups.q_ids != nullptr;
   }
-  /// Grouped: whether (i, j) is a positive pair.
-  bool positive_pair(std::size_t i, std::size_t j) const noexcept
-  {
-    return groups.q_ids[i] == groups.k_ids[j];
-  }
   /// Called by every forward before its tiles: a grouped step's rows start without positives.
   void begin_forward() noexcept
   {
