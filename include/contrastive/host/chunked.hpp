@@ -83,8 +83,6 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
 {
   if constexpr (!O::softmax)
   {
-    const std::int64_t id = st.groups.q_ids[i];
-    const std::int64_t* k_ids = st.groups.k_ids;
     const float m = lane_max(st.n_k,
                              -detail::infinity_f,
                              [&](std::size_t j)
@@ -92,9 +90,9 @@ void grouped_chunk_row(engine_state<T, Gemm>& st, std::size_t i, const float* x)
                                return x[j];
                              });
     float loss = 0.0f;
-    for (std::size_t j = 0; j < st.n_k; ++j)
+    for (std::size_t j0 = 0; j0 < st.n_k; j0 += block_n)
     {
-      loss += O::term(x[j], k_ids[j] == id).loss;
+      loss += grouped_pairwise_terms<O>(st, i, j0, std::min(block_n, st.n_k - j0), x + j0, nullptr);
     }
     set_pairwise_row<O>(st, i, loss, m, false);
   }

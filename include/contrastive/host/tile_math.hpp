@@ -58,6 +58,56 @@ void load_tile(
   }
 }
 
+/// The pairwise objectives, a grouped step: the summed loss terms of row i's logits z[0, cols) (keys j0, ...), its
+/// positives (group_view::positives_in) as positive pairs and the rest as negatives; `grad` (may be z, or null) gets
+/// each logit's gradient factor. The negatives' terms run vectorised over a copy with the positives masked (-inf: a
+/// term of 0), as the one-positive path masks its positive; the positives are added after from their own logits.
+template <class O, class State>
+float grouped_pairwise_terms(
+    const State& st, std::size_t i, std::size_t j0, std::size_t cols, const float* z, float* grad) noexcept
+{
+  float masked[block_n];
+  float pos_z[block_n];
+  std::copy_n(z, cols, masked);
+  const std::size_t *first, *last;
+  st.groups.positives_in(i, j0, j0 + cols, first, last);
+  std::size_t n_pos = 0;
+  for (const std::size_t* at = first; at != last; ++at)
+  {
+    pos_z[n_pos++] = masked[*at - j0];
+    masked[*at - j0] = -detail::infinity_f;
+  }
+  float loss = 0.0f;
+  if (grad != nullptr)
+  {
+    loss = lane_sum(cols,
+                    [&](std::size_t jj)
+                    {
+                      const auto t = O::term(masked[jj], false);
+                      grad[jj] = t.grad;
+                      return t.loss;
+                    });
+  }
+  else
+  {
+    loss = lane_sum(cols,
+                    [&](std::size_t jj)
+                    {
+                      return O::term(masked[jj], false).loss;
+                    });
+  }
+  for (std::size_t k = 0; k < n_pos; ++k)
+  {
+    const auto t = O::term(pos_z[k], true);
+    loss += t.loss;
+    if (grad != nullptr)
+    {
+      grad[first[k] - j0] = t.grad;
+    }
+  }
+  return loss;
+}
+
 /// The pairwise objectives (O::softmax false: the sigmoid objective; O::term gives one logit's loss term and gradient
 /// factor). Forward: adds the negatives' terms softplus(z) of a masked tile of z (rows x cols at (i0,
 /// j0)) to `loss_acc[ii]` and their largest z to `max_acc[ii]`; with `grads`, also turns the tile into the
@@ -93,24 +143,15 @@ double pairwise_tile(const State& st,
                                          }));
     if (st.grouped()) // every positive pair is in the tile, told by its ids
     {
-      const std::int64_t id = st.groups.q_ids[i0 + ii];
-      const std::int64_t* k_ids = st.groups.k_ids + j0;
-      float loss = 0.0f, g = 0.0f;
-      for (std::size_t jj = 0; jj < cols; ++jj)
-      {
-        const auto t = O::term(x[jj], k_ids[jj] == id);
-        loss += t.loss;
-        if (grads)
-        {
-          x[jj] = t.grad;
-          g += t.grad;
-        }
-      }
-      loss_acc[ii] += loss;
+      loss_acc[ii] += grouped_pairwise_terms<O>(st, i0 + ii, j0, cols, x, grads ? x : nullptr);
       if (grads)
       {
         std::fill(x + cols, x + block_n, 0.0f);
-        g_sum += static_cast<double>(g);
+        g_sum += static_cast<double>(lane_sum(cols,
+                                              [&](std::size_t jj)
+                                              {
+                                                return x[jj];
+                                              }));
       }
       continue;
     }
@@ -186,11 +227,10 @@ void pairwise_gradient_tile(const State& st,
     }
     if (st.grouped())
     {
-      const std::int64_t id = st.groups.q_ids[i0 + ii];
-      const std::int64_t* k_ids = st.groups.k_ids + j0;
+      grouped_pairwise_terms<O>(st, i0 + ii, j0, cols, g, g);
       for (std::size_t jj = 0; jj < cols; ++jj)
       {
-        g[jj] = c * O::term(g[jj], k_ids[jj] == id).grad;
+        g[jj] *= c;
       }
       std::fill(g + cols, g + block_n, 0.0f);
       continue;
