@@ -22,7 +22,7 @@ from . import _ops  # noqa: F401 - registers the operators
 from . import functional, temperature
 from ._extension import HAS_CUSTOM_OPS, cuda_extension, extension
 from ._host import NONFINITE_SITES, host_kernels, memory_budget, set_memory_budget
-from .losses import ClipLoss, InfoNCELoss, SigLipLoss, StepReport
+from .losses import ClipLoss, CoCaLoss, InfoNCELoss, SigLipLoss, StepReport
 from .temperature import CollapseMonitor, RangeGuard, clamp_logit_scale, freeze_then_learn
 from .cached import CachedStep
 
@@ -39,7 +39,7 @@ def _version():
 
 
 __version__ = _version()
-__all__ = ["ClipLoss", "SigLipLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature",
+__all__ = ["ClipLoss", "SigLipLoss", "CoCaLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature",
            "clamp_logit_scale", "freeze_then_learn", "RangeGuard", "CollapseMonitor", "extension",
            "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS", "set_memory_budget", "memory_budget",
            "host_kernels"]

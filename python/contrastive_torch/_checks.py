@@ -9,6 +9,8 @@
 
 Every message starts with the argument's name."""
 
+import math
+import numbers
 import operator
 
 import torch
@@ -96,6 +98,15 @@ def index(name, value):
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def weight(name, value):
+    """A loss term's weight (CoCaLoss's): a finite real number (Python's or numpy's), returned as given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return value
 
 
 def rank_and_world(rank, world_size):

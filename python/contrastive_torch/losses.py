@@ -1,5 +1,5 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-"""open_clip's loss modules (ClipLoss, SigLipLoss) with open_clip's constructors and calls, and InfoNCELoss: thin
+"""open_clip's loss modules (ClipLoss, SigLipLoss, CoCaLoss) with open_clip's constructors and calls, and InfoNCELoss: thin
 modules over contrastive_torch.functional. Each keeps the diagnosis of its last call in `last_step`."""
 
 import torch
@@ -141,6 +141,61 @@ class ClipLoss(_Loss):
             loss = loss + (bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
         loss = self._kept(report, _open_clip_dtype(loss, image_features))
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+class CoCaLoss(ClipLoss):
+    """open_clip's CoCaLoss: same constructor, same call; the contrastive term is this package's ClipLoss, the
+    captioning term PyTorch's cross-entropy over the text decoder's logits, as open_clip computes it.
+
+        loss_fn = CoCaLoss(caption_loss_weight, clip_loss_weight, pad_id=0, local_loss=False, gather_with_grad=False,
+                           cache_labels=False, rank=0, world_size=1, use_horovod=False, *, algorithm=None, threads=0,
+                           fused_tiles=False, group=None, exchange=None)
+        clip, caption = loss_fn(image_features, text_features, logits, labels, logit_scale)
+
+    Returns (clip_loss_weight x ClipLoss, caption_loss_weight x CE(logits, labels)), or {"contrastive_loss": ...,
+    "caption_loss": ...} when output_dict. `logits` are the decoder's (batch, tokens, vocabulary) scores and `labels`
+    the (batch, tokens) next tokens; tokens equal to `pad_id` are left out of the mean. A falsy clip_loss_weight skips
+    the contrastive term (then a 0 tensor on the logits' device, as open_clip's), on every rank alike: give every rank
+    the same weights. The captioning term is open_clip's own computation (its memory is the logits'); the library
+    serves the contrastive one."""
+
+    def __init__(self, caption_loss_weight, clip_loss_weight, pad_id=0, local_loss=False, gather_with_grad=False,
+                 cache_labels=False, rank=0, world_size=1, use_horovod=False, *, algorithm=None, threads=0,
+                 fused_tiles=False, group=None, exchange=None):
+        super().__init__(local_loss, gather_with_grad, cache_labels, rank, world_size, use_horovod,
+                         algorithm=algorithm, threads=threads, fused_tiles=fused_tiles, group=group,
+                         exchange=exchange)
+        self.caption_loss_weight = _checks.weight("caption_loss_weight", caption_loss_weight)
+        self.clip_loss_weight = _checks.weight("clip_loss_weight", clip_loss_weight)
+        self.pad_id = _checks.index("pad_id", pad_id)
+        self.caption_loss = torch.nn.CrossEntropyLoss(ignore_index=self.pad_id)
+
+    def forward(self, image_features, text_features, logits, labels, logit_scale, output_dict=False, *,
+                image_groups=None, text_groups=None):
+        """open_clip's CoCaLoss forward; `image_groups`, `text_groups` as ClipLoss's (group ids for the contrastive
+        term). The shapes of `logits` and `labels` are checked before either term runs."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            raise ValueError(f"logits: expected the decoder's (batch, tokens, vocabulary) scores, got "
+                             f"{_describe(logits)}")
+        if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
+            raise ValueError(f"labels: expected one token per (batch, token) of logits {tuple(logits.shape[:2])}, "
+                             f"got {_describe(labels)}")
+        if self.clip_loss_weight:
+            clip = self.clip_loss_weight * super().forward(image_features, text_features, logit_scale,
+                                                           image_groups=image_groups, text_groups=text_groups)
+        else:
+            clip = torch.tensor(0, device=logits.device)
+        caption = self.caption_loss(logits.permute(0, 2, 1), labels) * self.caption_loss_weight
+        if output_dict:
+            return {"contrastive_loss": clip, "caption_loss": caption}
+        return clip, caption
+
+
+def _describe(x):
+    """A value as an error message names it: a tensor's shape and dtype, else its type."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} ({x.dtype})"
+    return f"{type(x).__name__}"
 
 
 class SigLipLoss(_Loss):

@@ -323,3 +323,69 @@ def test_constructor_errors_name_the_argument():
         ct.ClipLoss()(img, txt, torch.tensor(10.0), torch.zeros(8, 8))
     with pytest.raises(TypeError, match="logit_bias"):
         ct.ClipLoss()(img, txt, torch.tensor(10.0), "0")
+
+
+def _coca_inputs(seed, n=12, d=16, tokens=7, vocab=23, dtype=torch.float32):
+    """Features, decoder logits (batch, tokens, vocabulary) and next-token labels with padding (id 0) at each row's
+    end, all fresh leaves."""
+    img, txt = draw(n, d, seed, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    logits = torch.randn(n, tokens, vocab, generator=g).to(dtype)
+    labels = torch.randint(1, vocab, (n, tokens), generator=g)
+    lengths = torch.randint(1, tokens + 1, (n,), generator=g)
+    labels[torch.arange(tokens)[None, :] >= lengths[:, None]] = 0
+    return [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in (img, txt, logits, labels)]
+
+
+@pytest.mark.parametrize("weights", [(2.0, 1.0), (1.0, 0.0), (0.5, 3)], ids=["both", "no_clip", "int_weight"])
+@pytest.mark.parametrize("algorithm", [None, "fused", "chunked"])
+def test_coca_loss_is_open_clips(open_clip_loss, weights, algorithm, seed):
+    """CoCaLoss: both terms, output_dict, and the gradients of every input, against open_clip's CoCaLoss."""
+    caption_w, clip_w = weights
+    results = []
+    for make in (lambda: ct.CoCaLoss(caption_w, clip_w, algorithm=algorithm),
+                 lambda: open_clip_loss.CoCaLoss(caption_w, clip_w)):
+        img, txt, logits, labels = _coca_inputs(seed)
+        s = torch.tensor(14.0, requires_grad=True)
+        clip, caption = make()(img, txt, logits, labels, s)
+        as_dict = make()(img, txt, logits, labels, s, output_dict=True)
+        assert set(as_dict) == {"contrastive_loss", "caption_loss"}
+        assert torch.equal(as_dict["caption_loss"], caption) and torch.equal(as_dict["contrastive_loss"], clip)
+        (clip + caption).backward()
+        results.append((clip.detach(), caption.detach(), img.grad, txt.grad, logits.grad, s.grad))
+    ours, theirs = results
+    names = ("contrastive_loss", "caption_loss", "d image_features", "d text_features", "d logits", "d logit_scale")
+    for name, a, b in zip(names, ours, theirs):
+        if b is None or (name in ("d image_features", "d text_features", "d logit_scale") and not clip_w):
+            assert a is None or not a.abs().max() > 0, f"{name}: {a} where open_clip's is {b}"
+            continue
+        assert a.dtype == b.dtype, f"{name}: {a.dtype} vs open_clip's {b.dtype}"
+        assert rel(a, b) <= 256 * EPS32, f"{name}: {rel(a, b) / EPS32:.1f} eps32 from open_clip (seed {seed})"
+
+
+def test_coca_loss_from_open_clips_factory_and_refusals(open_clip_loss, monkeypatch, seed):
+    if os.environ.get("CONTRASTIVE_OPEN_CLIP_LOSS"):
+        pytest.skip("CONTRASTIVE_OPEN_CLIP_LOSS: the factory is the installed package's, not that loss.py's")
+    factory = importlib.import_module("open_clip.factory")
+    args = open_clip_args(model="coca_ViT-B-32", coca_caption_loss_weight=2.0, coca_contrastive_loss_weight=1.0)
+    assert type(factory.create_loss(args)) is open_clip_loss.CoCaLoss
+    monkeypatch.setattr(factory, "CoCaLoss", ct.CoCaLoss)
+    loss_fn = factory.create_loss(args)
+    assert isinstance(loss_fn, ct.CoCaLoss) and (loss_fn.caption_loss_weight, loss_fn.clip_loss_weight) == (2.0, 1.0)
+    img, txt, logits, labels = _coca_inputs(seed)
+    a = loss_fn(img, txt, logits, labels, torch.tensor(10.0))
+    b = open_clip_loss.CoCaLoss(2.0, 1.0)(img, txt, logits, labels, torch.tensor(10.0))
+    assert all(rel(x, y) <= 256 * EPS32 for x, y in zip(a, b))
+    # Refusals name the argument.
+    with pytest.raises(TypeError, match="caption_loss_weight"):
+        ct.CoCaLoss("2", 1.0)
+    with pytest.raises(ValueError, match="clip_loss_weight"):
+        ct.CoCaLoss(1.0, float("nan"))
+    with pytest.raises(TypeError, match="pad_id"):
+        ct.CoCaLoss(1.0, 1.0, pad_id=0.5)
+    with pytest.raises(ValueError, match="logits"):
+        loss_fn(img, txt, logits[:, 0], labels, torch.tensor(10.0))
+    with pytest.raises(ValueError, match="labels"):
+        loss_fn(img, txt, logits, labels[:, 1:], torch.tensor(10.0))
+    with pytest.raises(ValueError, match="image_features"):
+        loss_fn(img[:, :3], txt, logits, labels, torch.tensor(10.0))
