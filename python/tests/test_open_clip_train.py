@@ -23,6 +23,18 @@ TINY = {
     "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
     "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2},
 }
+# CoCa (its name says so: open_clip's create_loss builds CoCaLoss for a model whose name contains "coca").
+TINY_COCA = {  # the decoder's width is the embedding's, as in open_clip's CoCa configs
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32,
+                   "attentional_pool": True, "attn_pooler_heads": 2, "output_tokens": True},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2, "embed_cls": True,
+                 "output_tokens": True},
+    "multimodal_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1,
+                       "attn_pooler_heads": 2},
+    "custom_text": True,
+}
+MODELS = {"tiny-contrastive": TINY, "tiny-coca": TINY_COCA}
 
 # Runs open_clip_train.main with the loss named by argv[1] ("open_clip" or "ours"), appending one JSON line per loss
 # call to argv[2]; argv[3] is the folder of the model config, the rest open_clip_train's own arguments.
@@ -53,6 +65,7 @@ if impl == "ours":
     import contrastive_torch
     open_clip.factory.ClipLoss = contrastive_torch.ClipLoss
     open_clip.factory.SigLipLoss = contrastive_torch.SigLipLoss
+    open_clip.factory.CoCaLoss = contrastive_torch.CoCaLoss
 
 
 def recorded(cls):
@@ -74,6 +87,7 @@ def recorded(cls):
 
 open_clip.factory.ClipLoss = recorded(open_clip.factory.ClipLoss)
 open_clip.factory.SigLipLoss = recorded(open_clip.factory.SigLipLoss)
+open_clip.factory.CoCaLoss = recorded(open_clip.factory.CoCaLoss)
 
 from open_clip_train.main import main
 main(argv)
@@ -95,13 +109,14 @@ def _training_program():
 def _train(tmp_path, impl, extra):
     configs = tmp_path / "configs"
     configs.mkdir(exist_ok=True)
-    (configs / "tiny-contrastive.json").write_text(json.dumps(TINY))
+    for name, config in MODELS.items():
+        (configs / f"{name}.json").write_text(json.dumps(config))
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
     record = tmp_path / f"{impl}.jsonl"
-    args = ["--model", "tiny-contrastive", "--dataset-type", "synthetic", "--train-num-samples", "64",
+    args = ["--model", "tiny-contrastive", *extra, "--dataset-type", "synthetic", "--train-num-samples", "64",
             "--batch-size", "8", "--epochs", "1", "--workers", "0", "--device", "cpu", "--seed", "0",
-            "--warmup", "2", "--lr", "1e-3", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", impl, *extra]
+            "--warmup", "2", "--lr", "1e-3", "--precision", "fp32", "--logs", str(tmp_path / "logs"), "--name", impl]
     python_dir = os.path.dirname(os.path.dirname(os.path.abspath(ct.__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (python_dir, os.environ.get("PYTHONPATH")) if p))
@@ -114,13 +129,15 @@ def _train(tmp_path, impl, extra):
 # CLIP with gradient accumulation (open_clip calls the loss on its cached features, one micro-batch live at a time),
 # and SigLIP (its learnable bias). float32: under open_clip's default `amp` the two losses differ by open_clip's own
 # float16 rounding, which ours does not have (test_open_clip.py compares those against float64).
-@pytest.mark.parametrize("extra", [["--accum-freq", "2"], ["--siglip"]], ids=["clip_accum_freq_2", "siglip"])
+@pytest.mark.parametrize("extra", [["--accum-freq", "2"], ["--siglip"], ["--model", "tiny-coca"]],
+                         ids=["clip_accum_freq_2", "siglip", "coca"])
 def test_open_clip_train_logs_the_same_loss_with_ours(tmp_path, extra):
     require("open_clip_train", *_training_program())
     require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
     theirs = _train(tmp_path, "open_clip", extra)
     ours = _train(tmp_path, "ours", extra)
-    expected_class = "contrastive_torch.losses." + ("SigLipLoss" if "--siglip" in extra else "ClipLoss")
+    expected_class = "contrastive_torch.losses." + ("SigLipLoss" if "--siglip" in extra else
+                                                     "CoCaLoss" if "tiny-coca" in extra else "ClipLoss")
     assert {c["class"] for c in ours} == {expected_class}, ours[0]
     assert {c["class"] for c in theirs} == {"open_clip.loss." + expected_class.rsplit(".", 1)[1]}, theirs[0]
     # 64 samples in batches of 8: 8 loss calls (with --accum-freq 2, 4 optimizer steps of two calls each).
