@@ -10,7 +10,8 @@ exact in float32, bfloat16 and float16, on CPU tensors (the library's host engin
 
 Where things are: functional.py (the losses as functions), losses.py (the modules), _ops.py (the torch.library
 operators every call runs, eager or compiled), _checks.py (every argument check), _host.py and _device.py (the
-engines), _distributed.py (the global batch over torch.distributed), _extension.py (building and loading the C++
+engines), _grouped.py and _distill.py (group ids on CUDA tensors, the distillation term: PyTorch operations in row
+chunks), _distributed.py (the global batch over torch.distributed), _extension.py (building and loading the C++
 extensions), temperature.py (the learnable temperature's tools). PyTorch >= 2.4; the guide is python/README.md.
 """
 
@@ -22,7 +23,7 @@ from . import _ops  # noqa: F401 - registers the operators
 from . import functional, temperature
 from ._extension import HAS_CUSTOM_OPS, cuda_extension, extension
 from ._host import NONFINITE_SITES, host_kernels, memory_budget, set_memory_budget
-from .losses import ClipLoss, CoCaLoss, InfoNCELoss, SigLipLoss, StepReport
+from .losses import ClipLoss, CoCaLoss, DistillClipLoss, InfoNCELoss, SigLipLoss, StepReport
 from .temperature import CollapseMonitor, RangeGuard, clamp_logit_scale, freeze_then_learn
 from .cached import CachedStep
 
@@ -39,7 +40,7 @@ def _version():
 
 
 __version__ = _version()
-__all__ = ["ClipLoss", "SigLipLoss", "CoCaLoss", "InfoNCELoss", "StepReport", "CachedStep", "functional", "temperature",
-           "clamp_logit_scale", "freeze_then_learn", "RangeGuard", "CollapseMonitor", "extension",
-           "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS", "set_memory_budget", "memory_budget",
+__all__ = ["ClipLoss", "SigLipLoss", "CoCaLoss", "DistillClipLoss", "InfoNCELoss", "StepReport", "CachedStep",
+           "functional", "temperature", "clamp_logit_scale", "freeze_then_learn", "RangeGuard", "CollapseMonitor",
+           "extension", "cuda_extension", "NONFINITE_SITES", "HAS_CUSTOM_OPS", "set_memory_budget", "memory_budget",
            "host_kernels"]

@@ -1,10 +1,10 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-"""open_clip's loss modules (ClipLoss, SigLipLoss, CoCaLoss) with open_clip's constructors and calls, and InfoNCELoss: thin
+"""open_clip's loss modules (ClipLoss, SigLipLoss, CoCaLoss, DistillClipLoss) with open_clip's constructors and calls, and InfoNCELoss: thin
 modules over contrastive_torch.functional. Each keeps the diagnosis of its last call in `last_step`."""
 
 import torch
 
-from . import _checks, _distributed, _ops, _steps, functional
+from . import _checks, _distill, _distributed, _ops, _steps, functional
 from ._host import NONFINITE_SITES
 
 
@@ -189,6 +189,45 @@ class CoCaLoss(ClipLoss):
         if output_dict:
             return {"contrastive_loss": clip, "caption_loss": caption}
         return clip, caption
+
+
+class DistillClipLoss(ClipLoss):
+    """open_clip's DistillClipLoss: same constructor (ClipLoss's), same call, the distillation term in row chunks.
+
+        loss_fn = DistillClipLoss(local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
+                                  use_horovod=False, *, algorithm=None, threads=0, fused_tiles=False, group=None,
+                                  exchange=None)
+        contrastive, distill = loss_fn(image_features, text_features, logit_scale,
+                                       dist_image_features, dist_text_features, dist_logit_scale)
+
+    Returns (ClipLoss, the distillation term), or {"contrastive_loss": ..., "distill_loss": ...} when output_dict.
+    The distillation term is open_clip's: the mean of each image's and each text's cross-entropy between the
+    teacher's distribution (softmax of dist_logit_scale x its logits) and the student's log-softmax, the two
+    directions averaged. open_clip forms both models' N x N logits for it; here they exist one chunk of rows at a time
+    (memory O(chunk x N)), their backward forms each chunk again (twice open_clip's products for this term), and the
+    sums run in float32 and float64 from logits in float32 (open_clip's are in the features' dtype). The teacher may
+    have another embedding size; it gets gradients too where its features (or scale) ask for them. With world_size >
+    1 (or `group`) both terms are the global batch's on every rank, with ClipLoss's gradient convention (world_size x
+    d(global loss)/d(this rank's rows) with gather_with_grad=True or local_loss=True, else 1 x)."""
+
+    def forward(self, image_features, text_features, logit_scale, dist_image_features, dist_text_features,
+                dist_logit_scale, output_dict=False):
+        """open_clip's DistillClipLoss forward. Every argument is checked before either term runs (over a process
+        group: inside an agreement of every rank)."""
+        grad_ranks = None if (self.gather_with_grad or self.local_loss) else 1
+        if self.distributed:
+            distill = _distill.global_loss(image_features, text_features, logit_scale, dist_image_features,
+                                           dist_text_features, dist_logit_scale, self.group, grad_ranks)
+        else:
+            args = _distill.check(image_features, text_features, logit_scale, dist_image_features,
+                                  dist_text_features, dist_logit_scale)
+        contrastive = super().forward(image_features, text_features, logit_scale)
+        if not self.distributed:
+            distill = _distill.loss(*args)
+        distill = _open_clip_dtype(distill, image_features)
+        if output_dict:
+            return {"contrastive_loss": contrastive, "distill_loss": distill}
+        return contrastive, distill
 
 
 def _describe(x):

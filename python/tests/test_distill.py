@@ -1,0 +1,223 @@
+# Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
+"""DistillClipLoss against open_clip's own DistillClipLoss and a float64 reference of its definition: both terms,
+every gradient (the student's features and scale, the teacher's where they ask), chunkings that split the rows,
+16-bit features, autocast, open_clip's factory, refusals, and the global batch over 2 gloo ranks (against one
+process on the concatenated batch and against open_clip's distributed DistillClipLoss).
+
+Differences are normwise relative (test_open_clip.py's rel); tolerances are multiples of the type's eps."""
+
+import importlib
+import itertools
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import contrastive_torch as ct
+from contrastive_torch import _distill
+from conftest import require
+from test_open_clip import open_clip_args, open_clip_loss, rel  # noqa: F401 - the fixture
+
+EPS32 = torch.finfo(torch.float32).eps
+NAMES = ("contrastive_loss", "distill_loss", "d image_features", "d text_features", "d dist_image_features",
+         "d dist_text_features", "d logit_scale", "d dist_logit_scale")
+
+
+def _draw(n, d, d_teacher, seed, pairing=0.5):
+    """Student (d) and teacher (d_teacher) unit features of one batch; each text leans towards its image, and the
+    teacher's features are a rotation of the student's plus noise (a teacher that roughly agrees)."""
+    g = torch.Generator().manual_seed(seed)
+    img = F.normalize(torch.randn(n, d, generator=g), dim=1)
+    txt = F.normalize(torch.randn(n, d, generator=g) + pairing * img, dim=1)
+    mix = torch.randn(d, d_teacher, generator=g)
+    t_img = F.normalize(img @ mix + 0.3 * torch.randn(n, d_teacher, generator=g), dim=1)
+    t_txt = F.normalize(txt @ mix + 0.3 * torch.randn(n, d_teacher, generator=g), dim=1)
+    return img, txt, t_img, t_txt
+
+
+def _run(fn, inputs, s, t, teacher_grads=True, **kw):
+    """Both terms and every gradient: (contrastive, distill, dI, dT, dI', dT', ds, dt)."""
+    xs = [x.detach().clone().requires_grad_(i < 2 or teacher_grads) for i, x in enumerate(inputs)]
+    s = torch.tensor(float(s), requires_grad=True)
+    t = torch.tensor(float(t), requires_grad=teacher_grads)
+    out = fn(xs[0], xs[1], s, xs[2], xs[3], t, **kw)
+    contrastive, distill = (out["contrastive_loss"], out["distill_loss"]) if isinstance(out, dict) else out
+    (contrastive + distill).backward()
+    return [contrastive.detach(), distill.detach()] + [x.grad for x in xs] + [s.grad, t.grad]
+
+
+def _reference(inputs, s, t):
+    """open_clip's definition in float64 with autograd: (contrastive, distill, dI, dT, dI', dT', ds, dt)."""
+    xs = [x.detach().double().requires_grad_() for x in inputs]
+    s64 = torch.tensor(float(s), dtype=torch.float64, requires_grad=True)
+    t64 = torch.tensor(float(t), dtype=torch.float64, requires_grad=True)
+    S = s64 * xs[0] @ xs[1].t()
+    U = t64 * xs[2] @ xs[3].t()
+    labels = torch.arange(S.shape[0])
+    contrastive = (F.cross_entropy(S, labels) + F.cross_entropy(S.t(), labels)) / 2
+
+    def ce(teacher, student):
+        return -(teacher.softmax(1) * student.log_softmax(1)).sum(1).mean()
+
+    distill = (ce(U, S) + ce(U.t(), S.t())) / 2
+    (contrastive + distill).backward()
+    return [contrastive.detach(), distill.detach()] + [x.grad for x in xs] + [s64.grad, t64.grad]
+
+
+@pytest.mark.parametrize("chunk", [None, 7 * 40], ids=["one_chunk", "chunks_of_7_rows"])
+def test_distill_is_open_clips(open_clip_loss, chunk, monkeypatch, seed):
+    """float32 against open_clip's DistillClipLoss (teacher of another width, teacher gradients on), and both against
+    float64; output_dict; rows split into chunks of 7 (the last one short)."""
+    if chunk is not None:
+        monkeypatch.setattr(_distill, "CHUNK_ELEMENTS", chunk)
+    inputs = _draw(40, 16, 24, seed)
+    ours = _run(ct.DistillClipLoss(), inputs, 17.0, 25.0)
+    as_dict = _run(ct.DistillClipLoss(), inputs, 17.0, 25.0, output_dict=True)
+    theirs = _run(open_clip_loss.DistillClipLoss(), inputs, 17.0, 25.0)
+    exact = _reference(inputs, 17.0, 25.0)
+    for name, a, b, c, x in zip(NAMES, ours, theirs, exact, as_dict):
+        assert a.dtype == b.dtype, f"{name}: {a.dtype} vs open_clip's {b.dtype}"
+        assert torch.equal(a, x), f"{name}: output_dict differs"
+        assert rel(a, c) <= 64 * EPS32, f"{name}: {rel(a, c) / EPS32:.1f} eps32 from float64 (seed {seed})"
+        assert rel(a, b) <= 256 * EPS32, f"{name}: {rel(a, b) / EPS32:.1f} eps32 from open_clip (seed {seed})"
+    # A teacher without gradients (open_clip_train's, computed under no_grad) gets none.
+    frozen = _run(ct.DistillClipLoss(), inputs, 17.0, 25.0, teacher_grads=False)
+    assert frozen[4] is None and frozen[5] is None and frozen[7] is None
+    for name, a, b in zip(NAMES[:4], frozen, ours):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_distill_16bit_against_float64(dtype, seed):
+    """16-bit features: the distillation term and its gradients within a few eps of the type from float64 on the
+    same 16-bit values (the logits are float32 from exact products; the gradients are rounded once)."""
+    inputs = [x.to(dtype) for x in _draw(33, 16, 8, seed)]
+    got = _run(ct.DistillClipLoss(), inputs, 30.0, 50.0)
+    exact = _reference(inputs, 30.0, 50.0)
+    eps = torch.finfo(dtype).eps
+    for name, a, b in zip(NAMES, got, exact):
+        if name in ("contrastive_loss", "distill_loss"):
+            assert a.dtype == dtype, f"{name}: {a.dtype}: open_clip's loss for {dtype} features is {dtype}"
+        # The scales' gradients are float32 but carry the contrastive term's 16-bit rounding of its dS.
+        bound = 4 * eps
+        assert rel(a, b) <= bound, f"{name}: {rel(a, b) / eps:.2f} eps of {dtype} from float64 (seed {seed})"
+
+
+def test_distill_under_autocast(seed):
+    """float32 features in a CPU bfloat16 autocast region run at bfloat16, as the library's losses do; the loss is
+    float32 there (open_clip's)."""
+    inputs = _draw(24, 16, 16, seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run(ct.DistillClipLoss(), inputs, 20.0, 20.0)
+    cast = _run(ct.DistillClipLoss(), [x.bfloat16() for x in inputs], 20.0, 20.0)
+    for name, a, b in zip(NAMES[:2], got, cast):  # the same float32 value, rounded once outside the region
+        assert a.dtype == torch.float32 and torch.equal(a.bfloat16(), b), name
+    # The two terms' bfloat16 gradients meet in float32 in the region (each cast back first), in bfloat16 outside.
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, a, b in zip(NAMES[2:], got[2:], cast[2:]):
+        assert a.dtype == torch.float32 and rel(a, b) <= 2 * eps, f"{name}: {rel(a, b) / eps:.2f} eps"
+
+
+def test_distill_from_open_clips_factory_and_refusals(open_clip_loss, monkeypatch, seed):
+    if os.environ.get("CONTRASTIVE_OPEN_CLIP_LOSS"):
+        pytest.skip("CONTRASTIVE_OPEN_CLIP_LOSS: the factory is the installed package's, not that loss.py's")
+    factory = importlib.import_module("open_clip.factory")
+    assert type(factory.create_loss(open_clip_args(distill=True))) is open_clip_loss.DistillClipLoss
+    monkeypatch.setattr(factory, "DistillClipLoss", ct.DistillClipLoss)
+    loss_fn = factory.create_loss(open_clip_args(distill=True))
+    assert isinstance(loss_fn, ct.DistillClipLoss) and loss_fn.cache_labels is True
+    img, txt, t_img, t_txt = _draw(12, 8, 8, seed)
+    s = torch.tensor(10.0)
+    # A strided teacher is taken (only PyTorch operations read it).
+    assert torch.equal(loss_fn(img, txt, s, t_img.t().contiguous().t(), t_txt, s)[1],
+                       loss_fn(img, txt, s, t_img, t_txt, s)[1])
+    before = loss_fn.last_step
+    for call, kind, name in (
+            (lambda: loss_fn(img, txt, s, t_img[:5], t_txt, s), ValueError, "dist_image_features"),
+            (lambda: loss_fn(img, txt, s, t_img, t_txt[:, :3], s), ValueError, "dist_text_features: embedding"),
+            (lambda: loss_fn(img, txt, s, t_img.double(), t_txt.double(), s), TypeError, "dist_image_features"),
+            (lambda: loss_fn(img, txt, s, t_img, t_txt, "10"), TypeError, "dist_logit_scale"),
+            (lambda: loss_fn(img, txt, s, t_img, t_txt, torch.ones(2)), ValueError, "dist_logit_scale"),
+            (lambda: loss_fn(img, txt[:5], s, t_img, t_txt, s), ValueError, "text_features")):
+        with pytest.raises(kind, match=name):
+            call()
+        assert loss_fn.last_step is before, "a refused call changed last_step"
+
+
+def _worker(rank, world, port, seed, out_dir):
+    """Each rank: ours over the group against one process on the whole batch, and against open_clip's distributed
+    DistillClipLoss, for every (local_loss, gather_with_grad); then a refusal on rank 1 raised on both ranks."""
+    checks, failures = [0], []
+
+    def check(ok, what):
+        checks[0] += 1
+        if not ok:
+            failures.append(f"rank {rank}: {what}")
+
+    try:
+        import datetime
+        import warnings
+
+        import torch.distributed as dist
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        oc = importlib.import_module("open_clip.loss")
+        n = 5
+        inputs = _draw(n * world, 16, 12, seed)
+        mine = slice(rank * n, (rank + 1) * n)
+        whole = _run(ct.DistillClipLoss(), inputs, 12.0, 20.0)
+        local_inputs = [x[mine] for x in inputs]
+
+        def mean_over_ranks(x):
+            x = x.detach().double().clone()
+            dist.all_reduce(x)
+            return x / world
+
+        for local_loss, gwg in itertools.product((False, True), repeat=2):
+            c = world if (local_loss or gwg) else 1
+            got = _run(ct.DistillClipLoss(local_loss=local_loss, gather_with_grad=gwg, rank=rank, world_size=world),
+                       local_inputs, 12.0, 20.0)
+            theirs = _run(oc.DistillClipLoss(local_loss=local_loss, gather_with_grad=gwg, rank=rank,
+                                             world_size=world), local_inputs, 12.0, 20.0)
+            setting = f"local_loss={local_loss} gather_with_grad={gwg}"
+            for i, name in enumerate(NAMES):
+                want = whole[i] if i < 2 or i > 5 else whole[i][mine] * c
+                check(rel(got[i], want) <= 256 * EPS32, f"{setting}: {name} {rel(got[i], want) / EPS32:.1f} eps32 "
+                      "from one process")
+            # open_clip's value per rank is the global loss, or with local_loss this rank's share (their mean is it).
+            for i in (0, 1):
+                check(rel(got[i], mean_over_ranks(theirs[i])) <= 256 * EPS32,
+                      f"{setting}: {NAMES[i]} against open_clip's mean over ranks")
+        # A refusal on one rank is raised on every rank, naming it; then the ranks still compute together.
+        bad = [x[:3] if (rank == 1 and i == 2) else x for i, x in enumerate(local_inputs)]
+        try:
+            _run(ct.DistillClipLoss(rank=rank, world_size=world), bad, 12.0, 20.0)
+            check(False, "a teacher with too few rows on rank 1 was accepted")
+        except ValueError as e:
+            check("dist_image_features: rank 1" in str(e), f"refusal names the argument and rank: {e}")
+        again = _run(ct.DistillClipLoss(rank=rank, world_size=world), local_inputs, 12.0, 20.0)
+        check(rel(again[1], whole[1]) <= 256 * EPS32, "a valid call after the refusal")
+        dist.destroy_process_group()
+    except Exception as e:  # reported to the parent
+        failures.append(f"rank {rank}: {type(e).__name__}: {e}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"checks": checks[0], "failures": failures}, f)
+
+
+def test_distill_over_two_gloo_ranks(seed, tmp_path):
+    import torch.distributed as dist
+
+    require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
+    from test_distributed import run_ranks
+
+    reports = run_ranks(_worker, 2, seed, tmp_path)
+    failures = [f for got in reports for f in got["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    # 4 settings x (8 against one process + 2 against open_clip) + the refusal + the call after it, on every rank.
+    assert [got["checks"] for got in reports] == [4 * (8 + 2) + 2] * 2
