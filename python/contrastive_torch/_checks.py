@@ -131,9 +131,17 @@ def group(value):
 # --- tensors, without reading values ---------------------------------------------------------------------------------
 
 
+def dense(name, x):
+    """A tensor of the strided (dense) layout: sparse, nested or other layouts are refused naming the argument."""
+    if x.layout != torch.strided or getattr(x, "is_nested", False):
+        layout = "nested" if getattr(x, "is_nested", False) else str(x.layout)
+        raise TypeError(f"{name}: layout {layout}; a dense tensor is expected (call .to_dense())")
+
+
 def features(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    dense(name, x)
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D tensor (batch x dim), got shape {tuple(x.shape)}")
     if x.device.type == "cuda" and not torch.cuda.is_available():
@@ -202,6 +210,7 @@ def labels(value, n_q, device):
         return None
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"labels: expected a torch.Tensor, got {type(value).__name__}")
+    dense("labels", value)
     if value.dim() != 1 or value.shape[0] != n_q:
         raise ValueError(f"labels: expected shape ({n_q},), got {tuple(value.shape)}")
     if value.dtype not in (torch.int64, torch.int32):
@@ -229,6 +238,7 @@ def groups(query_groups, key_groups, n_q, n_k, device, labels=None, names=("quer
     for name, value, n in ((names[0], query_groups, n_q), (names[1], key_groups, n_k)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        dense(name, value)
         if value.dim() != 1 or value.shape[0] != n:
             raise ValueError(f"{name}: expected shape ({n},), one id per row, got {tuple(value.shape)}")
         if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):

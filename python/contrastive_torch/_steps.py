@@ -36,18 +36,24 @@ TOWER_NAMES = ("image_features", "text_features", "image_groups", "text_groups")
 def renamed(error, names):
     """The library's refusal (ValueError, OverflowError) with its argument named as the caller named it: q, k, n_q,
     n_k, dim (the features' width), query_groups and key_groups become names[0], names[1], names[0], names[1],
-    names[0], names[2], names[3] (the message keeps the library's detail, e.g. 'image_features: image_features[2][3]
-    is not finite'). Other errors unchanged.
+    names[0], names[2], names[3], in the message's head and in its text (n_q and n_k as names[0].shape[0] and
+    names[1].shape[0]; the message keeps the library's detail, e.g. 'image_features: image_features[2][3] is not
+    finite'). Other errors unchanged.
     Eager calls only: under torch.compile the operator raises inside the compiled graph, with the library's names."""
     text = str(error)
     head = re.match(r"contrastive: (\w+): ", text)
     mapping = {"q": names[0], "n_q": names[0], "k": names[1], "n_k": names[1], "dim": names[0],
                "query_groups": names[2], "key_groups": names[3]}
-    if head is None or mapping.get(head.group(1), head.group(1)) == head.group(1):
+    if head is None:
         return error
-    rest = re.sub(r"\bk\[", names[1] + "[", re.sub(r"\bq\[", names[0] + "[", text[head.end():]))
+    said = text[head.end():]
+    rest = re.sub(r"\bk\[", names[1] + "[", re.sub(r"\bq\[", names[0] + "[", said))
     rest = re.sub(r"\bkey_groups\b", names[3], re.sub(r"\bquery_groups\b", names[2], rest))
-    return type(error)(f"contrastive: {mapping[head.group(1)]}: {rest}")
+    rest = re.sub(r"\bn_k\b", names[1] + ".shape[0]", re.sub(r"\bn_q\b", names[0] + ".shape[0]", rest))
+    name = mapping.get(head.group(1), head.group(1))
+    if name == head.group(1) and rest == said:
+        return error
+    return type(error)(f"contrastive: {name}: {rest}")
 
 
 def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, report, groups=(None, None),

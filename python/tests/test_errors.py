@@ -46,7 +46,10 @@ def test_the_library_refusals_name_the_callers_arguments():
              (lambda: CF.info_nce_loss(q, bad, 10.0), r"keys: keys\[2\]\[3\] is not finite"),
              (lambda: ct.InfoNCELoss()(q, bad, 10.0), r"keys: keys\[2\]\[3\]"),
              (lambda: CF.clip_loss(q[:0], q[:0], 10.0), r"image_features: no queries"),
-             (lambda: CF.clip_loss(q, q[:5], 10.0), r"text_features: the symmetric loss needs n_q == n_k")]
+             (lambda: CF.clip_loss(q, q[:5], 10.0), r"text_features: the symmetric loss needs "
+              r"image_features.shape\[0\] == text_features.shape\[0\] \(got image_features.shape\[0\] = 6, "
+              r"text_features.shape\[0\] = 5\)"),
+             (lambda: CF.info_nce_loss(q, q[:5], 10.0), r"labels: .* needs query.shape\[0\] <= keys.shape\[0\]")]
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
@@ -110,5 +113,15 @@ def test_refusals_of_the_adversarial_sweep_name_the_argument():
                 call(v)
     with pytest.raises(ValueError, match=r"logit_scale: 1e-300 lies outside float32's range"):
         CF.clip_loss(q, q.clone(), 1e-300)
+    # Sparse (or other non-dense) tensors are refused naming the argument, not by a RuntimeError from inside.
+    ids = torch.arange(4)
+    for call, name in ((lambda: CF.clip_loss(q.to_sparse(), q, 10.0), "image_features"),
+                       (lambda: CF.info_nce_loss(q, q, 10.0, labels=ids.to_sparse()), "labels"),
+                       (lambda: CF.clip_loss(q, q, 10.0, image_groups=ids.to_sparse(), text_groups=ids),
+                        "image_groups"),
+                       (lambda: CF.siglip_loss(q, q, 10.0, -1.0, image_groups=ids, text_groups=ids.to_sparse()),
+                        "text_groups")):
+        with pytest.raises(TypeError, match=rf"{name}: layout torch.sparse_coo; a dense tensor is expected"):
+            call()
     # A bias that rounds to 0 is a bias of 0.
     assert torch.equal(CF.siglip_loss(q, q.clone(), 10.0, 1e-60), CF.siglip_loss(q, q.clone(), 10.0, 0.0))

@@ -184,7 +184,8 @@ def test_refusals_name_the_argument():
     with pytest.raises(TypeError, match="key_groups: expected a torch.Tensor"):
         CF.info_nce_loss(img, txt, 10.0, query_groups=ids, key_groups=[0, 1, 2, 3, 4, 5])
     # Without ids the symmetric loss still needs as many texts as images.
-    with pytest.raises(ValueError, match="text_features: the symmetric loss needs n_q == n_k .*group ids"):
+    with pytest.raises(ValueError, match="text_features: the symmetric loss needs image_features.shape.0. == "
+                                         "text_features.shape.0. .*group ids"):
         CF.clip_loss(img, unit(7, 8, 13), 10.0)
 
 
