@@ -5,7 +5,8 @@ logits exist one chunk of rows at a time, never N x N.
 With S = s I T^T the student's logits (s its logit scale, I and T its image and text features) and U = t I' T'^T the
 teacher's, the term is
 
-    distill = ( (1/n_i) sum_i CE(softmax(U_i.), log_softmax(S_i.)) + (1/n_t) sum_j CE(softmax(U_.j), log_softmax(S_.j)) ) / 2,
+    distill = ( (1/n_i) sum_i CE(softmax(U_i.), log_softmax(S_i.))
+              + (1/n_t) sum_j CE(softmax(U_.j), log_softmax(S_.j)) ) / 2,
 
 CE(p, log r) = -sum p log r: the images' rows and the texts' rows (the columns), each against the teacher's
 distribution over the same pairs. Each direction is a sum over complete rows (a text's row is a column of S, formed

@@ -1,6 +1,7 @@
 # Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
-"""open_clip's loss modules (ClipLoss, SigLipLoss, CoCaLoss, DistillClipLoss) with open_clip's constructors and calls, and InfoNCELoss: thin
-modules over contrastive_torch.functional. Each keeps the diagnosis of its last call in `last_step`."""
+"""open_clip's loss modules (ClipLoss, SigLipLoss, CoCaLoss, DistillClipLoss) with open_clip's constructors and
+calls, and InfoNCELoss: thin modules over contrastive_torch.functional (DistillClipLoss's distillation term:
+_distill.py). Each keeps the diagnosis of its last call in `last_step`."""
 
 import torch
 
