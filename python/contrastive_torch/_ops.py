@@ -247,12 +247,13 @@ def _param_grad(value, param):
 def _rerun_inputs(q, k, *positives):
     """What a step saves for feature_grads' rerun: the features and what gives the positives (labels, or the two group
     ids) when float16, else nothing (so that bfloat16 and float32 inputs are neither kept alive nor checked for
-    in-place changes by the backward, and ids made under torch.inference_mode() are accepted). float16 keeps a copy
-    of labels or ids made under torch.inference_mode(), which autograd cannot save (the forward would refuse them
-    where the other dtypes take them; int32 ids, converted to int64 before the step, were copies already)."""
+    in-place changes by the backward, and ids made under torch.inference_mode() are accepted). float16 keeps its own
+    copy of the labels or ids (n integers): the rerun uses the forward's positives, as the other dtypes' backward
+    does, whatever the caller does to its tensor in between (an in-place edit made autograd's version check raise),
+    and ids made under torch.inference_mode(), which autograd cannot save, are taken."""
     if q.dtype != torch.float16:
         return (None,) * (2 + len(positives))
-    return (q, k, *(p.clone() if isinstance(p, torch.Tensor) and p.is_inference() else p for p in positives))
+    return (q, k, *(p.clone() if isinstance(p, torch.Tensor) else p for p in positives))
 
 
 def _no_grads(ctx):

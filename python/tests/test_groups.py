@@ -399,32 +399,26 @@ def test_two_gloo_ranks(seed, tmp_path):
     assert [got["checks"] for got in reports] == [58, 58]
 
 
-def test_ids_are_kept_for_the_backward_only_where_it_reruns():
-    # float32 and bfloat16 backwards scale the saved gradients: the ids are not saved, so ids changed in place after the
-    # forward, or made under torch.inference_mode(), are fine there. float16 keeps them for its rerun under a loss
-    # scale (and autograd then refuses ids changed in place, as it refuses changed features).
+def test_ids_changed_or_made_under_inference_mode_are_fine():
+    # Every dtype's backward uses the forward's ids: ids changed in place after the forward, or made under
+    # torch.inference_mode(), are fine (float32 and bfloat16 do not save them; float16 keeps its own copy for its
+    # rerun under a loss scale).
     q, k = unit(6, 5, 31), unit(6, 5, 32)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ids = torch.arange(6) % 3
         a = q.to(dtype).clone().requires_grad_()
         want = CF.clip_loss(a, k.to(dtype), 3.0, image_groups=ids.clone(), text_groups=ids.clone())
-        want.backward()
+        (want * 1024.0).backward()
         b = q.to(dtype).clone().requires_grad_()
         got = CF.clip_loss(b, k.to(dtype), 3.0, image_groups=ids, text_groups=ids)
         ids.fill_(0)
-        got.backward()
-        assert torch.equal(got.detach(), want.detach()) and torch.equal(b.grad, a.grad)
+        (got * 1024.0).backward()
+        assert torch.equal(got.detach(), want.detach()) and torch.equal(b.grad, a.grad), dtype
         with torch.inference_mode():
             frozen = torch.arange(6) % 3
         c = q.to(dtype).clone().requires_grad_()
-        CF.clip_loss(c, k.to(dtype), 3.0, image_groups=frozen, text_groups=frozen).backward()
-        assert torch.equal(c.grad, a.grad)
-    ids = torch.arange(6) % 3
-    h = q.half().clone().requires_grad_()
-    loss = CF.clip_loss(h, k.half(), 3.0, image_groups=ids, text_groups=ids)
-    ids.fill_(0)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        (loss * 1024.0).backward()
+        (CF.clip_loss(c, k.to(dtype), 3.0, image_groups=frozen, text_groups=frozen) * 1024.0).backward()
+        assert torch.equal(c.grad, a.grad), dtype
 
 
 # --- the CUDA kernels' composition (contrastive_torch._grouped), run here on CPU tensors ---------------------------
@@ -721,3 +715,26 @@ def test_the_cuda_composition_ignores_an_autocast_region():
             inside = _composition(objective, q, k_used, 20.0, -3.0, qg, kg_used, loss_scale=1024.0)
         for a, b in zip(plain, inside):
             assert a is None and b is None or torch.equal(a, b), objective
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ids_edited_after_the_forward_leave_the_backward_as_it_was(dtype, seed):
+    """Every dtype's backward uses the forward's positives: editing the ids (or labels) in place in between changes
+    nothing (float16 reruns the step under a loss scale from its own copy; it raised autograd's version error)."""
+    g = torch.Generator().manual_seed(seed)
+    q0 = F.normalize(torch.randn(10, 8, generator=g), dim=1).to(dtype)
+    k0 = F.normalize(torch.randn(10, 8, generator=g), dim=1).to(dtype)
+    ids = torch.randint(0, 5, (10,), generator=g)
+    labels = torch.randperm(10, generator=g)
+    for call, positives in ((lambda q, k, p: CF.clip_loss(q, k, 10.0, image_groups=p, text_groups=p), ids),
+                            (lambda q, k, p: CF.info_nce_loss(q, k, 10.0, p), labels)):
+        grads = []
+        for edit in (False, True):
+            q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+            mine = positives.clone()
+            loss = call(q, k, mine)
+            if edit:
+                mine.copy_(mine.flip(0))
+            (loss * 1024.0).backward()
+            grads.append((q.grad, k.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), f"{dtype} (seed {seed})"
