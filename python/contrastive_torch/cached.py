@@ -108,8 +108,11 @@ class CachedStep:
     forward, `model(images, texts)` per chunk, with normalized features, and its `no_sync` is used). `image_encoder`,
     `text_encoder`: callables from a chunk of inputs to its features (the features the loss should see: for
     open_clip, `lambda x: model.encode_image(x, normalize=True)`). `loss`: a loss of this library (ClipLoss,
-    SigLipLoss, InfoNCELoss; one process or world_size > 1) or any callable `loss(image_features, text_features,
-    *loss_args, **loss_kwargs)` returning a scalar. `chunk_size`: rows per chunk of the longer tower. `no_sync`: a
+    SigLipLoss, InfoNCELoss, DistillClipLoss; one process or world_size > 1) or any callable
+    `loss(image_features, text_features, *loss_args, **loss_kwargs)` returning a scalar, a dict or a tuple of scalars
+    (summed). DistillClipLoss takes (logit_scale, dist_image_features, dist_text_features, dist_logit_scale) as
+    `loss_args`: the teacher's features of the whole batch, computed without gradients. CoCaLoss is refused: its
+    captioning term needs the text decoder's logits, which no chunk has for the whole batch. `chunk_size`: rows per chunk of the longer tower. `no_sync`: a
     context manager factory (a DDP module's `no_sync`) under which every chunk's backward but the last runs; None
     with plain encoders.
 
@@ -163,6 +166,11 @@ class CachedStep:
                             f"chunk_size=256): got {len(args)} positional arguments")
         if not callable(loss):
             raise TypeError(f"loss: expected a callable loss, got {type(loss).__name__}")
+        from .losses import CoCaLoss
+
+        if isinstance(loss, CoCaLoss):
+            raise TypeError("loss: CoCaLoss's captioning term needs the text decoder's logits, which depend on both "
+                            "towers of the whole batch and are not cached here; call the model and the loss directly")
         self.loss = loss
         if isinstance(chunk_size, bool) or _checks.index("chunk_size", chunk_size) <= 0:
             raise ValueError(f"chunk_size: must be an int > 0, got {chunk_size!r}")
@@ -251,8 +259,10 @@ class CachedStep:
         text_features = torch.cat(text_parts).requires_grad_()
         del image_parts, text_parts
         loss = self.loss(image_features, text_features, *loss_args, **loss_kwargs)
-        if isinstance(loss, dict):
+        if isinstance(loss, dict):  # open_clip's output_dict
             loss = sum(loss.values())
+        elif isinstance(loss, (tuple, list)):  # a loss of several terms (DistillClipLoss: contrastive, distill)
+            loss = sum(loss)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         # A loss that does not depend on one side leaves it without a gradient: zeros, so pass 2 still runs that tower.
         d_image = image_features.grad if image_features.grad is not None else torch.zeros_like(image_features)

@@ -387,3 +387,32 @@ def test_ddp_over_gloo_equals_the_one_pass_step(seed, tmp_path):
     require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
     failures = [f for got in run_ranks(_ddp_worker, 2, seed, tmp_path, join_timeout=180) for f in got["failures"]]
     assert not failures, "\n".join(failures)
+
+
+def test_distill_clip_loss_equals_the_one_pass_step(seed):
+    """DistillClipLoss through CachedStep (the teacher's features of the whole batch as loss arguments) against the
+    one-pass step: its tuple of terms is summed. CoCaLoss is refused by name."""
+    eps = torch.finfo(torch.float32).eps
+    torch.manual_seed(seed)
+    ref_model, model = Towers(), Towers()
+    model.load_state_dict(ref_model.state_dict())
+    x, y = batch(33, seed + 1)
+    g = torch.Generator().manual_seed(seed + 3)
+    t_img, t_txt = (F.normalize(torch.randn(33, 12, generator=g), dim=1) for _ in range(2))
+    teacher = (t_img, t_txt, torch.tensor(30.0))
+    torch.manual_seed(seed + 2)
+    bounds = ct.cached._chunks(33, -(-33 // 8), 8)
+    parts = [(ref_model.encode_image(x[a:b]), ref_model.encode_text(y[a:b])) for a, b in bounds]
+    f, t = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    want = sum(ct.DistillClipLoss()(f, t, ref_model.logit_scale.exp(), *teacher))
+    want.backward()
+    torch.manual_seed(seed + 2)
+    step = ct.CachedStep(lambda v: model.encode_image(v), lambda v: model.encode_text(v), ct.DistillClipLoss(), 8)
+    got = step(x, y, model.logit_scale.exp(), *teacher)
+    assert rel(got, want.detach()) <= 16 * eps
+    want_grads, got_grads = grads(ref_model), grads(model)
+    assert set(got_grads) == set(want_grads) and "logit_scale" in got_grads
+    for name in want_grads:
+        assert rel(got_grads[name], want_grads[name]) <= 64 * eps, f"d {name} (seed {seed})"
+    with pytest.raises(TypeError, match="loss: CoCaLoss's captioning term"):
+        ct.CachedStep(lambda v: model.encode_image(v), lambda v: model.encode_text(v), ct.CoCaLoss(1.0, 1.0), 8)
