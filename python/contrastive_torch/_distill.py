@@ -27,7 +27,7 @@ import torch
 from . import _checks
 from . import _distributed as D
 from ._grouped import _product
-from ._ops import autocast_features
+from ._ops import autocast_dtype, autocast_features
 
 # Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer; the backward holds about six of them.
 CHUNK_ELEMENTS = 1 << 24
@@ -114,12 +114,19 @@ class RowDistill(torch.autograd.Function):
 
 
 def check(image_features, text_features, logit_scale, dist_image_features, dist_text_features, dist_logit_scale):
-    """The arguments of DistillClipLoss.forward, checked (the names are open_clip's). Returns the student's and the
-    teacher's features as the step runs them (autocast_features) and both scales as float tensors on their device."""
+    """The arguments of DistillClipLoss.forward, checked (the names are open_clip's): the student's first, then the
+    teacher's against them. Returns the student's and the teacher's features as the step runs them
+    (autocast_features; the teacher's made contiguous) and both scales as float tensors on their device."""
     _checks.feature_pair(image_features, text_features, ("image_features", "text_features"))
-    # The teacher's features only meet PyTorch operations here: any layout is taken (made contiguous).
+    if image_features.shape[0] != text_features.shape[0]:
+        raise ValueError(f"text_features: {text_features.shape[0]} rows where image_features has "
+                         f"{image_features.shape[0]}; each image needs its text")
+    # The teacher's features only meet PyTorch operations here: any dense layout is taken (made contiguous).
     for name, x in (("dist_image_features", dist_image_features), ("dist_text_features", dist_text_features)):
-        _checks.features(name, x.contiguous() if isinstance(x, torch.Tensor) else x)
+        if isinstance(x, torch.Tensor):
+            _checks.dense(name, x)
+            x = x.contiguous()
+        _checks.features(name, x)
     if dist_image_features.dtype != dist_text_features.dtype:
         raise TypeError(f"dist_text_features: dtype {dist_text_features.dtype} where dist_image_features has "
                         f"{dist_image_features.dtype}")
@@ -134,15 +141,24 @@ def check(image_features, text_features, logit_scale, dist_image_features, dist_
                              "embeds the same batch")
         if x.device != student.device:
             raise ValueError(f"{name}: on {x.device} where the student's features are on {student.device}")
-    if image_features.shape[0] != text_features.shape[0]:
-        raise ValueError(f"features: each of the {image_features.shape[0]} images needs its text, got "
-                         f"{text_features.shape[0]} texts")
     device = image_features.device
     s = _checks.scalar("logit_scale", logit_scale, device)
     t = _checks.scalar("dist_logit_scale", dist_logit_scale, device)
     img, txt = autocast_features(image_features, text_features)
     t_img, t_txt = autocast_features(dist_image_features.contiguous(), dist_text_features.contiguous())
     return img, txt, s, t_img, t_txt, t
+
+
+def open_clip_dtype(loss, student, teacher):
+    """open_clip's dtype of the distillation term: inside autocast its logits take the region's dtype, whose softmax
+    CUDA's autocast runs in float32 and the CPU's at that dtype; outside, the promotion of the student's and the
+    teacher's feature dtypes. The value is computed in float32 and rounded once."""
+    region = autocast_dtype(student.device.type)
+    if region is not None:
+        dtype = torch.float32 if student.device.type == "cuda" else region
+    else:
+        dtype = torch.promote_types(student.dtype, teacher.dtype)
+    return loss if loss.dtype == dtype else loss.to(dtype)
 
 
 def loss(img, txt, s, t_img, t_txt, t):
@@ -175,7 +191,7 @@ def global_loss(image_features, text_features, logit_scale, dist_image_features,
         grad_on = torch.is_grad_enabled()
         wants = sum(int(grad_on and x.requires_grad) << i for i, x in enumerate(args))
         values = [codes[args[0].dtype], codes[args[3].dtype], args[0].shape[0], args[0].shape[1], args[3].shape[1],
-                  wants]
+                  wants, float(args[5].detach().reshape(()))]  # a host read, as the student's scale's
     except Exception as e:  # raised below on every rank, after the agreement
         error = e
     got = D.agree(group, error, values)
@@ -184,7 +200,8 @@ def global_loss(image_features, text_features, logit_scale, dist_image_features,
             None, ("image_features", "embedding size", int), ("dist_image_features", "embedding size", int),
             ("image_features", "gradients wanted for (image_features, text_features, logit_scale, "
              "dist_image_features, dist_text_features, dist_logit_scale)",
-             lambda v: tuple(bool(int(v) >> b & 1) for b in range(6))))
+             lambda v: tuple(bool(int(v) >> b & 1) for b in range(6))),
+            ("dist_logit_scale", "value", repr))
     for i, how in enumerate(said):
         r = None if how is None else D._first_other(got, i)
         if r is not None:

@@ -174,22 +174,46 @@ class CoCaLoss(ClipLoss):
     def forward(self, image_features, text_features, logits, labels, logit_scale, output_dict=False, *,
                 image_groups=None, text_groups=None):
         """open_clip's CoCaLoss forward; `image_groups`, `text_groups` as ClipLoss's (group ids for the contrastive
-        term). The shapes of `logits` and `labels` are checked before either term runs."""
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            raise ValueError(f"logits: expected the decoder's (batch, tokens, vocabulary) scores, got "
-                             f"{_describe(logits)}")
-        if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
-            raise ValueError(f"labels: expected one token per (batch, token) of logits {tuple(logits.shape[:2])}, "
-                             f"got {_describe(labels)}")
+        term). The captioning term runs first, so a refusal of `logits` or `labels` (their shapes, the labels' dtype,
+        on CPU tensors a token outside the vocabulary) comes before the contrastive term changes anything; over a
+        process group a refusal on one rank is raised on every rank. On CUDA tensors a token outside the vocabulary
+        is PyTorch's device-side assertion, as in open_clip."""
+        error = None
+        try:
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+                raise ValueError(f"logits: expected the decoder's (batch, tokens, vocabulary) scores, got "
+                                 f"{_describe(logits)}")
+            if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
+                raise ValueError(f"labels: expected one token per (batch, token) of logits "
+                                 f"{tuple(logits.shape[:2])}, got {_describe(labels)}")
+            if labels.dtype != torch.int64:
+                raise TypeError(f"labels: dtype {labels.dtype}; the next tokens are int64 (torch.long)")
+            try:
+                caption = self.caption_loss(logits.permute(0, 2, 1), labels) * self.caption_loss_weight
+            except IndexError as e:  # a token outside the vocabulary (CPU tensors)
+                raise ValueError(f"labels: {e} (logits have {logits.shape[2]} tokens in their vocabulary)") from None
+        except Exception as e:
+            if not self._agreeing():
+                raise
+            error = e
+        if self._agreeing():
+            import torch.distributed as dist
+
+            _distributed.agree(self.group if self.group is not None else dist.group.WORLD, error, [])
         if self.clip_loss_weight:
             clip = self.clip_loss_weight * super().forward(image_features, text_features, logit_scale,
                                                            image_groups=image_groups, text_groups=text_groups)
         else:
             clip = torch.tensor(0, device=logits.device)
-        caption = self.caption_loss(logits.permute(0, 2, 1), labels) * self.caption_loss_weight
         if output_dict:
             return {"contrastive_loss": clip, "caption_loss": caption}
         return clip, caption
+
+    def _agreeing(self):
+        """Over an initialised process group: the ranks agree on the captioning term's refusals."""
+        import torch.distributed as dist
+
+        return self.distributed and dist.is_available() and dist.is_initialized()
 
 
 class DistillClipLoss(ClipLoss):
@@ -225,7 +249,7 @@ class DistillClipLoss(ClipLoss):
         contrastive = super().forward(image_features, text_features, logit_scale)
         if not self.distributed:
             distill = _distill.loss(*args)
-        distill = _open_clip_dtype(distill, image_features)
+        distill = _distill.open_clip_dtype(distill, image_features, dist_image_features)
         if output_dict:
             return {"contrastive_loss": contrastive, "distill_loss": distill}
         return contrastive, distill

@@ -106,18 +106,35 @@ def test_distill_16bit_against_float64(dtype, seed):
 
 
 def test_distill_under_autocast(seed):
-    """float32 features in a CPU bfloat16 autocast region run at bfloat16, as the library's losses do; the loss is
-    float32 there (open_clip's)."""
+    """float32 features in a CPU bfloat16 autocast region run at bfloat16, as the library's losses do."""
     inputs = _draw(24, 16, 16, seed)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _run(ct.DistillClipLoss(), inputs, 20.0, 20.0)
     cast = _run(ct.DistillClipLoss(), [x.bfloat16() for x in inputs], 20.0, 20.0)
-    for name, a, b in zip(NAMES[:2], got, cast):  # the same float32 value, rounded once outside the region
-        assert a.dtype == torch.float32 and torch.equal(a.bfloat16(), b), name
+    # The same float32 values, rounded once: the contrastive term float32 in the region, the distillation term
+    # bfloat16 there (open_clip's: CPU autocast runs its softmax at the region's dtype; CUDA's in float32).
+    assert got[0].dtype == torch.float32 and torch.equal(got[0].bfloat16(), cast[0])
+    assert got[1].dtype == torch.bfloat16 and torch.equal(got[1], cast[1])
     # The two terms' bfloat16 gradients meet in float32 in the region (each cast back first), in bfloat16 outside.
     eps = torch.finfo(torch.bfloat16).eps
     for name, a, b in zip(NAMES[2:], got[2:], cast[2:]):
         assert a.dtype == torch.float32 and rel(a, b) <= 2 * eps, f"{name}: {rel(a, b) / eps:.2f} eps"
+
+
+@pytest.mark.parametrize("region", [None, torch.bfloat16, torch.float16], ids=["no_autocast", "bf16", "fp16"])
+def test_distill_dtypes_are_open_clips(open_clip_loss, region, seed):
+    """Both terms' dtypes equal open_clip's for every student x teacher dtype, outside and inside CPU autocast."""
+    inputs = _draw(8, 8, 4, seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    region_of = (lambda: torch.autocast("cpu", dtype=region)) if region else (
+        lambda: torch.autocast("cpu", enabled=False))
+    for student, teacher in itertools.product(dtypes, dtypes):
+        args = [inputs[0].to(student), inputs[1].to(student), torch.tensor(10.0), inputs[2].to(teacher),
+                inputs[3].to(teacher), torch.tensor(20.0)]
+        with region_of():
+            ours = ct.DistillClipLoss()(*args)
+            theirs = open_clip_loss.DistillClipLoss()(*args)
+        assert [x.dtype for x in ours] == [x.dtype for x in theirs], (student, teacher, region)
 
 
 def test_distill_from_open_clips_factory_and_refusals(open_clip_loss, monkeypatch, seed):
@@ -140,10 +157,24 @@ def test_distill_from_open_clips_factory_and_refusals(open_clip_loss, monkeypatc
             (lambda: loss_fn(img, txt, s, t_img.double(), t_txt.double(), s), TypeError, "dist_image_features"),
             (lambda: loss_fn(img, txt, s, t_img, t_txt, "10"), TypeError, "dist_logit_scale"),
             (lambda: loss_fn(img, txt, s, t_img, t_txt, torch.ones(2)), ValueError, "dist_logit_scale"),
-            (lambda: loss_fn(img, txt[:5], s, t_img, t_txt, s), ValueError, "text_features")):
+            (lambda: loss_fn(img, txt[:5], s, t_img, t_txt, s), ValueError,
+             "^text_features: 5 rows where image_features has 12"),
+            (lambda: loss_fn(img, txt, s, t_img.to_sparse(), t_txt, s), TypeError,
+             "dist_image_features: layout torch.sparse_coo")):
         with pytest.raises(kind, match=name):
             call()
         assert loss_fn.last_step is before, "a refused call changed last_step"
+
+
+def _teacher_scale_terms(inputs, s, t):
+    """sum over the pairs of |the terms of d distill / d dist_logit_scale| (float64): the size its sum cancels from."""
+    img, txt, t_img, t_txt = (x.double() for x in inputs)
+    S, raw = s * img @ txt.t(), t_img @ t_txt.t()
+    total = 0.0
+    for a, u in ((S, raw), (S.t(), raw.t())):
+        p, lsm = torch.softmax(t * u, 1), torch.log_softmax(a, 1)
+        total += float((p * (lsm - (p * lsm).sum(1, keepdim=True)) * u).abs().sum()) / (2 * a.shape[0])
+    return total
 
 
 def _worker(rank, world, port, seed, out_dir):
@@ -172,6 +203,7 @@ def _worker(rank, world, port, seed, out_dir):
         inputs = _draw(n * world, 16, 12, seed)
         mine = slice(rank * n, (rank + 1) * n)
         whole = _run(ct.DistillClipLoss(), inputs, 12.0, 20.0)
+        t_terms = _teacher_scale_terms(inputs, 12.0, 20.0)
         local_inputs = [x[mine] for x in inputs]
 
         def mean_over_ranks(x):
@@ -188,8 +220,9 @@ def _worker(rank, world, port, seed, out_dir):
             setting = f"local_loss={local_loss} gather_with_grad={gwg}"
             for i, name in enumerate(NAMES):
                 want = whole[i] if i < 2 or i > 5 else whole[i][mine] * c
-                check(rel(got[i], want) <= 256 * EPS32, f"{setting}: {name} {rel(got[i], want) / EPS32:.1f} eps32 "
-                      "from one process")
+                # d dist_logit_scale is a sum that cancels: bounded against the size of its terms.
+                err = (float((got[i] - want).abs()) / t_terms if i == 7 else rel(got[i], want))
+                check(err <= 256 * EPS32, f"{setting}: {name} {err / EPS32:.1f} eps32 from one process")
             # open_clip's value per rank is the global loss, or with local_loss this rank's share (their mean is it).
             for i in (0, 1):
                 check(rel(got[i], mean_over_ranks(theirs[i])) <= 256 * EPS32,
@@ -201,8 +234,31 @@ def _worker(rank, world, port, seed, out_dir):
             check(False, "a teacher with too few rows on rank 1 was accepted")
         except ValueError as e:
             check("dist_image_features: rank 1" in str(e), f"refusal names the argument and rank: {e}")
+        try:
+            _run(ct.DistillClipLoss(rank=rank, world_size=world), local_inputs, 12.0, 20.0 + rank)
+            check(False, "a teacher scale that differs between the ranks was accepted")
+        except ValueError as e:
+            check("dist_logit_scale: rank 1" in str(e), f"refusal names the teacher's scale and rank: {e}")
         again = _run(ct.DistillClipLoss(rank=rank, world_size=world), local_inputs, 12.0, 20.0)
-        check(rel(again[1], whole[1]) <= 256 * EPS32, "a valid call after the refusal")
+        check(rel(again[1], whole[1]) <= 256 * EPS32, "a valid call after the refusals")
+        # CoCaLoss over the group: the contrastive term is the global batch's, the captioning term this rank's (as
+        # open_clip's); labels refused on rank 1 only are refused on every rank, before any term runs.
+        g = torch.Generator().manual_seed(seed + 7)
+        logits = torch.randn(n * world, 4, 9, generator=g)
+        labels = torch.randint(0, 9, (n * world, 4), generator=g)
+        coca = ct.CoCaLoss(2.0, 1.0, rank=rank, world_size=world)
+        clip, caption = coca(*local_inputs[:2], logits[mine], labels[mine], torch.tensor(12.0))
+        check(rel(clip, ct.ClipLoss()(*inputs[:2], torch.tensor(12.0))) <= 256 * EPS32, "CoCa: contrastive term")
+        want = 2.0 * F.cross_entropy(logits[mine].permute(0, 2, 1), labels[mine], ignore_index=0)
+        check(rel(caption, want) <= 16 * EPS32, "CoCa: captioning term")
+        mine_labels = labels[mine]
+        for bad, name in ((mine_labels.float() if rank == 1 else mine_labels, "labels: rank 1: dtype"),
+                          (mine_labels + 9 * rank, "labels: rank 1")):
+            try:
+                coca(*local_inputs[:2], logits[mine], bad, torch.tensor(12.0))
+                check(False, f"CoCa: bad labels on rank 1 accepted ({name})")
+            except (TypeError, ValueError) as e:
+                check(name in str(e), f"CoCa: refusal names the labels and rank: {e}")
         dist.destroy_process_group()
     except Exception as e:  # reported to the parent
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
@@ -210,7 +266,7 @@ def _worker(rank, world, port, seed, out_dir):
         json.dump({"checks": checks[0], "failures": failures}, f)
 
 
-def test_distill_over_two_gloo_ranks(seed, tmp_path):
+def test_distill_and_coca_over_two_gloo_ranks(seed, tmp_path):
     import torch.distributed as dist
 
     require("distributed", dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo")
@@ -219,5 +275,6 @@ def test_distill_over_two_gloo_ranks(seed, tmp_path):
     reports = run_ranks(_worker, 2, seed, tmp_path)
     failures = [f for got in reports for f in got["failures"]]
     assert not failures, "\n".join(failures[:20])
-    # 4 settings x (8 against one process + 2 against open_clip) + the refusal + the call after it, on every rank.
-    assert [got["checks"] for got in reports] == [4 * (8 + 2) + 2] * 2
+    # 4 settings x (8 against one process + 2 against open_clip) + 2 refusals + the call after them, and CoCa's
+    # 2 terms and 2 refusals, on every rank.
+    assert [got["checks"] for got in reports] == [4 * (8 + 2) + 3 + 4] * 2

@@ -389,3 +389,10 @@ def test_coca_loss_from_open_clips_factory_and_refusals(open_clip_loss, monkeypa
         loss_fn(img, txt, logits, labels[:, 1:], torch.tensor(10.0))
     with pytest.raises(ValueError, match="image_features"):
         loss_fn(img[:, :3], txt, logits, labels, torch.tensor(10.0))
+    # The captioning term runs first: its refusals leave last_step as it was.
+    before = loss_fn.last_step
+    with pytest.raises(TypeError, match="labels: dtype torch.float32"):
+        loss_fn(img, txt, logits, labels.float(), torch.tensor(10.0))
+    with pytest.raises(ValueError, match="labels: .*out of bounds"):
+        loss_fn(img, txt, logits, labels + logits.shape[2], torch.tensor(10.0))
+    assert loss_fn.last_step is before
