@@ -9,14 +9,18 @@ teacher's, the term is
               + (1/n_t) sum_j CE(softmax(U_.j), log_softmax(S_.j)) ) / 2,
 
 CE(p, log r) = -sum p log r: the images' rows and the texts' rows (the columns), each against the teacher's
-distribution over the same pairs. Each direction is a sum over complete rows (a text's row is a column of S, formed
-from the texts' side as s T I^T), so one pass per direction needs no statistics that span chunks:
-`row_distill(q, k, s, tq, tk, t)` = sum over the rows i of q of CE(softmax(U_i), log_softmax(S_i)).
+distribution over the same pairs. One process (Distill): pass A over the row chunks forms the rows' and the columns'
+log-sum-exps of S and U (the columns' merged over the chunks), pass B the terms and the student's gradient
+G = (softmax_row(S) - p) / 2n_i + (softmax_col(S) - q) / 2n_t (p, q the teacher's row and column softmax), pass C,
+only where the teacher wants gradients, d/dU = -(p / 2n_i) (log_softmax_row(S) + row term) - (q / 2n_t)
+(log_softmax_col(S) + column term). With one chunk the logits are formed once and kept (open_clip's products: four
+with a frozen teacher), else once per pass (six). Over a process group (global_loss) each rank's share is two
+one-directional sums over its rows against every rank's (RowDistill: a row's terms are complete within its chunk,
+one pass).
 
-Its gradient: d/dS_ij = softmax(S_i)_j - p_ij with p = softmax(U_i); d/dU_ij = -p_ij (log_softmax(S_i)_j - sum_k
-p_ik log_softmax(S_i)_k); dq = s dS k, dk = s dS^T q, ds = sum dS (q k^T), and the teacher's likewise (only where it
-wants gradients; open_clip_train computes the teacher's features without them). The forward keeps nothing but the
-inputs; the backward forms each chunk's logits again (twice the products of open_clip's, in O(chunk x n) memory).
+The forward forms the gradients with the term (dq = s G k, dk = s G^T q, ds = sum G (q k^T), the teacher's likewise;
+open_clip_train computes the teacher's features without gradients), keeps them in float32 and the backward scales
+them by the incoming gradient: nothing N x N outlives the forward, whose memory is O(chunk x n).
 
 Arithmetic: the logits in float32 from the features (16-bit products exact in float32), the terms summed in float64,
 the gradients rounded once to the features' dtype. Runs outside autocast (float32 features under autocast are cast
@@ -29,88 +33,199 @@ from . import _distributed as D
 from ._grouped import _product
 from ._ops import autocast_dtype, autocast_features
 
-# Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer; the backward holds about six of them.
+# Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer; a chunk holds about seven such buffers at once.
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _rows(n_q, n_k):
-    return max(1, min(n_q, CHUNK_ELEMENTS // max(n_k, 1)))
+def _bounds(n_q, n_k):
+    """The chunks of rows: as many rows as CHUNK_ELEMENTS logits hold, at least one."""
+    rows = max(1, min(n_q, CHUNK_ELEMENTS // max(n_k, 1)))
+    return [(r0, min(n_q, r0 + rows)) for r0 in range(0, n_q, rows)]
 
 
-def _logits(q, k, scale):
-    """(raw, scaled): q k^T in float32, and that times the scalar tensor `scale`."""
-    raw = _product(q, k.t())
-    return raw, raw * scale
+class _Logits:
+    """The student's and the teacher's logits of a chunk of rows in float32: (raw_s, S, raw_u, U), raw = q k^T (kept
+    only where the scale wants its gradient, else None), S = s raw. With one chunk they are formed once and kept."""
+
+    def __init__(self, q, k, s, tq, tk, t, keep_raw_s, keep_raw_u, single):
+        self.args = (q, k.t(), s, tq, tk.t(), t)
+        self.keep = (keep_raw_s, keep_raw_u)
+        self.kept = None if not single else ()
+
+    def __call__(self, r0, r1):
+        if self.kept:
+            return self.kept
+        q, kt, s, tq, tkt, t = self.args
+        out = []
+        for x, yt, scale, keep in ((q, kt, s, self.keep[0]), (tq, tkt, t, self.keep[1])):
+            raw = _product(x[r0:r1], yt)
+            out += [raw, raw * scale] if keep else [None, raw.mul_(scale)]
+        if self.kept is not None:
+            self.kept = tuple(out)
+        return tuple(out)
 
 
-class RowDistill(torch.autograd.Function):
-    """sum over q's rows of CE(softmax(t tq tk^T)_i, log_softmax(s q k^T)_i), float32 (a 0-dim tensor)."""
+def _lse_merge(state, m, total):
+    """(max, sum of exp(x - max)) of two disjoint parts as that of their union (state None: the first part)."""
+    if state is None:
+        return m, total
+    m0, total0 = state
+    top = torch.maximum(m0, m)
+    return top, total0 * torch.exp(m0 - top) + total * torch.exp(m - top)
+
+
+def _column_lse(x):
+    m = x.max(0).values
+    return m, torch.exp(x - m).sum(0)
+
+
+def _forward_with_grads(ctx, kernel, args, want):
+    """Runs kernel(*args, need) (need: which of args want gradients, as autograd says and the caller's grad mode
+    allows) outside autocast; keeps the float32 gradients it returns for the backward. Returns its loss."""
+    need = tuple(bool(n and want) for n in ctx.needs_input_grad[:len(args)])
+    with torch.autocast(args[0].device.type, enabled=False):
+        loss, grads = kernel(*args, need)
+    ctx.grads = grads
+    ctx.meta = [(x.dtype, x.shape) for x in args]
+    return loss
+
+
+def _scaled_grads(ctx, grad):
+    """The kept gradients times the incoming gradient, each rounded once to its input's dtype and shape."""
+    g = grad.float()
+    return tuple(None if d is None else (d * g).to(dtype).reshape(shape)
+                 for (dtype, shape), d in zip(ctx.meta, ctx.grads))
+
+
+def _both_directions(img, txt, s, t_img, t_txt, t, need):
+    """The one-process term (both directions) and the gradients `need` asks for (float32, None elsewhere). Passes
+    over the chunks: A the rows' and the columns' log-sum-exps of S and U; B the terms and the student's gradients;
+    C (only for the teacher's gradients, which need every column's term) the teacher's. With one chunk the logits
+    are formed once (the products of open_clip's, four with a frozen teacher), else once per pass."""
+    n_i, n_t = img.shape[0], txt.shape[0]
+    a, b = 0.5 / n_i, 0.5 / n_t
+    bounds = _bounds(n_i, n_t)
+    logits = _Logits(img, txt, s, t_img, t_txt, t, need[2], need[5], len(bounds) == 1)
+    f32 = dict(dtype=torch.float32, device=img.device)
+    row_lse_s, row_lse_u = torch.empty(n_i, **f32), torch.empty(n_i, **f32)
+    col_s = col_u = None
+    for r0, r1 in bounds:  # A
+        _, S, _, U = logits(r0, r1)
+        row_lse_s[r0:r1], row_lse_u[r0:r1] = torch.logsumexp(S, 1), torch.logsumexp(U, 1)
+        col_s, col_u = _lse_merge(col_s, *_column_lse(S)), _lse_merge(col_u, *_column_lse(U))
+    col_lse_s, col_lse_u = col_s[0] + torch.log(col_s[1]), col_u[0] + torch.log(col_u[1])
+    row_terms = torch.empty(n_i, **f32)
+    col_terms = torch.zeros(n_t, dtype=torch.float64, device=img.device)
+    student, teacher = any(need[:3]), any(need[3:])
+    grads = [torch.empty(img.shape, **f32) if need[0] else None, torch.zeros(txt.shape, **f32) if need[1] else None,
+             torch.zeros((), dtype=torch.float64, device=img.device) if need[2] else None,
+             torch.empty(t_img.shape, **f32) if need[3] else None,
+             torch.zeros(t_txt.shape, **f32) if need[4] else None,
+             torch.zeros((), dtype=torch.float64, device=img.device) if need[5] else None]
+    s32, t32 = s.float(), t.float()
+
+    def parts(r0, r1, S, U):
+        """(log_softmax of the rows, p, log_softmax of the columns, q): the student's log-probabilities and the
+        teacher's probabilities along both directions."""
+        lsm_r, p = S - row_lse_s[r0:r1, None], torch.exp(U - row_lse_u[r0:r1, None])
+        lsm_c, q = S - col_lse_s[None, :], torch.exp(U - col_lse_u[None, :])
+        return lsm_r, p, lsm_c, q
+
+    for r0, r1 in bounds:  # B
+        raw_s, S, _, U = logits(r0, r1)
+        lsm_r, p, lsm_c, q = parts(r0, r1, S, U)
+        row_terms[r0:r1] = -torch.linalg.vecdot(p, lsm_r, dim=1)
+        col_terms += -torch.linalg.vecdot(q, lsm_c, dim=0).double()
+        if student:
+            # G = a (softmax_row(S) - p) + b (softmax_col(S) - q): d distill / d S.
+            G = lsm_r.exp_().sub_(p).mul_(a).add_(lsm_c.exp_().sub_(q).mul_(b))
+            del lsm_r, lsm_c, p, q
+            if need[2]:
+                grads[2] += torch.linalg.vecdot(G, raw_s, dim=1).double().sum()
+            G = G.mul_(s32)
+            if need[0]:
+                grads[0][r0:r1] = _product(G, txt.float())
+            if need[1]:
+                grads[1] += _product(G.t(), img[r0:r1].float())
+    if teacher:
+        col_terms32 = col_terms.float()
+        for r0, r1 in bounds:  # C: d distill / d U = -a p (lsm_r - sum p lsm_r) - b q (lsm_c - sum q lsm_c)
+            _, S, raw_u, U = logits(r0, r1)
+            lsm_r, p, lsm_c, q = parts(r0, r1, S, U)
+            dU = lsm_r.add_(row_terms[r0:r1, None]).mul_(p).mul_(-a)
+            dU = dU.sub_(lsm_c.add_(col_terms32[None, :]).mul_(q).mul_(b))
+            if need[5]:
+                grads[5] += torch.linalg.vecdot(dU, raw_u, dim=1).double().sum()
+            dU = dU.mul_(t32)
+            if need[3]:
+                grads[3][r0:r1] = _product(dU, t_txt.float())
+            if need[4]:
+                grads[4] += _product(dU.t(), t_img[r0:r1].float())
+    loss = (a * row_terms.double().sum() + b * col_terms.sum()).float()
+    return loss, grads
+
+
+def _one_direction(q, k, s, tq, tk, t, need):
+    """sum over q's rows of CE(softmax(t tq tk^T)_i, log_softmax(s q k^T)_i) (float32) and the gradients `need` asks
+    for: one pass over the chunks (a row's terms are complete within its chunk)."""
+    f32 = dict(dtype=torch.float32, device=q.device)
+    bounds = _bounds(q.shape[0], k.shape[0])
+    logits = _Logits(q, k, s, tq, tk, t, need[2], need[5], False)
+    total = torch.zeros((), dtype=torch.float64, device=q.device)
+    grads = [torch.empty(q.shape, **f32) if need[0] else None, torch.zeros(k.shape, **f32) if need[1] else None,
+             torch.zeros((), dtype=torch.float64, device=q.device) if need[2] else None,
+             torch.empty(tq.shape, **f32) if need[3] else None, torch.zeros(tk.shape, **f32) if need[4] else None,
+             torch.zeros((), dtype=torch.float64, device=q.device) if need[5] else None]
+    for r0, r1 in bounds:
+        raw_s, S, raw_u, U = logits(r0, r1)
+        p, lsm = torch.softmax(U, 1), torch.log_softmax(S, 1)
+        terms = -torch.linalg.vecdot(p, lsm, dim=1)
+        total += terms.double().sum()
+        if any(need[3:]):  # d/dU = -p (lsm - sum_k p_k lsm_k)
+            dU = (lsm + terms[:, None]).mul_(p).neg_()
+            if need[5]:
+                grads[5] += torch.linalg.vecdot(dU, raw_u, dim=1).double().sum()
+            dU = dU.mul_(t.float())
+            if need[3]:
+                grads[3][r0:r1] = _product(dU, tk.float())
+            if need[4]:
+                grads[4] += _product(dU.t(), tq[r0:r1].float())
+        if any(need[:3]):  # d/dS = softmax(S) - p
+            dS = lsm.exp_().sub_(p)
+            if need[2]:
+                grads[2] += torch.linalg.vecdot(dS, raw_s, dim=1).double().sum()
+            dS = dS.mul_(s.float())
+            if need[0]:
+                grads[0][r0:r1] = _product(dS, k.float())
+            if need[1]:
+                grads[1] += _product(dS.t(), q[r0:r1].float())
+    return total.float(), grads
+
+
+class Distill(torch.autograd.Function):
+    """The one-process distillation term, float32 (a 0-dim tensor); forward(img, txt, s, t_img, t_txt, t, want):
+    `want` the caller's grad mode. The forward forms the gradients too; the backward scales them."""
 
     @staticmethod
-    def forward(ctx, q, k, s, tq, tk, t):
-        ctx.save_for_backward(q, k, s, tq, tk, t)
-        total = torch.zeros((), dtype=torch.float64, device=q.device)
-        rows = _rows(q.shape[0], k.shape[0])
-        with torch.autocast(q.device.type, enabled=False):
-            for r0 in range(0, q.shape[0], rows):
-                r1 = min(q.shape[0], r0 + rows)
-                _, S = _logits(q[r0:r1], k, s)
-                _, U = _logits(tq[r0:r1], tk, t)
-                p = torch.softmax(U, 1)
-                total = total - p.mul_(torch.log_softmax(S, 1)).sum(1).double().sum()
-        return total.float()
+    def forward(ctx, img, txt, s, t_img, t_txt, t, want):
+        return _forward_with_grads(ctx, _both_directions, (img, txt, s, t_img, t_txt, t), want)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, s, tq, tk, t = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        g = grad.float()
-        out = [None] * 6
-        if need[0]:
-            out[0] = torch.empty_like(q)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if need[1] else None
-        ds = torch.zeros((), dtype=torch.float64, device=q.device) if need[2] else None
-        if need[3]:
-            out[3] = torch.empty_like(tq)
-        dtk = torch.zeros(tk.shape, dtype=torch.float32, device=tk.device) if need[4] else None
-        dt = torch.zeros((), dtype=torch.float64, device=q.device) if need[5] else None
-        rows = _rows(q.shape[0], k.shape[0])
-        with torch.autocast(q.device.type, enabled=False):
-            for r0 in range(0, q.shape[0], rows):
-                r1 = min(q.shape[0], r0 + rows)
-                raw_s, S = _logits(q[r0:r1], k, s)
-                raw_t, U = _logits(tq[r0:r1], tk, t)
-                p = torch.softmax(U, 1)
-                lsm = torch.log_softmax(S, 1)
-                if need[3] or need[4] or need[5]:
-                    # d/dU = -g p (lsm - sum_k p_k lsm_k)
-                    mean = (p * lsm).sum(1, keepdim=True)
-                    dU = (lsm - mean).mul_(p).mul_(-g)
-                    if need[5]:
-                        dt = dt + (dU * raw_t).sum(1).double().sum()
-                    dU = dU.mul_(t.float())
-                    if need[3]:
-                        out[3][r0:r1] = _product(dU, tk.float()).to(tq.dtype)
-                    if need[4]:
-                        dtk.add_(_product(dU.t(), tq[r0:r1].float()))
-                if need[0] or need[1] or need[2]:
-                    dS = lsm.exp_().sub_(p).mul_(g)  # g (softmax(S) - p)
-                    if need[2]:
-                        ds = ds + (dS * raw_s).sum(1).double().sum()
-                    dS = dS.mul_(s.float())
-                    if need[0]:
-                        out[0][r0:r1] = _product(dS, k.float()).to(q.dtype)
-                    if need[1]:
-                        dk.add_(_product(dS.t(), q[r0:r1].float()))
-        if need[1]:
-            out[1] = dk.to(k.dtype)
-        if need[2]:
-            out[2] = ds.to(s.dtype).reshape(s.shape)
-        if need[4]:
-            out[4] = dtk.to(tk.dtype)
-        if need[5]:
-            out[5] = dt.to(t.dtype).reshape(t.shape)
-        return tuple(out)
+        return (*_scaled_grads(ctx, grad), None)
+
+
+class RowDistill(torch.autograd.Function):
+    """sum over q's rows of CE(softmax(t tq tk^T)_i, log_softmax(s q k^T)_i), float32 (a 0-dim tensor); forward(q, k,
+    s, tq, tk, t, want) as Distill's."""
+
+    @staticmethod
+    def forward(ctx, q, k, s, tq, tk, t, want):
+        return _forward_with_grads(ctx, _one_direction, (q, k, s, tq, tk, t), want)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_scaled_grads(ctx, grad), None)
 
 
 def check(image_features, text_features, logit_scale, dist_image_features, dist_text_features, dist_logit_scale):
@@ -163,9 +278,7 @@ def open_clip_dtype(loss, student, teacher):
 
 def loss(img, txt, s, t_img, t_txt, t):
     """The one-process distillation term of checked arguments (check), float32."""
-    n_i, n_t = img.shape[0], txt.shape[0]
-    return (RowDistill.apply(img, txt, s, t_img, t_txt, t) / n_i + RowDistill.apply(txt, img, s, t_txt, t_img, t) /
-            n_t) / 2
+    return Distill.apply(img, txt, s, t_img, t_txt, t, torch.is_grad_enabled())
 
 
 @D._eager_only
@@ -221,8 +334,8 @@ def global_loss(image_features, text_features, logit_scale, dist_image_features,
     every = [features(D._gather_rows(x, group, counts, rank)) for x in (img, txt, t_img, t_txt)]
     img, txt, t_img, t_txt = (features(x) for x in (img, txt, t_img, t_txt))
     s, t = scalar(s), scalar(t)
-    share = (RowDistill.apply(img, every[1], s, t_img, every[3], t) +
-             RowDistill.apply(txt, every[0], s, t_txt, every[2], t)) / (2 * sum(counts))
+    share = (RowDistill.apply(img, every[1], s, t_img, every[3], t, grad_on) +
+             RowDistill.apply(txt, every[0], s, t_txt, every[2], t, grad_on)) / (2 * sum(counts))
     total = share.detach().clone()
     dist.all_reduce(total, group=group)
     return total + (share - share.detach())
