@@ -230,9 +230,9 @@ class DistillClipLoss(ClipLoss):
     teacher's distribution (softmax of dist_logit_scale x its logits) and the student's log-softmax, the two
     directions averaged. open_clip forms both models' N x N logits for it; here they exist one chunk of rows at a time
     (memory O(chunk x N)); the forward forms the gradients too (with one chunk open_clip's products, else 1.5x
-    them for this term), and the sums run in float32 and float64 from logits in float32 (open_clip's are in the features' dtype). The teacher may
-    have another embedding size; it gets gradients too where its features (or scale) ask for them. With world_size >
-    1 (or `group`) both terms are the global batch's on every rank, with ClipLoss's gradient convention (world_size x
+    them for this term), and the sums run in float32 and float64 from logits in float32 (open_clip's are in the
+    features' dtype). The teacher may have another embedding size; it gets gradients too where its features (or
+    scale) ask for them. With world_size > 1 (or `group`) both terms are the global batch's on every rank, with ClipLoss's gradient convention (world_size x
     d(global loss)/d(this rank's rows) with gather_with_grad=True or local_loss=True, else 1 x)."""
 
     def forward(self, image_features, text_features, logit_scale, dist_image_features, dist_text_features,
