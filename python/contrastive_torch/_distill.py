@@ -97,6 +97,28 @@ def _scaled_grads(ctx, grad):
                  for (dtype, shape), d in zip(ctx.meta, ctx.grads))
 
 
+def _grad_buffers(need, q, k, tq, tk):
+    """The gradients' float32 accumulators for (q, k, s, tq, tk, t) where `need` asks (the scales' in float64)."""
+    f32 = dict(dtype=torch.float32, device=q.device)
+    f64 = dict(dtype=torch.float64, device=q.device)
+    return [torch.empty(q.shape, **f32) if need[0] else None, torch.zeros(k.shape, **f32) if need[1] else None,
+            torch.zeros((), **f64) if need[2] else None, torch.empty(tq.shape, **f32) if need[3] else None,
+            torch.zeros(tk.shape, **f32) if need[4] else None, torch.zeros((), **f64) if need[5] else None]
+
+
+def _add_gradient(G, raw, scale, x_rows, y, grads, i, r0, r1):
+    """G = d term / d(scale x y^T) on rows r0:r1 of x (x_rows): its share of the gradients of x (grads[i], those
+    rows), y (grads[i + 1]) and the scale (grads[i + 2], from raw = x_rows y^T), where they are asked for. G is
+    scaled in place."""
+    if grads[i + 2] is not None:
+        grads[i + 2] += torch.linalg.vecdot(G, raw, dim=1).double().sum()
+    G = G.mul_(scale)
+    if grads[i] is not None:
+        grads[i][r0:r1] = _product(G, y.float())
+    if grads[i + 1] is not None:
+        grads[i + 1] += _product(G.t(), x_rows.float())
+
+
 def _both_directions(img, txt, s, t_img, t_txt, t, need):
     """The one-process term (both directions) and the gradients `need` asks for (float32, None elsewhere). Passes
     over the chunks: A the rows' and the columns' log-sum-exps of S and U; B the terms and the student's gradients;
@@ -117,11 +139,7 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
     row_terms = torch.empty(n_i, **f32)
     col_terms = torch.zeros(n_t, dtype=torch.float64, device=img.device)
     student, teacher = any(need[:3]), any(need[3:])
-    grads = [torch.empty(img.shape, **f32) if need[0] else None, torch.zeros(txt.shape, **f32) if need[1] else None,
-             torch.zeros((), dtype=torch.float64, device=img.device) if need[2] else None,
-             torch.empty(t_img.shape, **f32) if need[3] else None,
-             torch.zeros(t_txt.shape, **f32) if need[4] else None,
-             torch.zeros((), dtype=torch.float64, device=img.device) if need[5] else None]
+    grads = _grad_buffers(need, img, txt, t_img, t_txt)
     s32, t32 = s.float(), t.float()
 
     def parts(r0, r1, S, U):
@@ -140,13 +158,7 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
             # G = a (softmax_row(S) - p) + b (softmax_col(S) - q): d distill / d S.
             G = lsm_r.exp_().sub_(p).mul_(a).add_(lsm_c.exp_().sub_(q).mul_(b))
             del lsm_r, lsm_c, p, q
-            if need[2]:
-                grads[2] += torch.linalg.vecdot(G, raw_s, dim=1).double().sum()
-            G = G.mul_(s32)
-            if need[0]:
-                grads[0][r0:r1] = _product(G, txt.float())
-            if need[1]:
-                grads[1] += _product(G.t(), img[r0:r1].float())
+            _add_gradient(G, raw_s, s32, img[r0:r1], txt, grads, 0, r0, r1)
     if teacher:
         col_terms32 = col_terms.float()
         for r0, r1 in bounds:  # C: d distill / d U = -a p (lsm_r - sum p lsm_r) - b q (lsm_c - sum q lsm_c)
@@ -154,13 +166,7 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
             lsm_r, p, lsm_c, q = parts(r0, r1, S, U)
             dU = lsm_r.add_(row_terms[r0:r1, None]).mul_(p).mul_(-a)
             dU = dU.sub_(lsm_c.add_(col_terms32[None, :]).mul_(q).mul_(b))
-            if need[5]:
-                grads[5] += torch.linalg.vecdot(dU, raw_u, dim=1).double().sum()
-            dU = dU.mul_(t32)
-            if need[3]:
-                grads[3][r0:r1] = _product(dU, t_txt.float())
-            if need[4]:
-                grads[4] += _product(dU.t(), t_img[r0:r1].float())
+            _add_gradient(dU, raw_u, t32, t_img[r0:r1], t_txt, grads, 3, r0, r1)
     loss = (a * row_terms.double().sum() + b * col_terms.sum()).float()
     return loss, grads
 
@@ -172,10 +178,7 @@ def _one_direction(q, k, s, tq, tk, t, need):
     bounds = _bounds(q.shape[0], k.shape[0])
     logits = _Logits(q, k, s, tq, tk, t, need[2], need[5], False)
     total = torch.zeros((), dtype=torch.float64, device=q.device)
-    grads = [torch.empty(q.shape, **f32) if need[0] else None, torch.zeros(k.shape, **f32) if need[1] else None,
-             torch.zeros((), dtype=torch.float64, device=q.device) if need[2] else None,
-             torch.empty(tq.shape, **f32) if need[3] else None, torch.zeros(tk.shape, **f32) if need[4] else None,
-             torch.zeros((), dtype=torch.float64, device=q.device) if need[5] else None]
+    grads = _grad_buffers(need, q, k, tq, tk)
     for r0, r1 in bounds:
         raw_s, S, raw_u, U = logits(r0, r1)
         p, lsm = torch.softmax(U, 1), torch.log_softmax(S, 1)
@@ -183,22 +186,10 @@ def _one_direction(q, k, s, tq, tk, t, need):
         total += terms.double().sum()
         if any(need[3:]):  # d/dU = -p (lsm - sum_k p_k lsm_k)
             dU = (lsm + terms[:, None]).mul_(p).neg_()
-            if need[5]:
-                grads[5] += torch.linalg.vecdot(dU, raw_u, dim=1).double().sum()
-            dU = dU.mul_(t.float())
-            if need[3]:
-                grads[3][r0:r1] = _product(dU, tk.float())
-            if need[4]:
-                grads[4] += _product(dU.t(), tq[r0:r1].float())
+            _add_gradient(dU, raw_u, t.float(), tq[r0:r1], tk, grads, 3, r0, r1)
         if any(need[:3]):  # d/dS = softmax(S) - p
             dS = lsm.exp_().sub_(p)
-            if need[2]:
-                grads[2] += torch.linalg.vecdot(dS, raw_s, dim=1).double().sum()
-            dS = dS.mul_(s.float())
-            if need[0]:
-                grads[0][r0:r1] = _product(dS, k.float())
-            if need[1]:
-                grads[1] += _product(dS.t(), q[r0:r1].float())
+            _add_gradient(dS, raw_s, s.float(), q[r0:r1], k, grads, 0, r0, r1)
     return total.float(), grads
 
 

@@ -184,24 +184,13 @@ def _teacher_scale_terms(inputs, s, t):
 def _worker(rank, world, port, seed, out_dir):
     """Each rank: ours over the group against one process on the whole batch, and against open_clip's distributed
     DistillClipLoss, for every (local_loss, gather_with_grad); then a refusal on rank 1 raised on both ranks."""
-    checks, failures = [0], []
+    from test_distributed import checker, start_gloo
 
-    def check(ok, what):
-        checks[0] += 1
-        if not ok:
-            failures.append(f"rank {rank}: {what}")
-
+    checks, failures, check = checker(rank)
     try:
-        import datetime
-        import warnings
-
         import torch.distributed as dist
 
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        torch.set_num_threads(1)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        start_gloo(rank, world, port)
         oc = importlib.import_module("open_clip.loss")
         n = 5
         inputs = _draw(n * world, 16, 12, seed)

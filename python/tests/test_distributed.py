@@ -80,7 +80,8 @@ def _step(fn, img, txt, scale, grad_factor=1.0):
     return loss.detach(), img.grad, txt.grad, s.grad
 
 
-def _worker(rank, world, port, seed, out_dir):
+def checker(rank):
+    """A rank's record of its checks: (checks, failures, check(ok, what)); checks[0] counts them."""
     checks, failures = [0], []
 
     def check(ok, what):
@@ -88,21 +89,31 @@ def _worker(rank, world, port, seed, out_dir):
         if not ok:
             failures.append(f"rank {rank}: {what}")
 
+    return checks, failures, check
+
+
+def start_gloo(rank, world, port, timeout_s=PG_TIMEOUT_S):
+    """A spawned rank's set-up: tracebacks on a crash, torch's deprecation warnings off (open_clip's gather uses
+    torch.distributed.nn.all_gather), one thread, and the gloo group on 127.0.0.1:`port`, bounded by `timeout_s`."""
+    import faulthandler
+    import warnings
+
+    import torch.distributed as dist
+
+    faulthandler.enable()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _worker(rank, world, port, seed, out_dir):
+    checks, failures, check = checker(rank)
     try:
-        import faulthandler
-        import warnings
-
-        faulthandler.enable()
-
         import torch.distributed as dist
 
-        # open_clip's gather uses torch.distributed.nn.all_gather, which this PyTorch calls deprecated.
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        torch.set_num_threads(1)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        start_gloo(rank, world, port)
         oc = _open_clip_loss_module()
         n, d, scale = 6, 16, 1 / 0.07
         img, txt = _draw(n * world, d, seed)

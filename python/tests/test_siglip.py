@@ -12,7 +12,6 @@ and a sum of rounded terms is accurate to the terms' size, not to the sum's. (In
 cancel 65-fold: bfloat16 materialized was then 14.6 eps from float64, 0.22 eps of the terms' size; over 200 seeds
 at most 0.36.)"""
 
-import datetime
 import gc
 import itertools
 import json
@@ -27,7 +26,8 @@ import torch.nn.functional as F
 import contrastive_torch as ct
 import contrastive_torch.functional as CF
 from conftest import require
-from test_distributed import PG_TIMEOUT_S, WORLDS, _draw, _open_clip_loss_module, _rel, run_ranks
+from test_distributed import (PG_TIMEOUT_S, WORLDS, _draw, _open_clip_loss_module, _rel, checker, run_ranks,
+                              start_gloo)
 
 ALGORITHMS = ("fused", "materialized", "chunked")
 BOUND_EPS = {torch.float32: 256, torch.bfloat16: 8, torch.float16: 8}
@@ -128,24 +128,11 @@ def test_arguments_and_errors():
 
 
 def _worker(rank, world, port, seed, out_dir):
-    checks, failures = [0], []
-
-    def check(ok, what):
-        checks[0] += 1
-        if not ok:
-            failures.append(f"rank {rank}: {what}")
-
+    checks, failures, check = checker(rank)
     try:
-        import warnings
-
         import torch.distributed as dist
 
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        torch.set_num_threads(1)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        start_gloo(rank, world, port, PG_TIMEOUT_S)
         oc = _open_clip_loss_module()
         n, d, t, b = 6, 16, 10.0, -10.0
         img, txt = _draw(n * world, d, seed)
