@@ -66,6 +66,7 @@ if impl == "ours":
     open_clip.factory.ClipLoss = contrastive_torch.ClipLoss
     open_clip.factory.SigLipLoss = contrastive_torch.SigLipLoss
     open_clip.factory.CoCaLoss = contrastive_torch.CoCaLoss
+    open_clip.factory.DistillClipLoss = contrastive_torch.DistillClipLoss
 
 
 def recorded(cls):
@@ -88,6 +89,7 @@ def recorded(cls):
 open_clip.factory.ClipLoss = recorded(open_clip.factory.ClipLoss)
 open_clip.factory.SigLipLoss = recorded(open_clip.factory.SigLipLoss)
 open_clip.factory.CoCaLoss = recorded(open_clip.factory.CoCaLoss)
+open_clip.factory.DistillClipLoss = recorded(open_clip.factory.DistillClipLoss)
 
 from open_clip_train.main import main
 main(argv)
@@ -113,6 +115,15 @@ def _train(tmp_path, impl, extra):
         (configs / f"{name}.json").write_text(json.dumps(config))
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
+    if "{teacher}" in extra:  # a teacher of the tiny config, other weights than the student's, as a checkpoint file
+        teacher = tmp_path / "teacher.pt"
+        if not teacher.exists():
+            import open_clip
+
+            open_clip.add_model_config(str(configs))
+            torch.manual_seed(1)
+            torch.save(open_clip.create_model("tiny-contrastive").state_dict(), teacher)
+        extra = [str(teacher) if a == "{teacher}" else a for a in extra]
     record = tmp_path / f"{impl}.jsonl"
     args = ["--model", "tiny-contrastive", *extra, "--dataset-type", "synthetic", "--train-num-samples", "64",
             "--batch-size", "8", "--epochs", "1", "--workers", "0", "--device", "cpu", "--seed", "0",
@@ -127,17 +138,19 @@ def _train(tmp_path, impl, extra):
 
 
 # CLIP with gradient accumulation (open_clip calls the loss on its cached features, one micro-batch live at a time),
-# and SigLIP (its learnable bias). float32: under open_clip's default `amp` the two losses differ by open_clip's own
+# SigLIP (its learnable bias), CoCa (its captioning term) and distillation from a teacher checkpoint. float32: under open_clip's default `amp` the two losses differ by open_clip's own
 # float16 rounding, which ours does not have (test_open_clip.py compares those against float64).
-@pytest.mark.parametrize("extra", [["--accum-freq", "2"], ["--siglip"], ["--model", "tiny-coca"]],
-                         ids=["clip_accum_freq_2", "siglip", "coca"])
+@pytest.mark.parametrize("extra", [["--accum-freq", "2"], ["--siglip"], ["--model", "tiny-coca"],
+                                   ["--distill-model", "tiny-contrastive", "--distill-pretrained", "{teacher}"]],
+                         ids=["clip_accum_freq_2", "siglip", "coca", "distill"])
 def test_open_clip_train_logs_the_same_loss_with_ours(tmp_path, extra):
     require("open_clip_train", *_training_program())
     require("custom_ops", ct.HAS_CUSTOM_OPS, f"PyTorch {torch.__version__} < 2.4 has no torch.library.custom_op")
     theirs = _train(tmp_path, "open_clip", extra)
     ours = _train(tmp_path, "ours", extra)
     expected_class = "contrastive_torch.losses." + ("SigLipLoss" if "--siglip" in extra else
-                                                     "CoCaLoss" if "tiny-coca" in extra else "ClipLoss")
+                                                     "CoCaLoss" if "tiny-coca" in extra else
+                                                     "DistillClipLoss" if "--distill-model" in extra else "ClipLoss")
     assert {c["class"] for c in ours} == {expected_class}, ours[0]
     assert {c["class"] for c in theirs} == {"open_clip.loss." + expected_class.rsplit(".", 1)[1]}, theirs[0]
     # 64 samples in batches of 8: 8 loss calls (with --accum-freq 2, 4 optimizer steps of two calls each).
