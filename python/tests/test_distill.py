@@ -184,7 +184,7 @@ def _teacher_scale_terms(inputs, s, t):
 def _worker(rank, world, port, seed, out_dir):
     """Each rank: ours over the group against one process on the whole batch, and against open_clip's distributed
     DistillClipLoss, for every (local_loss, gather_with_grad); then a refusal on rank 1 raised on both ranks."""
-    from test_distributed import checker, start_gloo
+    from test_distributed import checker, start_gloo, stop_gloo
 
     checks, failures, check = checker(rank)
     try:
@@ -252,7 +252,7 @@ def _worker(rank, world, port, seed, out_dir):
                 check(False, f"CoCa: bad labels on rank 1 accepted ({name})")
             except (TypeError, ValueError) as e:
                 check(name in str(e), f"CoCa: refusal names the labels and rank: {e}")
-        dist.destroy_process_group()
+        stop_gloo()  # the refusals' tracebacks hold the group: collected before it is destroyed
     except Exception as e:  # reported to the parent
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -108,6 +108,16 @@ def start_gloo(rank, world, port, timeout_s=PG_TIMEOUT_S):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def stop_gloo():
+    """A rank's tear-down: reference cycles collected first (a refusal's traceback holds frames that hold the group),
+    so that no process group outlives destroy_process_group into the interpreter's exit, where gloo's can abort the
+    process."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _worker(rank, world, port, seed, out_dir):
     checks, failures, check = checker(rank)
     try:
@@ -273,8 +283,7 @@ def _worker(rank, world, port, seed, out_dir):
         # The refusals' tracebacks (frames holding the group) are reference cycles: collected now, so that no process
         # group outlives destroy_process_group into the interpreter's exit (where gloo's can abort the process).
         del cases
-        gc.collect()
-        dist.destroy_process_group()
+        stop_gloo()
     except Exception:  # noqa: BLE001 - reported to the test
         failures.append(f"rank {rank}: {traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
