@@ -101,12 +101,14 @@ def test_distill_16bit_against_float64(dtype, seed):
     got = _run(ct.DistillClipLoss(), inputs, 30.0, 50.0)
     exact = _reference(inputs, 30.0, 50.0)
     eps = torch.finfo(dtype).eps
+    # d dist_logit_scale is a sum that cancels (it can be 1e-4 of its terms): measured against their size.
+    t_terms = _teacher_scale_terms(inputs, 30.0, 50.0)
     for name, a, b in zip(NAMES, got, exact):
         if name in ("contrastive_loss", "distill_loss"):
             assert a.dtype == dtype, f"{name}: {a.dtype}: open_clip's loss for {dtype} features is {dtype}"
         # The scales' gradients are float32 but carry the contrastive term's 16-bit rounding of its dS.
-        bound = 4 * eps
-        assert rel(a, b) <= bound, f"{name}: {rel(a, b) / eps:.2f} eps of {dtype} from float64 (seed {seed})"
+        err = float((a.double() - b.double()).abs()) / t_terms if name == NAMES[7] else rel(a, b)
+        assert err <= 4 * eps, f"{name}: {err / eps:.2f} eps of {dtype} from float64 (seed {seed})"
 
 
 def test_distill_under_autocast(seed):
