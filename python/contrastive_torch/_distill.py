@@ -9,13 +9,13 @@ teacher's, the term is
               + (1/n_t) sum_j CE(softmax(U_.j), log_softmax(S_.j)) ) / 2,
 
 CE(p, log r) = -sum p log r: the images' rows and the texts' rows (the columns), each against the teacher's
-distribution over the same pairs. One process (Distill): pass A over the row chunks forms the rows' and the columns'
-log-sum-exps of S and U (the columns' merged over the chunks), pass B the terms and the student's gradient
+distribution over the same pairs. One process (_both_directions): pass A over the row chunks forms the rows' and the
+columns' log-sum-exps of S and U (the columns' merged over the chunks), pass B the terms and the student's gradient
 G = (softmax_row(S) - p) / 2n_i + (softmax_col(S) - q) / 2n_t (p, q the teacher's row and column softmax), pass C,
 only where the teacher wants gradients, d/dU = -(p / 2n_i) (log_softmax_row(S) + row term) - (q / 2n_t)
 (log_softmax_col(S) + column term). With one chunk the logits are formed once and kept (open_clip's products: four
 with a frozen teacher), else once per pass (six). Over a process group (global_loss) each rank's share is two
-one-directional sums over its rows against every rank's (RowDistill: a row's terms are complete within its chunk,
+one-directional sums over its rows against every rank's (_one_direction: a row's terms are complete within its chunk,
 one pass).
 
 The forward forms the gradients with the term (dq = s G k, dk = s G^T q, ds = sum G (q k^T), the teacher's likewise;
@@ -82,7 +82,7 @@ def _column_lse(x):
 def _forward_with_grads(ctx, kernel, args, want):
     """Runs kernel(*args, need) (need: which of args want gradients, as autograd says and the caller's grad mode
     allows) outside autocast; keeps the float32 gradients it returns for the backward. Returns its loss."""
-    need = tuple(bool(n and want) for n in ctx.needs_input_grad[:len(args)])
+    need = tuple(bool(n and want) for n in ctx.needs_input_grad[2:2 + len(args)])
     with torch.autocast(args[0].device.type, enabled=False):
         loss, grads = kernel(*args, need)
     ctx.grads = grads
@@ -193,30 +193,18 @@ def _one_direction(q, k, s, tq, tk, t, need):
     return total.float(), grads
 
 
-class Distill(torch.autograd.Function):
-    """The one-process distillation term, float32 (a 0-dim tensor); forward(img, txt, s, t_img, t_txt, t, want):
-    `want` the caller's grad mode. The forward forms the gradients too; the backward scales them."""
+class Precomputed(torch.autograd.Function):
+    """A term whose forward forms its gradients too: forward(kernel, want, *inputs) runs kernel(*inputs, need)
+    (`want` the caller's grad mode; _both_directions for one process, _one_direction for a rank's share) and returns
+    its float32 loss (a 0-dim tensor); the backward scales the kept gradients by the incoming one."""
 
     @staticmethod
-    def forward(ctx, img, txt, s, t_img, t_txt, t, want):
-        return _forward_with_grads(ctx, _both_directions, (img, txt, s, t_img, t_txt, t), want)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (*_scaled_grads(ctx, grad), None)
-
-
-class RowDistill(torch.autograd.Function):
-    """sum over q's rows of CE(softmax(t tq tk^T)_i, log_softmax(s q k^T)_i), float32 (a 0-dim tensor); forward(q, k,
-    s, tq, tk, t, want) as Distill's."""
-
-    @staticmethod
-    def forward(ctx, q, k, s, tq, tk, t, want):
-        return _forward_with_grads(ctx, _one_direction, (q, k, s, tq, tk, t), want)
+    def forward(ctx, kernel, want, *inputs):
+        return _forward_with_grads(ctx, kernel, inputs, want)
 
     @staticmethod
     def backward(ctx, grad):
-        return (*_scaled_grads(ctx, grad), None)
+        return (None, None, *_scaled_grads(ctx, grad))
 
 
 def check(image_features, text_features, logit_scale, dist_image_features, dist_text_features, dist_logit_scale):
@@ -269,7 +257,7 @@ def open_clip_dtype(loss, student, teacher):
 
 def loss(img, txt, s, t_img, t_txt, t):
     """The one-process distillation term of checked arguments (check), float32."""
-    return Distill.apply(img, txt, s, t_img, t_txt, t, torch.is_grad_enabled())
+    return Precomputed.apply(_both_directions, torch.is_grad_enabled(), img, txt, s, t_img, t_txt, t)
 
 
 @D._eager_only
@@ -325,8 +313,8 @@ def global_loss(image_features, text_features, logit_scale, dist_image_features,
     every = [features(D._gather_rows(x, group, counts, rank)) for x in (img, txt, t_img, t_txt)]
     img, txt, t_img, t_txt = (features(x) for x in (img, txt, t_img, t_txt))
     s, t = scalar(s), scalar(t)
-    share = (RowDistill.apply(img, every[1], s, t_img, every[3], t, grad_on) +
-             RowDistill.apply(txt, every[0], s, t_txt, every[2], t, grad_on)) / (2 * sum(counts))
+    share = (Precomputed.apply(_one_direction, grad_on, img, every[1], s, t_img, every[3], t) +
+             Precomputed.apply(_one_direction, grad_on, txt, every[0], s, t_txt, every[2], t)) / (2 * sum(counts))
     total = share.detach().clone()
     dist.all_reduce(total, group=group)
     return total + (share - share.detach())
