@@ -33,7 +33,8 @@ from . import _distributed as D
 from ._grouped import _product
 from ._ops import autocast_dtype, autocast_features
 
-# Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer; a chunk holds about seven such buffers at once.
+# Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer; a call holds up to eight such buffers (the
+# workspace's: the logits, their products kept for the scales, and four for the passes' element-wise work).
 CHUNK_ELEMENTS = 1 << 24
 
 
@@ -43,23 +44,49 @@ def _bounds(n_q, n_k):
     return [(r0, min(n_q, r0 + rows)) for r0 in range(0, n_q, rows)]
 
 
+class _Workspace:
+    """Chunk-sized float32 buffers (rows x n), made on first use and reused by every chunk of a call: a fresh
+    buffer per operation would cost a page-faulted allocation per chunk and pass."""
+
+    def __init__(self, rows, n, device):
+        self.shape, self.device, self.free = (rows, n), device, {}
+
+    def __call__(self, name, rows):
+        if name not in self.free:
+            self.free[name] = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        return self.free[name][:rows]
+
+
+def _product_into(a, b, out):
+    """a @ b in float32 into `out` (float32 operands), else _product's result copied there."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    return out.copy_(_product(a, b))
+
+
 class _Logits:
     """The student's and the teacher's logits of a chunk of rows in float32: (raw_s, S, raw_u, U), raw = q k^T (kept
-    only where the scale wants its gradient, else None), S = s raw. With one chunk they are formed once and kept."""
+    only where the scale wants its gradient, else None), S = s raw. With one chunk they are formed once and kept;
+    with several, each chunk's are formed into the workspace's buffers (valid until the next chunk's)."""
 
-    def __init__(self, q, k, s, tq, tk, t, keep_raw_s, keep_raw_u, single):
+    def __init__(self, q, k, s, tq, tk, t, keep_raw_s, keep_raw_u, single, work):
         self.args = (q, k.t(), s, tq, tk.t(), t)
         self.keep = (keep_raw_s, keep_raw_u)
         self.kept = None if not single else ()
+        self.work = None if single else work
 
     def __call__(self, r0, r1):
         if self.kept:
             return self.kept
         q, kt, s, tq, tkt, t = self.args
         out = []
-        for x, yt, scale, keep in ((q, kt, s, self.keep[0]), (tq, tkt, t, self.keep[1])):
-            raw = _product(x[r0:r1], yt)
-            out += [raw, raw * scale] if keep else [None, raw.mul_(scale)]
+        for name, x, yt, scale, keep in (("s", q, kt, s, self.keep[0]), ("u", tq, tkt, t, self.keep[1])):
+            if self.work is None:
+                raw = _product(x[r0:r1], yt)
+                out += [raw, raw * scale] if keep else [None, raw.mul_(scale)]
+                continue
+            raw = _product_into(x[r0:r1], yt, self.work("raw_" + name, r1 - r0))
+            out += [raw, torch.mul(raw, scale, out=self.work(name, r1 - r0))] if keep else [None, raw.mul_(scale)]
         if self.kept is not None:
             self.kept = tuple(out)
         return tuple(out)
@@ -74,9 +101,17 @@ def _lse_merge(state, m, total):
     return top, total0 * torch.exp(m0 - top) + total * torch.exp(m - top)
 
 
-def _column_lse(x):
-    m = x.max(0).values
-    return m, torch.exp(x - m).sum(0)
+def _finite_or_zero(m):
+    """A max to shift exponentials by: 0 where it is not finite (a row of -inf, +inf or NaN keeps
+    torch.logsumexp's result: -inf, +inf or NaN)."""
+    return m.masked_fill(~torch.isfinite(m), 0.0)
+
+
+def _lse_parts(x, dim, tmp):
+    """(shift, sum of exp(x - shift)) along `dim` of a chunk x, exp formed in `tmp` (x's shape)."""
+    m = _finite_or_zero(x.amax(dim))
+    torch.sub(x, m.unsqueeze(dim), out=tmp).exp_()
+    return m, tmp.sum(dim)
 
 
 def _forward_with_grads(ctx, kernel, args, want):
@@ -106,12 +141,13 @@ def _grad_buffers(need, q, k, tq, tk):
             torch.zeros(tk.shape, **f32) if need[4] else None, torch.zeros((), **f64) if need[5] else None]
 
 
-def _add_gradient(G, raw, scale, x_rows, y, grads, i, r0, r1):
+def _add_gradient(G, raw, scale, x_rows, y, grads, i, r0, r1, tmp=None):
     """G = d term / d(scale x y^T) on rows r0:r1 of x (x_rows): its share of the gradients of x (grads[i], those
     rows), y (grads[i + 1]) and the scale (grads[i + 2], from raw = x_rows y^T), where they are asked for. G is
-    scaled in place."""
+    scaled in place; `tmp` (G's shape, or None) may take G raw."""
     if grads[i + 2] is not None:
-        grads[i + 2] += torch.linalg.vecdot(G, raw, dim=1).double().sum()
+        prod = torch.mul(G, raw) if tmp is None else torch.mul(G, raw, out=tmp)
+        grads[i + 2] += prod.sum(1).double().sum()
     G = G.mul_(scale)
     if grads[i] is not None:
         grads[i][r0:r1] = _product(G, y.float())
@@ -127,14 +163,19 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
     n_i, n_t = img.shape[0], txt.shape[0]
     a, b = 0.5 / n_i, 0.5 / n_t
     bounds = _bounds(n_i, n_t)
-    logits = _Logits(img, txt, s, t_img, t_txt, t, need[2], need[5], len(bounds) == 1)
+    work = _Workspace(bounds[0][1], n_t, img.device)
+    logits = _Logits(img, txt, s, t_img, t_txt, t, need[2], need[5], len(bounds) == 1, work)
     f32 = dict(dtype=torch.float32, device=img.device)
     row_lse_s, row_lse_u = torch.empty(n_i, **f32), torch.empty(n_i, **f32)
     col_s = col_u = None
     for r0, r1 in bounds:  # A
         _, S, _, U = logits(r0, r1)
-        row_lse_s[r0:r1], row_lse_u[r0:r1] = torch.logsumexp(S, 1), torch.logsumexp(U, 1)
-        col_s, col_u = _lse_merge(col_s, *_column_lse(S)), _lse_merge(col_u, *_column_lse(U))
+        tmp = work("tmp", r1 - r0)
+        for X, row_lse in ((S, row_lse_s), (U, row_lse_u)):
+            m, total = _lse_parts(X, 1, tmp)
+            row_lse[r0:r1] = total.log_().add_(m)
+        col_s = _lse_merge(col_s, *_lse_parts(S, 0, tmp))
+        col_u = _lse_merge(col_u, *_lse_parts(U, 0, tmp))
     col_lse_s, col_lse_u = col_s[0] + torch.log(col_s[1]), col_u[0] + torch.log(col_u[1])
     row_terms = torch.empty(n_i, **f32)
     col_terms = torch.zeros(n_t, dtype=torch.float64, device=img.device)
@@ -142,31 +183,39 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
     grads = _grad_buffers(need, img, txt, t_img, t_txt)
     s32, t32 = s.float(), t.float()
 
-    def parts(r0, r1, S, U):
-        """(log_softmax of the rows, p, log_softmax of the columns, q): the student's log-probabilities and the
-        teacher's probabilities along both directions."""
-        lsm_r, p = S - row_lse_s[r0:r1, None], torch.exp(U - row_lse_u[r0:r1, None])
-        lsm_c, q = S - col_lse_s[None, :], torch.exp(U - col_lse_u[None, :])
-        return lsm_r, p, lsm_c, q
+    def teacher_probabilities(r0, r1, U):
+        """p and q: the teacher's row and column softmax of the chunk, in the workspace's buffers."""
+        p, q = work("p", r1 - r0), work("q", r1 - r0)
+        torch.sub(U, row_lse_u[r0:r1, None], out=p).exp_()
+        torch.sub(U, col_lse_u[None, :], out=q).exp_()
+        return p, q
 
-    for r0, r1 in bounds:  # B
+    for r0, r1 in bounds:  # B, in the workspace's buffers: lsm (a log_softmax), p, q, G and the columns' softmax
         raw_s, S, _, U = logits(r0, r1)
-        lsm_r, p, lsm_c, q = parts(r0, r1, S, U)
-        row_terms[r0:r1] = -torch.linalg.vecdot(p, lsm_r, dim=1)
-        col_terms += -torch.linalg.vecdot(q, lsm_c, dim=0).double()
+        rows = r1 - r0
+        lsm, G = work("tmp", rows), work("G", rows)
+        p, q = teacher_probabilities(r0, r1, U)
+        torch.sub(S, row_lse_s[r0:r1, None], out=lsm)
+        if student:  # G = a (softmax_row(S) - p) + b (softmax_col(S) - q): d distill / d S
+            torch.exp(lsm, out=G).sub_(p).mul_(a)
+        row_terms[r0:r1] = lsm.mul_(p).sum(1).neg_()
+        torch.sub(S, col_lse_s[None, :], out=lsm)
         if student:
-            # G = a (softmax_row(S) - p) + b (softmax_col(S) - q): d distill / d S.
-            G = lsm_r.exp_().sub_(p).mul_(a).add_(lsm_c.exp_().sub_(q).mul_(b))
-            del lsm_r, lsm_c, p, q
-            _add_gradient(G, raw_s, s32, img[r0:r1], txt, grads, 0, r0, r1)
+            G.add_(torch.exp(lsm, out=p).sub_(q), alpha=b)
+        col_terms -= lsm.mul_(q).sum(0).double()
+        if student:
+            _add_gradient(G, raw_s, s32, img[r0:r1], txt, grads, 0, r0, r1, lsm)
     if teacher:
         col_terms32 = col_terms.float()
         for r0, r1 in bounds:  # C: d distill / d U = -a p (lsm_r - sum p lsm_r) - b q (lsm_c - sum q lsm_c)
             _, S, raw_u, U = logits(r0, r1)
-            lsm_r, p, lsm_c, q = parts(r0, r1, S, U)
-            dU = lsm_r.add_(row_terms[r0:r1, None]).mul_(p).mul_(-a)
-            dU = dU.sub_(lsm_c.add_(col_terms32[None, :]).mul_(q).mul_(b))
-            _add_gradient(dU, raw_u, t32, t_img[r0:r1], t_txt, grads, 3, r0, r1)
+            lsm, dU = work("tmp", r1 - r0), work("G", r1 - r0)
+            p, q = teacher_probabilities(r0, r1, U)
+            torch.sub(S, row_lse_s[r0:r1, None], out=lsm)
+            torch.add(lsm, row_terms[r0:r1, None], out=dU).mul_(p).mul_(-a)
+            torch.sub(S, col_lse_s[None, :], out=lsm)
+            dU.sub_(lsm.add_(col_terms32[None, :]).mul_(q).mul_(b))
+            _add_gradient(dU, raw_u, t32, t_img[r0:r1], t_txt, grads, 3, r0, r1, lsm)
     loss = (a * row_terms.double().sum() + b * col_terms.sum()).float()
     return loss, grads
 
@@ -174,22 +223,26 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
 def _one_direction(q, k, s, tq, tk, t, need):
     """sum over q's rows of CE(softmax(t tq tk^T)_i, log_softmax(s q k^T)_i) (float32) and the gradients `need` asks
     for: one pass over the chunks (a row's terms are complete within its chunk)."""
-    f32 = dict(dtype=torch.float32, device=q.device)
     bounds = _bounds(q.shape[0], k.shape[0])
-    logits = _Logits(q, k, s, tq, tk, t, need[2], need[5], False)
+    work = _Workspace(bounds[0][1], k.shape[0], q.device)
+    logits = _Logits(q, k, s, tq, tk, t, need[2], need[5], False, work)
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     grads = _grad_buffers(need, q, k, tq, tk)
     for r0, r1 in bounds:
         raw_s, S, raw_u, U = logits(r0, r1)
-        p, lsm = torch.softmax(U, 1), torch.log_softmax(S, 1)
-        terms = -torch.linalg.vecdot(p, lsm, dim=1)
+        p, lsm, G = (work(name, r1 - r0) for name in ("p", "tmp", "G"))
+        m, sums = _lse_parts(U, 1, p)
+        p.div_(sums[:, None])  # softmax(U)
+        m, sums = _lse_parts(S, 1, lsm)
+        torch.sub(S, sums.log_().add_(m)[:, None], out=lsm)  # log_softmax(S)
+        terms = torch.mul(lsm, p, out=G).sum(1).neg_()
         total += terms.double().sum()
         if any(need[3:]):  # d/dU = -p (lsm - sum_k p_k lsm_k)
-            dU = (lsm + terms[:, None]).mul_(p).neg_()
-            _add_gradient(dU, raw_u, t.float(), tq[r0:r1], tk, grads, 3, r0, r1)
+            torch.add(lsm, terms[:, None], out=G).mul_(p).neg_()
+            _add_gradient(G, raw_u, t.float(), tq[r0:r1], tk, grads, 3, r0, r1, work("q", r1 - r0))
         if any(need[:3]):  # d/dS = softmax(S) - p
-            dS = lsm.exp_().sub_(p)
-            _add_gradient(dS, raw_s, s.float(), q[r0:r1], k, grads, 0, r0, r1)
+            torch.exp(lsm, out=G).sub_(p)
+            _add_gradient(G, raw_s, s.float(), q[r0:r1], k, grads, 0, r0, r1, work("q", r1 - r0))
     return total.float(), grads
 
 
