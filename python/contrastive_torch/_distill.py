@@ -31,7 +31,7 @@ import torch
 from . import _checks
 from . import _distributed as D
 from ._grouped import _product
-from ._ops import autocast_dtype, autocast_features
+from ._ops import autocast_dtype, autocast_features, not_twice
 
 # Logits per chunk of rows: 64 MiB per float32 chunk-sized buffer; a call holds up to eight such buffers (the
 # workspace's: the logits, their products kept for the scales, and four for the passes' element-wise work).
@@ -121,6 +121,7 @@ def _forward_with_grads(ctx, kernel, args, want):
     with torch.autocast(args[0].device.type, enabled=False):
         loss, grads = kernel(*args, need)
     ctx.grads = grads
+    ctx.inputs = args  # not saved tensors: only the anchors of a refused second derivative (not_twice)
     ctx.meta = [(x.dtype, x.shape) for x in args]
     return loss
 
@@ -166,17 +167,25 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
     work = _Workspace(bounds[0][1], n_t, img.device)
     logits = _Logits(img, txt, s, t_img, t_txt, t, need[2], need[5], len(bounds) == 1, work)
     f32 = dict(dtype=torch.float32, device=img.device)
-    row_lse_s, row_lse_u = torch.empty(n_i, **f32), torch.empty(n_i, **f32)
+    # Each log-sum-exp as (shift, log of the sum) of the shifted exponentials, subtracted one after the other: their
+    # float32 sum would carry the shift's rounding (|logit| eps) into every probability.
+    row_s, row_u = [torch.empty(n_i, **f32) for _ in range(2)], [torch.empty(n_i, **f32) for _ in range(2)]
     col_s = col_u = None
     for r0, r1 in bounds:  # A
         _, S, _, U = logits(r0, r1)
         tmp = work("tmp", r1 - r0)
-        for X, row_lse in ((S, row_lse_s), (U, row_lse_u)):
+        for X, row in ((S, row_s), (U, row_u)):
             m, total = _lse_parts(X, 1, tmp)
-            row_lse[r0:r1] = total.log_().add_(m)
+            row[0][r0:r1], row[1][r0:r1] = m, total.log_()
         col_s = _lse_merge(col_s, *_lse_parts(S, 0, tmp))
         col_u = _lse_merge(col_u, *_lse_parts(U, 0, tmp))
-    col_lse_s, col_lse_u = col_s[0] + torch.log(col_s[1]), col_u[0] + torch.log(col_u[1])
+    col_s, col_u = (col_s[0], torch.log(col_s[1])), (col_u[0], torch.log(col_u[1]))
+
+    def shifted(X, lse, r0, r1, out):
+        """X - lse into `out`: lse the rows' (r0:r1 of them) or, with r0 None, the columns'."""
+        m, log = (lse[0][r0:r1, None], lse[1][r0:r1, None]) if r0 is not None else (lse[0][None, :], lse[1][None, :])
+        return torch.sub(X, m, out=out).sub_(log)
+
     row_terms = torch.empty(n_i, **f32)
     col_terms = torch.zeros(n_t, dtype=torch.float64, device=img.device)
     student, teacher = any(need[:3]), any(need[3:])
@@ -186,8 +195,8 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
     def teacher_probabilities(r0, r1, U):
         """p and q: the teacher's row and column softmax of the chunk, in the workspace's buffers."""
         p, q = work("p", r1 - r0), work("q", r1 - r0)
-        torch.sub(U, row_lse_u[r0:r1, None], out=p).exp_()
-        torch.sub(U, col_lse_u[None, :], out=q).exp_()
+        shifted(U, row_u, r0, r1, p).exp_()
+        shifted(U, col_u, None, None, q).exp_()
         return p, q
 
     for r0, r1 in bounds:  # B, in the workspace's buffers: lsm (a log_softmax), p, q, G and the columns' softmax
@@ -195,11 +204,11 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
         rows = r1 - r0
         lsm, G = work("tmp", rows), work("G", rows)
         p, q = teacher_probabilities(r0, r1, U)
-        torch.sub(S, row_lse_s[r0:r1, None], out=lsm)
+        shifted(S, row_s, r0, r1, lsm)
         if student:  # G = a (softmax_row(S) - p) + b (softmax_col(S) - q): d distill / d S
             torch.exp(lsm, out=G).sub_(p).mul_(a)
         row_terms[r0:r1] = lsm.mul_(p).sum(1).neg_()
-        torch.sub(S, col_lse_s[None, :], out=lsm)
+        shifted(S, col_s, None, None, lsm)
         if student:
             G.add_(torch.exp(lsm, out=p).sub_(q), alpha=b)
         col_terms -= lsm.mul_(q).sum(0).double()
@@ -211,9 +220,8 @@ def _both_directions(img, txt, s, t_img, t_txt, t, need):
             _, S, raw_u, U = logits(r0, r1)
             lsm, dU = work("tmp", r1 - r0), work("G", r1 - r0)
             p, q = teacher_probabilities(r0, r1, U)
-            torch.sub(S, row_lse_s[r0:r1, None], out=lsm)
-            torch.add(lsm, row_terms[r0:r1, None], out=dU).mul_(p).mul_(-a)
-            torch.sub(S, col_lse_s[None, :], out=lsm)
+            torch.add(shifted(S, row_s, r0, r1, lsm), row_terms[r0:r1, None], out=dU).mul_(p).mul_(-a)
+            shifted(S, col_s, None, None, lsm)
             dU.sub_(lsm.add_(col_terms32[None, :]).mul_(q).mul_(b))
             _add_gradient(dU, raw_u, t32, t_img[r0:r1], t_txt, grads, 3, r0, r1, lsm)
     loss = (a * row_terms.double().sum() + b * col_terms.sum()).float()
@@ -234,7 +242,7 @@ def _one_direction(q, k, s, tq, tk, t, need):
         m, sums = _lse_parts(U, 1, p)
         p.div_(sums[:, None])  # softmax(U)
         m, sums = _lse_parts(S, 1, lsm)
-        torch.sub(S, sums.log_().add_(m)[:, None], out=lsm)  # log_softmax(S)
+        torch.sub(S, m[:, None], out=lsm).sub_(sums.log_()[:, None])  # log_softmax(S)
         terms = torch.mul(lsm, p, out=G).sum(1).neg_()
         total += terms.double().sum()
         if any(need[3:]):  # d/dU = -p (lsm - sum_k p_k lsm_k)
@@ -257,7 +265,9 @@ class Precomputed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, *_scaled_grads(ctx, grad))
+        # Under create_graph=True the gradients come behind not_twice: differentiating them again raises, as for the
+        # library's operators, where it would otherwise drop the kept gradients' own dependence on the inputs.
+        return (None, None, *not_twice("DistillClipLoss's distillation term", _scaled_grads(ctx, grad), ctx.inputs))
 
 
 def check(image_features, text_features, logit_scale, dist_image_features, dist_text_features, dist_logit_scale):
@@ -291,6 +301,14 @@ def check(image_features, text_features, logit_scale, dist_image_features, dist_
     device = image_features.device
     s = _checks.scalar("logit_scale", logit_scale, device)
     t = _checks.scalar("dist_logit_scale", dist_logit_scale, device)
+    if device.type == "cpu" and not _checks.compiling():  # the values the student's are refused for (host reads)
+        value = float(t.detach().reshape(()))
+        if not (value > 0.0 and value < float("inf")):
+            raise ValueError(f"dist_logit_scale: must be finite and > 0 (it is the teacher's 1/tau), got {value}")
+        for name, x in (("dist_image_features", dist_image_features), ("dist_text_features", dist_text_features)):
+            bad = torch.isfinite(x).logical_not_().nonzero()
+            if bad.shape[0]:
+                raise ValueError(f"{name}: {name}[{int(bad[0, 0])}][{int(bad[0, 1])}] is not finite")
     img, txt = autocast_features(image_features, text_features)
     t_img, t_txt = autocast_features(dist_image_features.contiguous(), dist_text_features.contiguous())
     return img, txt, s, t_img, t_txt, t

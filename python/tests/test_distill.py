@@ -93,6 +93,31 @@ def test_distill_is_open_clips(open_clip_loss, chunk, monkeypatch, seed):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("scales", [(100.0, 100.0), (50.0, 200.0)], ids=["clamp_100", "teacher_200"])
+@pytest.mark.parametrize("chunk", [None, 7 * 40], ids=["one_chunk", "chunks_of_7_rows"])
+def test_distill_at_large_scales_as_accurate_as_open_clip(open_clip_loss, scales, chunk, monkeypatch, seed):
+    """At open_clip's clamp of the logit scale (100) and a teacher beyond it, float32, 8 draws: each output's median
+    error from float64 within twice open_clip's float32 median (each log-sum-exp is kept as (shift, log of the sum):
+    their float32 sum would put |logit| x eps into every probability, 5x open_clip's error on the teacher's
+    gradients). A draw's error against open_clip's varies about 3x either way, so the medians are compared."""
+    if chunk is not None:
+        monkeypatch.setattr(_distill, "CHUNK_ELEMENTS", chunk)
+    s, t = scales
+    errors = {"ours": [], "open_clip": []}
+    for draw in range(8):
+        inputs = _draw(40, 16, 24, seed + draw)
+        exact = _reference(inputs, s, t)
+        t_terms = _teacher_scale_terms(inputs, s, t)
+        for who, fn in (("ours", ct.DistillClipLoss()), ("open_clip", open_clip_loss.DistillClipLoss())):
+            got = _run(fn, inputs, s, t)
+            errors[who].append([float((a.double() - c).abs()) / t_terms if name == NAMES[7] else rel(a, c)
+                                for name, a, c in zip(NAMES, got, exact)])
+    ours, theirs = (torch.tensor(errors[who]).median(0).values for who in ("ours", "open_clip"))
+    for name, a, b in zip(NAMES, ours.tolist(), theirs.tolist()):
+        assert a <= 2 * b + 2 * EPS32, f"{name}: median {a / EPS32:.1f} eps32 from float64, open_clip's " \
+            f"{b / EPS32:.1f} (s {s}, t {t}, seed {seed})"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_distill_16bit_against_float64(dtype, seed):
     """16-bit features: the distillation term and its gradients within a few eps of the type from float64 on the
@@ -166,10 +191,22 @@ def test_distill_from_open_clips_factory_and_refusals(open_clip_loss, monkeypatc
             (lambda: loss_fn(img, txt[:5], s, t_img, t_txt, s), ValueError,
              "^text_features: 5 rows where image_features has 12"),
             (lambda: loss_fn(img, txt, s, t_img.to_sparse(), t_txt, s), TypeError,
-             "dist_image_features: layout torch.sparse_coo")):
+             "dist_image_features: layout torch.sparse_coo"),
+            # On CPU tensors the teacher's values are refused as the student's are (the student's by the engine).
+            *((lambda v=v: loss_fn(img, txt, s, t_img, t_txt, v), ValueError, "^dist_logit_scale: must be finite")
+              for v in (0.0, -1.0, float("nan"), float("inf"))),
+            (lambda: loss_fn(img, txt, s, t_img, t_txt.index_put((torch.tensor(3), torch.tensor(2)),
+                                                                   torch.tensor(float("nan"))), s),
+             ValueError, r"^dist_text_features: dist_text_features\[3\]\[2\] is not finite")):
         with pytest.raises(kind, match=name):
             call()
         assert loss_fn.last_step is before, "a refused call changed last_step"
+    # Differentiable once, as the library's operators: a second derivative through the distillation term raises
+    # (it would drop the kept gradients' own dependence on the inputs), naming it.
+    x = img.clone().requires_grad_()
+    g, = torch.autograd.grad(loss_fn(x, txt, s, t_img, t_txt, s)[1], x, create_graph=True)
+    with pytest.raises(RuntimeError, match="DistillClipLoss's distillation term: the loss is differentiable once"):
+        (g ** 2).sum().backward()
 
 
 def _teacher_scale_terms(inputs, s, t):
