@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 
 namespace cl = contrastive;
 namespace ct = contrastive_test;
@@ -333,6 +334,46 @@ TEST(BadInput, StepProtocolMisuse)
   expect_unchanged(l, after);
   float out[1];
   EXPECT_EQ(l.backward(d.dq.data(), d.dk.data(), out[0]).code(), cl::errc::invalid_argument);
+}
+
+// finish_step takes only the loss's own step in progress: a copy of a finished record, a record made up without a
+// forward_backward, or one from before a restore is refused and changes nothing; a record whose gradient the caller
+// made non-finite skips the step (the temperature's optimizer state stays finite) instead of moving the policies.
+TEST(BadInput, FinishStepTakesOnlyTheStepInProgress)
+{
+  fixture_data d;
+  half_loss l(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch());
+  cl::step_record rec;
+  ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
+  const cl::step_record copy = rec;
+  ASSERT_TRUE(l.finish_step(rec).ok());
+  const half_loss::checkpoint after_one = l.save();
+  cl::step_record stale = copy;
+  EXPECT_EQ(l.finish_step(stale).code(), cl::errc::invalid_argument);
+  expect_unchanged(l, after_one);
+  cl::step_record made_up;
+  made_up.pending = true;
+  made_up.step = l.steps();
+  made_up.loss_scale = 65536.0f;
+  EXPECT_EQ(l.finish_step(made_up).code(), cl::errc::invalid_argument);
+  expect_unchanged(l, after_one);
+  // A restore abandons the step in progress.
+  ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
+  ASSERT_TRUE(l.restore(after_one).ok());
+  EXPECT_EQ(l.finish_step(rec).code(), cl::errc::invalid_argument);
+  expect_unchanged(l, after_one);
+  // An edited gradient: the step is skipped, the scaler backs off, the temperature stays where it was.
+  ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
+  const float tau = l.temperature().tau();
+  rec.grad_logit_scale = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(l.finish_step(rec).ok());
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::grad_logit_scale);
+  EXPECT_EQ(l.temperature().tau(), tau);
+  EXPECT_STREQ(l.temperature().validate(), "");
+  ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
+  ASSERT_TRUE(l.finish_step(rec).ok());
+  EXPECT_FALSE(rec.skipped);
 }
 
 // The seed's failure on the materialized FP16 path: a scale large enough to push logits past 65504 is reported as a

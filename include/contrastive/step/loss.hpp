@@ -186,7 +186,9 @@ public:
   /// on every rank.
   status restore(const checkpoint& c)
   {
-    return detail::restore_checkpoint(c, temperature_, scaler_, step_, bias_);
+    CONTRASTIVE_RETURN_IF_ERROR(detail::restore_checkpoint(c, temperature_, scaler_, step_, bias_));
+    in_step_ = false; // a step in progress belonged to the state replaced: its record can no longer finish
+    return {};
   }
 
   /// Loss at the current temperature (and logit bias); per-row (and, symmetric, per-column) log-sum-exps if the
@@ -253,6 +255,7 @@ public:
     {
       rec.first_nonfinite = nonfinite_site::grad_logit_bias;
     }
+    in_step_ = true;
     return {};
   }
 
@@ -271,20 +274,36 @@ public:
   /// nothing (the record stays pending).
   status finish_step(step_record& rec)
   {
+    // The record must be this loss's step in progress: a copy of an already finished record (or one made up)
+    // would move the policies a second time.
+    const bool pending = rec.pending && in_step_ && rec.step == step_;
+    // The record is the caller's: a gradient edited to a non-finite value skips the step (on every rank) instead of
+    // reaching the temperature's optimizer state; forward_backward already records its own non-finite gradients.
+    nonfinite_site local = rec.first_nonfinite;
+    if (local == nonfinite_site::none && temperature_.wants_gradient() && !detail::finite(rec.grad_logit_scale))
+    {
+      local = nonfinite_site::grad_logit_scale;
+    }
+    if (local == nonfinite_site::none && bias_.is_learnable() && !detail::finite(rec.grad_logit_bias))
+    {
+      local = nonfinite_site::grad_logit_bias;
+    }
     if constexpr (driver_type::single)
     {
-      if (!rec.pending)
+      if (!pending)
       {
         return {errc::invalid_argument, "rec", "no step in progress, or finish_step already called for it"};
       }
+      rec.first_nonfinite = local;
     }
     else
     {
-      std::int32_t site = static_cast<std::int32_t>(rec.first_nonfinite);
+      std::int32_t site = static_cast<std::int32_t>(local);
       CONTRASTIVE_RETURN_IF_ERROR(distributed::agreement::agree_on_finish(
-          driver_.communicator(), step_, driver_.iteration(), rec.pending, status{}, site));
+          driver_.communicator(), step_, driver_.iteration(), pending, status{}, site));
       rec.first_nonfinite = static_cast<nonfinite_site>(site);
     }
+    in_step_ = false;
     detail::finish_step<Element>(temperature_, scaler_, rec);
     if (!rec.skipped)
     {
@@ -332,5 +351,6 @@ private:
   Scaler scaler_;
   logit_bias bias_{};
   std::int64_t step_ = 0;
+  bool in_step_ = false; ///< a forward_backward succeeded and its finish_step has not run (record step_)
 };
 } // namespace contrastive
