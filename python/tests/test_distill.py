@@ -96,15 +96,17 @@ def test_distill_is_open_clips(open_clip_loss, chunk, monkeypatch, seed):
 @pytest.mark.parametrize("scales", [(100.0, 100.0), (50.0, 200.0)], ids=["clamp_100", "teacher_200"])
 @pytest.mark.parametrize("chunk", [None, 7 * 40], ids=["one_chunk", "chunks_of_7_rows"])
 def test_distill_at_large_scales_as_accurate_as_open_clip(open_clip_loss, scales, chunk, monkeypatch, seed):
-    """At open_clip's clamp of the logit scale (100) and a teacher beyond it, float32, 8 draws: each output's median
-    error from float64 within twice open_clip's float32 median (each log-sum-exp is kept as (shift, log of the sum):
+    """At open_clip's clamp of the logit scale (100) and a teacher beyond it, float32, 16 draws: each output's median
+    error from float64 within 3x open_clip's float32 median (each log-sum-exp is kept as (shift, log of the sum):
     their float32 sum would put |logit| x eps into every probability, 5x open_clip's error on the teacher's
-    gradients). A draw's error against open_clip's varies about 3x either way, so the medians are compared."""
+    gradients). A draw's error against open_clip's varies about 3x either way; over 150 draws the two medians are
+    within 10% of each other, and resampled 16 at a time their ratio stayed below 2.8 in 20000 tries (below 4.1 for 8
+    draws, which made 2x at 8 draws fail one run in 30)."""
     if chunk is not None:
         monkeypatch.setattr(_distill, "CHUNK_ELEMENTS", chunk)
     s, t = scales
     errors = {"ours": [], "open_clip": []}
-    for draw in range(8):
+    for draw in range(16):
         inputs = _draw(40, 16, 24, seed + draw)
         exact = _reference(inputs, s, t)
         t_terms = _teacher_scale_terms(inputs, s, t)
@@ -114,7 +116,7 @@ def test_distill_at_large_scales_as_accurate_as_open_clip(open_clip_loss, scales
                                 for name, a, c in zip(NAMES, got, exact)])
     ours, theirs = (torch.tensor(errors[who]).median(0).values for who in ("ours", "open_clip"))
     for name, a, b in zip(NAMES, ours.tolist(), theirs.tolist()):
-        assert a <= 2 * b + 2 * EPS32, f"{name}: median {a / EPS32:.1f} eps32 from float64, open_clip's " \
+        assert a <= 3 * b + 2 * EPS32, f"{name}: median {a / EPS32:.1f} eps32 from float64, open_clip's " \
             f"{b / EPS32:.1f} (s {s}, t {t}, seed {seed})"
 
 
