@@ -89,25 +89,19 @@ struct chunked
 /// it), or what `set_memory_budget` sets.
 /// Accuracy: materialized rounds A = Q K^T and S = s A to the element type, as frameworks' autocast does, so a logit
 /// is off by up to |S| u / 2 (u: the element type's relative spacing, 2^-8 for bfloat16; |S| <= s for L2-normalised
-/// features) and its gradients' error grows with s; fused keeps every logit in float. So: float runs materialized
-/// whenever it fits (its logits are float); bfloat16 only while s <= `max_element_logit_scale` (128: every logit
-/// |S| <= 128 lies in bfloat16's binade [64, 128] or below, rounded by at most 1/4, the bound PyTorch's autocast has
-/// at open_clip's clamp s = 100, whose float32 exp(ln 100) = 100.0000076 it admits; measured on N = 1000, D = 512
-/// (loss_test's AutomaticAccuracy, docs/algorithms.md): dQ within 0.016 of float64 at s = 100 where fused is within
-/// 0.004, and 0.12 against 0.003 at s = 2000); __half always fused (materialized float16 logits overflow at large
-/// logit scales: the fp16 collapse). s is the call's, so a learnable temperature that crosses the threshold changes
-/// the choice from one step to the next. `algorithm_used()` of the loss names the algorithm the last call ran,
-/// `materializes(p, s)` the one a call would run now. On the device (device/chunked.cuh) automatic is the chunked loss
-/// sized by memory, whose logits are float at any s. Not one of `all`, the concrete algorithms the bindings dispatch
-/// on.
+/// features), and softmax(S) by that much relatively. On a batch the model has learned (each key next to its query)
+/// the gradient is the small difference softmax(S) - target, and that rounding is all of it: measured on bfloat16
+/// (loss_test's AutomaticAccuracy, docs/algorithms.md), dQ 0.6-1.0 off float64 at s = 100 where fused, whose
+/// logits are float, is 0.004 off. So: float runs materialized whenever it fits (its logits are float); bfloat16 and
+/// __half always fused (float16's logits also overflow at large logit scales: the fp16 collapse); pick
+/// `materialized` explicitly for autocast's numerics and its 6/8 of fused's flops. `algorithm_used()` of the loss
+/// names the algorithm the last call ran, `materializes(p, s)` the one a call would run now. On the device
+/// (device/chunked.cuh) automatic is the chunked loss sized by memory, whose logits are float at any s. Not one of
+/// `all`, the concrete algorithms the bindings dispatch on.
 struct automatic
 {
   static constexpr const char* name = "automatic"; ///< its name in messages
-  static constexpr bool element_logits = false;    ///< decided per call (materialized: yes, fused: no)
-  /// 16-bit (bfloat16) elements: the largest logit scale s at which automatic may run materialized, 2^7 (its logits
-  /// then round by at most 1/4, as autocast's do at open_clip's clamp s = 100; above it they cost more, and fused
-  /// runs).
-  static constexpr float max_element_logit_scale = 128.0f;
+  static constexpr bool element_logits = false;    ///< never: 16-bit runs fused, float's materialized logits are float
 };
 
 /// Every algorithm, in the order the bindings list them: the one table their names come from.

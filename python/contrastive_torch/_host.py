@@ -43,12 +43,12 @@ _last = threading.local()
 
 
 def set_memory_budget(bytes=0):
-    """The memory budget of algorithm=None (the library's algorithm::automatic). On CPU tensors a call runs
-    'materialized' (the n x n logits in the features' dtype: 6 n^2 d flops, the fastest host path) when its buffers fit
-    `bytes`, else 'fused' (8 n^2 d flops, memory O(n d) at any batch); float16 is always 'fused' (its logits overflow
-    at large scales) and bfloat16 'materialized' only while logit_scale <= 128. On CUDA tensors a call keeps every
-    row's float logits in one chunk (6 n^2 d flops) when that workspace fits `bytes`, else it runs 'chunked' with
-    4096-row chunks (8 n^2 d flops, about 2 GiB at n = 65536, d = 768). 0, the default: a quarter of the memory
+    """The memory budget of algorithm=None (the library's algorithm::automatic). On CPU tensors a float32 call runs
+    'materialized' (the n x n float logits: 6 n^2 d flops, the fastest host path) when its buffers fit `bytes`, else
+    'fused' (8 n^2 d flops, memory O(n d) at any batch); float16 and bfloat16 always run 'fused' (logits rounded to
+    16 bits cost a learned batch's gradients all their digits; float16's also overflow). On CUDA tensors a call keeps
+    every row's float logits in one chunk (6 n^2 d flops) when that workspace fits `bytes`, else it runs 'chunked'
+    with 4096-row chunks (8 n^2 d flops, about 2 GiB at n = 65536, d = 768). 0, the default: a quarter of the memory
     available at each call (the operating system's on the CPU, the device's free memory on CUDA)."""
     global _budget
     from . import _checks

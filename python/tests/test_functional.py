@@ -161,7 +161,7 @@ def test_no_gradients_wanted_and_a_retained_graph(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_algorithm_none_is_materialized_within_the_budget_else_fused(seed, dtype):
     """algorithm=None on CPU tensors: the library's algorithm::automatic, bit for bit the algorithm it names in the
-    report (materialized within the memory budget, fused beyond it; float16 always fused), modules alike."""
+    report (float32 materialized within the memory budget, fused beyond it; 16-bit always fused), modules alike."""
     q, k = unit(70, 24, seed, dtype), unit(70, 24, seed + 1, dtype)
     keys = unit(90, 24, seed + 2, dtype)
     labels = torch.randint(0, 90, (70,), generator=torch.Generator().manual_seed(seed))
@@ -169,7 +169,7 @@ def test_algorithm_none_is_materialized_within_the_budget_else_fused(seed, dtype
         for budget in (0, 1 << 40, 1):
             ct.set_memory_budget(budget)
             assert ct.memory_budget() == budget
-            want = "fused" if budget == 1 or dtype == torch.float16 else "materialized"
+            want = "materialized" if budget != 1 and dtype == torch.float32 else "fused"
             calls = [(lambda *a, **kw: CF.clip_loss(*a, **kw), (q, k, 14.0)),
                      (lambda *a, **kw: CF.info_nce_loss(*a, **kw), (q, keys, 14.0, labels))]
             for fn, inputs in calls:
@@ -187,13 +187,15 @@ def test_algorithm_none_is_materialized_within_the_budget_else_fused(seed, dtype
         ct.set_memory_budget(0)
 
 
-def test_algorithm_none_weighs_the_logit_scale_for_bfloat16():
-    """bfloat16 CPU features: materialized rounds the logits to bfloat16, so algorithm=None runs it only while
-    logit_scale <= 128 (open_clip's clamp, 100, included) and fused above; float32 keeps materialized at any scale."""
+def test_algorithm_none_runs_fused_for_16bit():
+    """16-bit CPU features: materialized rounds the logits to the features' dtype, which on a learned batch is the
+    size of the gradient itself, so algorithm=None runs fused at every logit scale (open_clip's clamp, 100, included);
+    float32 keeps materialized at any scale."""
     try:
         ct.set_memory_budget(1 << 40)
-        for dtype, scale, want in ((torch.bfloat16, 100.0, "materialized"), (torch.bfloat16, 300.0, "fused"),
-                                   (torch.bfloat16, 2000.0, "fused"), (torch.float32, 2000.0, "materialized")):
+        for dtype, scale, want in ((torch.bfloat16, 10.0, "fused"), (torch.bfloat16, 100.0, "fused"),
+                                   (torch.bfloat16, 2000.0, "fused"), (torch.float16, 10.0, "fused"),
+                                   (torch.float32, 2000.0, "materialized")):
             q, k = unit(40, 16, 3, dtype), unit(40, 16, 4, dtype)
             report = {}
             got = grads(lambda *a: CF.clip_loss(*a, report=report), q, k, scale)

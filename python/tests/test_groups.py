@@ -102,7 +102,7 @@ def test_matches_the_float64_reference(objective, algorithm, dtype, kind):
         assert float(loss) == 0.0 and not dq.any() and not dk.any() and float(ds) == 0.0
         return
     u = torch.finfo(dtype).eps / 2
-    # Loss: float accumulation, plus (bfloat16, algorithm None or 'materialized') logits rounded to bfloat16.
+    # Loss: float accumulation, plus (bfloat16, algorithm 'materialized') logits rounded to bfloat16.
     want = want.detach()
     assert abs(float(loss) - float(want)) <= (1e-5 + 8 * u * s) * (1 + abs(float(want))), (float(loss), float(want))
     for name, got, ref in (("dq", dq, q64.grad), ("dk", dk, k64.grad)):

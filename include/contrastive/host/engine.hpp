@@ -106,26 +106,13 @@ public:
   {
     return memory_budget_ != 0 ? memory_budget_ : default_memory_budget(bytes_held());
   }
-  /// algorithm::automatic's accuracy rule: whether materialized's element-type logits are accurate enough at logit
-  /// scale `s` (algorithm::automatic): float always (its logits are float); bfloat16 while
-  /// s <= algorithm::automatic::max_element_logit_scale (not for a NaN s); __half never (float16 logits overflow at
-  /// large logit scales).
+  /// algorithm::automatic's accuracy rule: whether materialized's logits are as accurate as fused's at logit scale
+  /// `s`: float's always (they are float); 16-bit's never, at any s (rounded to the element type, they are all of a
+  /// learned batch's gradient, tags.hpp's algorithm::automatic; float16's also overflow).
   static constexpr bool materialized_accurate_at(float s) noexcept
   {
-    if constexpr (std::is_same_v<T, float>)
-    {
-      (void)s;
-      return true;
-    }
-    else if constexpr (std::is_same_v<T, __half>)
-    {
-      (void)s;
-      return false;
-    }
-    else
-    {
-      return s <= algorithm::automatic::max_element_logit_scale;
-    }
+    (void)s;
+    return std::is_same_v<T, float>;
   }
   /// algorithm::automatic's memory rule: whether materialized's buffers for `p` fit memory_budget().
   template <class Problem>
@@ -180,14 +167,14 @@ public:
   ///               B nk_pad, the dK accumulator nk_pad dp [+ 2 n_k running column statistics]
   /// `outputs_known`: the forward_backward case of `prepare` (its dq and dk given), where the sigmoid objective's
   /// fused accumulators can be the caller's float outputs. algorithm::automatic: the most a call on `p` can hold
-  /// (materialized's where they fit the budget and the element type allows materialized at some logit scale, else
-  /// fused's); the bytes of one call's choice are those of the algorithm `decide` returns.
+  /// (materialized's where the element type runs it, float, and they fit the budget, else fused's); the bytes of one
+  /// call's choice are those of the algorithm `decide` returns.
   template <class Algorithm, class Problem>
   detail::checked_size bytes_for(const Problem& p, bool outputs_known = false) const noexcept
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      // The most a call on p can hold: materialized's bytes where some logit scale allows it (s -> 0) and they fit.
+      // The most a call on p can hold: materialized's bytes where the accuracy rule allows it and they fit.
       return materializes(p, outputs_known, 0.0f) ? bytes_for<algorithm::materialized>(p, outputs_known)
                                                   : bytes_for<algorithm::fused>(p, outputs_known);
     }
@@ -289,7 +276,7 @@ public:
   {
     if constexpr (std::is_same_v<Algorithm, algorithm::automatic>)
     {
-      // Without a `decide` the logit scale is unknown: taken as unbounded (16-bit elements run fused).
+      // Without a `decide` the logit scale is unknown (the rule does not weigh it: 16-bit elements run fused).
       const bool m = decided_ >= 0
                          ? decided_ == 1
                          : materializes(p, dq != nullptr && dk != nullptr, std::numeric_limits<float>::infinity());

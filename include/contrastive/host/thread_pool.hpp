@@ -20,6 +20,7 @@
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
+#include <sys/resource.h>
 #include <unistd.h>
 #endif
 
@@ -53,8 +54,9 @@ inline bool read_file_number(const char* path, unsigned long long& value) noexce
 
 /// Bytes of memory the operating system reports available to a new allocation now: Linux's MemAvailable (free memory
 /// plus what the page cache would give back), lowered to what the process's control group still allows (cgroup v2
-/// memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes: a container's limit), else free
-/// physical pages (sysconf), else 0 (unknown).
+/// memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes: a container's limit) and to the
+/// address-space limit's room (RLIMIT_AS, `ulimit -v`, less what the process maps), else free physical pages
+/// (sysconf), else 0 (unknown).
 inline std::size_t available_memory_bytes() noexcept
 {
 #if defined(__linux__)
@@ -83,7 +85,7 @@ inline std::size_t available_memory_bytes() noexcept
     }
     std::fclose(f);
   }
-  std::size_t cgroup_room = static_cast<std::size_t>(-1);
+  std::size_t room = static_cast<std::size_t>(-1);
   for (const std::string& dir : {v2, std::string("/sys/fs/cgroup"), v1, std::string("/sys/fs/cgroup/memory")})
   {
     const bool is_v1 = dir.compare(0, 21, "/sys/fs/cgroup/memory") == 0;
@@ -92,7 +94,20 @@ inline std::size_t available_memory_bytes() noexcept
         read_file_number((dir + (is_v1 ? "/memory.usage_in_bytes" : "/memory.current")).c_str(), used))
     {
       // v1's "no limit" is a huge number, v2's the word "max" (not read): either leaves the room unbounded.
-      cgroup_room = std::min(cgroup_room, static_cast<std::size_t>(limit > used ? limit - used : 0));
+      room = std::min(room, static_cast<std::size_t>(limit > used ? limit - used : 0));
+    }
+  }
+  // The process's address-space limit (ulimit -v, RLIMIT_AS) less the address space it maps now (/proc/self/statm).
+  struct rlimit as_limit;
+  if (getrlimit(RLIMIT_AS, &as_limit) == 0 && as_limit.rlim_cur != RLIM_INFINITY)
+  {
+    unsigned long long mapped_pages = 0;
+    const long page = sysconf(_SC_PAGESIZE);
+    if (read_file_number("/proc/self/statm", mapped_pages) && page > 0)
+    {
+      const unsigned long long mapped = mapped_pages * static_cast<unsigned long long>(page);
+      const unsigned long long cap = static_cast<unsigned long long>(as_limit.rlim_cur);
+      room = std::min(room, static_cast<std::size_t>(cap > mapped ? cap - mapped : 0));
     }
   }
   if (std::FILE* f = std::fopen("/proc/meminfo", "r"))
@@ -107,7 +122,7 @@ inline std::size_t available_memory_bytes() noexcept
     std::fclose(f);
     if (found)
     {
-      return std::min(static_cast<std::size_t>(kib) * 1024u, cgroup_room);
+      return std::min(static_cast<std::size_t>(kib) * 1024u, room);
     }
   }
 #endif

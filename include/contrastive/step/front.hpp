@@ -54,8 +54,7 @@ public:
     return driver_.memory_budget();
   }
   /// algorithm::automatic: whether a call on `p` at logit scale `s` (s = 1/tau) now would run materialized (false for
-  /// the other algorithms): its buffers fit the memory budget and, for bfloat16, s <= 128
-  /// (algorithm::automatic::max_element_logit_scale).
+  /// the other algorithms): float whose buffers fit the memory budget (16-bit elements run fused at any s).
   bool materializes(const problem_type& p, float s) const noexcept
   {
     return driver_.materializes(p, s);
