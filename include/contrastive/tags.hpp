@@ -81,23 +81,24 @@ struct chunked
   static constexpr bool element_logits = false;  ///< float chunks of logits (on the device: device/chunked.cuh)
 };
 
-/// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget and
-/// its element-type logits are accurate enough at the call's logit scale s, else `fused`. Materialized executes
-/// 6 n_q n_k d flops to fused's 8 and is the faster host algorithm wherever its n_q n_k logits fit; fused needs
-/// O((n_q + n_k) d) memory at any batch. The budget is a quarter of the memory the operating system reports available
-/// at the call (Linux: MemAvailable within the cgroup's limit; what the loss holds already counts as available to
-/// it), or what `set_memory_budget` sets.
-/// Accuracy: materialized rounds A = Q K^T and S = s A to the element type, as frameworks' autocast does, so a logit
-/// is off by up to |S| u / 2 (u: the element type's relative spacing, 2^-8 for bfloat16; |S| <= s for L2-normalised
-/// features), and softmax(S) by that much relatively. On a batch the model has learned (each key next to its query)
-/// the gradient is the small difference softmax(S) - target, and that rounding is all of it: measured on bfloat16
-/// (loss_test's AutomaticAccuracy, docs/algorithms.md), dQ 0.6-1.0 off float64 at s = 100 where fused, whose
-/// logits are float, is 0.004 off. So: float runs materialized whenever it fits (its logits are float); bfloat16 and
-/// __half always fused (float16's logits also overflow at large logit scales: the fp16 collapse); pick
-/// `materialized` explicitly for autocast's numerics and its 6/8 of fused's flops. `algorithm_used()` of the loss
-/// names the algorithm the last call ran, `materializes(p, s)` the one a call would run now. On the device
-/// (device/chunked.cuh) automatic is the chunked loss sized by memory, whose logits are float at any s. Not one of
-/// `all`, the concrete algorithms the bindings dispatch on.
+/// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget and its
+/// logits are float (float elements), else `fused`. Materialized executes 6 n_q n_k d flops to fused's 8 and is the
+/// faster host algorithm wherever its n_q n_k logits fit; fused needs O((n_q + n_k) d) memory at any batch. The budget
+/// is a quarter of the memory the operating system reports available at the call (Linux: MemAvailable within the
+/// cgroup's and the address-space limits; what the loss holds already counts as available to it), or what
+/// `set_memory_budget` sets.
+/// Accuracy: materialized rounds A = Q K^T and S = s A to the element type, as frameworks' autocast does, so a logit is
+/// off by up to |S| u / 2 (u: the element type's relative spacing, 2^-8 for bfloat16; |S| <= s for L2-normalised
+/// features), and softmax(S) by that much relatively. On a batch the model has learned (each key next to its query) the
+/// gradient is the small difference softmax(S) - target, and that rounding is a large part of it: measured on bfloat16
+/// at s = 100 (docs/algorithms.md), dQ 0.079 off float64 on loss_test's AutomaticAccuracy learned batch and up to 1.0
+/// on closer keys (scripts/bf16_trained_accuracy.py), where fused, whose logits are float, is 0.004 off. So: float runs
+/// materialized whenever it fits (its logits are float); bfloat16 and __half always fused (float16's logits also
+/// overflow at large logit scales: the fp16 collapse); pick `materialized` explicitly for autocast's numerics and its
+/// 6/8 of fused's flops. `algorithm_used()` of the loss names the algorithm the last call ran, `materializes(p, s)` the
+/// one a call would run now (s is not weighed by any host rule today). On the device (device/chunked.cuh) automatic is
+/// the chunked loss sized by memory, whose logits are float at any s. Not one of `all`, the concrete algorithms the
+/// bindings dispatch on.
 struct automatic
 {
   static constexpr const char* name = "automatic"; ///< its name in messages
