@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 
@@ -334,6 +336,73 @@ TEST(BadInput, StepProtocolMisuse)
   expect_unchanged(l, after);
   float out[1];
   EXPECT_EQ(l.backward(d.dq.data(), d.dk.data(), out[0]).code(), cl::errc::invalid_argument);
+}
+
+// An output over the labels or group ids (which the backward reads again) is refused naming the output, before
+// anything is written: the ids, the other output and the policy state stay as they were.
+TEST(BadInput, OutputsOverlappingLabelsOrGroupIdsAreRefused)
+{
+  fixture_data d;
+  half_loss l(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch());
+  const half_loss::checkpoint before = l.save();
+  static_assert(alignof(std::int64_t) <= alignof(std::max_align_t));
+  // Scratch outputs that hold the ids in their bytes (n * dim halves = 576 bytes: room for n int64 ids).
+  std::vector<std::int64_t> dq_storage(d.n * d.dim / 4, 0), dk_storage(d.n * d.dim / 4, 0);
+  auto* dq = reinterpret_cast<__half*>(dq_storage.data());
+  auto* dk = reinterpret_cast<__half*>(dk_storage.data());
+  struct bad_case
+  {
+    const char* ids;
+    const char* output;
+  };
+  for (const bad_case c : {bad_case{"labels", "dq"},
+                           bad_case{"labels", "dk"},
+                           bad_case{"query_groups", "dq"},
+                           bad_case{"key_groups", "dk"},
+                           bad_case{"key_groups", "dq"}})
+  {
+    SCOPED_TRACE(std::string(c.output) + " over " + c.ids);
+    cl::problem<__half> p = d.problem();
+    p.obj = cl::objective::info_nce;
+    std::vector<std::int64_t>& over = std::string(c.output) == "dq" ? dq_storage : dk_storage;
+    std::vector<std::int64_t>& other = &over == &dq_storage ? dk_storage : dq_storage;
+    std::fill(over.begin(), over.end(), 0);
+    std::fill(other.begin(), other.end(), 7);
+    std::vector<std::int64_t> groups(d.n);
+    for (std::size_t i = 0; i < d.n; ++i)
+    {
+      groups[i] = static_cast<std::int64_t>(i % 5); // valid ids: every row has a positive
+    }
+    if (std::string(c.ids) == "labels")
+    {
+      auto* labels = reinterpret_cast<std::int32_t*>(over.data());
+      for (std::size_t i = 0; i < d.n; ++i)
+      {
+        labels[i] = static_cast<std::int32_t>((i * 7) % d.n);
+      }
+      p.labels = labels;
+    }
+    else
+    {
+      std::copy(groups.begin(), groups.end(), over.begin());
+      p.query_groups = std::string(c.ids) == "query_groups" ? over.data() : groups.data();
+      p.key_groups = std::string(c.ids) == "key_groups" ? over.data() : groups.data();
+    }
+    const std::vector<std::int64_t> over_before = over, other_before = other;
+    cl::step_record rec;
+    const cl::status st = l.forward_backward(p, dq, dk, rec);
+    EXPECT_EQ(st.code(), cl::errc::invalid_argument) << st.message();
+    EXPECT_EQ(st.argument(), c.output);
+    EXPECT_NE(st.message().find(c.ids), std::string::npos) << st.message();
+    EXPECT_EQ(over, over_before);
+    EXPECT_EQ(other, other_before);
+    expect_unchanged(l, before);
+    // The same problem with separate outputs runs.
+    std::vector<__half> own_dq(d.n * d.dim), own_dk(d.n * d.dim);
+    EXPECT_TRUE(l.forward_backward(p, own_dq.data(), own_dk.data(), rec).ok());
+    EXPECT_TRUE(l.finish_step(rec).ok());
+    ASSERT_TRUE(l.restore(before).ok());
+  }
 }
 
 // finish_step takes only the loss's own step in progress: a copy of a finished record, a record made up without a

@@ -23,9 +23,10 @@ namespace contrastive
 template <class A>
 inline constexpr bool is_algorithm_v = algorithm::is_algorithm_v<A>;
 
-/// Checks that the gradient outputs dq (n_q x dim) and dk (n_k x dim) do not overlap each other or the inputs q and
-/// k: dq == dk would silently lose dQ, and an output over an input would be read after it is written. The sizes must
-/// already be known to fit (check_problem checks them first). `forward_backward` runs it through check_problem,
+/// Checks that the gradient outputs dq (n_q x dim) and dk (n_k x dim) do not overlap each other or the inputs: q, k,
+/// and the labels or group ids where given. dq == dk would silently lose dQ, and an output over an input would be read
+/// after it is written (the backward reads the labels and ids again). The sizes must already be known to fit
+/// (check_problem checks them first). `forward_backward` runs it through check_problem,
 /// `backward` on its own against the problem of the forward it finishes.
 template <class T>
 status check_outputs(const problem<T>& p, const void* dq, const void* dk)
@@ -49,7 +50,30 @@ status check_outputs(const problem<T>& p, const void* dq, const void* dk)
   {
     return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
   }
-  return {};
+  // The integer inputs, read again by the backward (null: not given, nothing to overlap).
+  const struct
+  {
+    const void* data;
+    std::size_t bytes;
+    const char* name;
+  } ids[] = {{p.labels, p.labels != nullptr ? p.n_q * sizeof(std::int32_t) : 0, "labels"},
+             {p.query_groups, p.query_groups != nullptr ? p.n_q * sizeof(std::int64_t) : 0, "query_groups"},
+             {p.key_groups, p.key_groups != nullptr ? p.n_k * sizeof(std::int64_t) : 0, "key_groups"}};
+  const auto over_ids = [&](const void* out, std::size_t out_bytes, const char* out_name) -> status
+  {
+    for (const auto& in : ids)
+    {
+      if (in.bytes != 0 && overlaps(out, out_bytes, in.data, in.bytes))
+      {
+        return {errc::invalid_argument,
+                out_name,
+                std::string(out_name) + " overlaps " + in.name + "; outputs must not alias inputs"};
+      }
+    }
+    return {};
+  };
+  CONTRASTIVE_RETURN_IF_ERROR(over_ids(dq, qb, "dq"));
+  return over_ids(dk, kb, "dk");
 }
 
 /// Every one of the n_q `labels` (null: the diagonal, nothing to read) indexes one of `n_keys` keys (`global`: the
@@ -173,9 +197,14 @@ status check_problem(const problem<T>& p,
             "n_k * dim * sizeof(element) = " + std::to_string(p.n_k) + " * " + std::to_string(p.dim) + " * " +
                 std::to_string(sizeof(T)) + " bytes does not fit in size_t"};
   }
-  if (!(detail::checked_size(p.n_q) * sizeof(std::int32_t)).ok())
+  // The integer inputs' bytes (int32 labels, int64 group ids), which check_outputs compares.
+  if (!(detail::checked_size(p.n_q) * sizeof(std::int64_t)).ok())
   {
-    return {errc::size_overflow, "n_q", "n_q labels do not fit in size_t bytes"};
+    return {errc::size_overflow, "n_q", "n_q labels or group ids do not fit in size_t bytes"};
+  }
+  if (!(detail::checked_size(p.n_k) * sizeof(std::int64_t)).ok())
+  {
+    return {errc::size_overflow, "n_k", "n_k group ids do not fit in size_t bytes"};
   }
   if (need_grads)
   {
