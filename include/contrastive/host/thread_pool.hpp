@@ -56,7 +56,8 @@ inline bool read_file_number(const char* path, unsigned long long& value) noexce
 /// plus what the page cache would give back), lowered to what the process's control group still allows (cgroup v2
 /// memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes: a container's limit) and to the
 /// address-space limit's room (RLIMIT_AS, `ulimit -v`, less what the process maps), else free physical pages
-/// (sysconf), else 0 (unknown).
+/// (sysconf), else 0 (unknown). A known amount is at least 1: no room at all (a cgroup at its limit, a process that
+/// maps its whole address-space limit) is 1 byte, not "unknown".
 inline std::size_t available_memory_bytes() noexcept
 {
 #if defined(__linux__)
@@ -122,7 +123,7 @@ inline std::size_t available_memory_bytes() noexcept
     std::fclose(f);
     if (found)
     {
-      return std::min(static_cast<std::size_t>(kib) * 1024u, room);
+      return std::max<std::size_t>(1, std::min(static_cast<std::size_t>(kib) * 1024u, room));
     }
   }
 #endif
@@ -130,7 +131,11 @@ inline std::size_t available_memory_bytes() noexcept
   const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   if (pages > 0 && page > 0)
   {
+#if defined(__linux__)
+    return std::max<std::size_t>(1, std::min(static_cast<std::size_t>(pages) * static_cast<std::size_t>(page), room));
+#else
     return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+#endif
   }
 #endif
   return 0;
