@@ -32,8 +32,8 @@ def algorithm(value, allow_none=False):
 
 def resolve_algorithm(value, device, distributed=False):
     """The softmax objectives' algorithm (`value` checked: None or a name in ALGORITHMS). None is 'automatic' in one
-    process: on the CPU the library's algorithm::automatic ('materialized' where its buffers fit the memory budget,
-    else 'fused'; float16 always 'fused'), on CUDA the device's (the chunked algorithm, its chunk chosen by a memory
+    process: on the CPU the library's algorithm::automatic (float32 'materialized' where its buffers fit the memory
+    budget, else 'fused'; bfloat16 and float16 always 'fused'), on CUDA the device's (the chunked algorithm, its chunk chosen by a memory
     budget: all logits in one chunk where they fit). Over a process group (`distributed`) None is 'fused' on the CPU
     (the distributed engine's algorithm) and 'chunked' on CUDA. 'automatic' itself is never a user's value."""
     value = algorithm(value, allow_none=True)

@@ -16,9 +16,9 @@ cast to it before the step (their gradients come back float32); logit_scale and 
 features are left as they are, and the loss is float32.
 
 Common keyword arguments:
-    algorithm  None (the default): the fastest path that fits. On CPU tensors 'materialized' where its buffers fit
-               the memory budget (contrastive_torch.set_memory_budget; default a quarter of the available memory),
-               else 'fused'; float16 always 'fused'. On CUDA tensors the device's automatic choice: 'chunked' with
+    algorithm  None (the default): the fastest path that fits. On CPU tensors float32 'materialized' where its
+               buffers fit the memory budget (contrastive_torch.set_memory_budget; default a quarter of the available
+               memory), else 'fused'; bfloat16 and float16 always 'fused' (their logits stay float32). On CUDA tensors the device's automatic choice: 'chunked' with
                its chunk chosen by a memory budget (all logits in one chunk where they fit). Over a group 'fused' on
                CPU tensors and 'chunked' on CUDA. SigLIP: 'fused' on the CPU, 'chunked' on CUDA. Or one of 'fused'
                (never the n x n logits: 8 n^2 d flops, memory O(n d)), 'materialized' (the logits in the features'
