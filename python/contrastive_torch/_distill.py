@@ -121,7 +121,9 @@ def _forward_with_grads(ctx, kernel, args, want):
     with torch.autocast(args[0].device.type, enabled=False):
         loss, grads = kernel(*args, need)
     ctx.grads = grads
-    ctx.inputs = args  # not saved tensors: only the anchors of a refused second derivative (not_twice)
+    # Not saved tensors: only the anchors of a refused second derivative (not_twice), so only those autograd
+    # differentiates (a frozen teacher's features, gathered over a group, are freed after the forward).
+    ctx.inputs = tuple(x for x, n in zip(args, ctx.needs_input_grad[2:2 + len(args)]) if n)
     ctx.meta = [(x.dtype, x.shape) for x in args]
     return loss
 
