@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -489,6 +490,47 @@ void rank_skipping_finish_step(Comm comm)
   EXPECT_EQ(rec.step, 2);
 }
 
+/// finish_step takes only each rank's step in progress: rank 1 hands in a copy of its already finished record while
+/// the others hand in their live ones, and every rank is refused naming rank 1, nothing changes, and the live records
+/// then finish together. A gradient of the temperature that rank 0's caller made non-finite skips the step on every
+/// rank: no rank's temperature moves.
+template <class Comm>
+void rank_finishing_a_stale_record(Comm comm)
+{
+  const int rank = comm.rank();
+  rank_rows rows(rank, comm.size());
+  out_of_step_loss<Comm> dist(comm, cl::temperature::learnable(0.07f, cl::optimizer::adam(1e-2f)), {}, 1);
+  cl::step_record rec;
+  ASSERT_TRUE(dist.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+  const cl::step_record finished_copy = rec;
+  ASSERT_TRUE(dist.finish_step(rec).ok());
+  ASSERT_TRUE(dist.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+  const float tau = dist.tau();
+  cl::step_record stale = finished_copy;
+  const cl::status st = dist.finish_step(rank == 1 ? stale : rec);
+  EXPECT_EQ(st.code(), cl::errc::invalid_argument) << st.message();
+  EXPECT_EQ(st.argument(), "rec");
+  EXPECT_NE(st.message().find("rank 1: no step in progress"), std::string::npos) << st.message();
+  EXPECT_TRUE(rec.pending);
+  EXPECT_EQ(dist.steps(), 1);
+  EXPECT_EQ(dist.tau(), tau);
+  ASSERT_TRUE(dist.finish_step(rec).ok());
+  EXPECT_FALSE(rec.skipped);
+  EXPECT_EQ(dist.steps(), 2);
+  EXPECT_NE(dist.tau(), tau);
+  // A caller-edited non-finite gradient on one rank: every rank skips.
+  ASSERT_TRUE(dist.forward_backward(rows.problem(), rows.dq.data(), rows.dk.data(), rec).ok());
+  const float tau2 = dist.tau();
+  if (rank == 0)
+  {
+    rec.grad_logit_scale = std::numeric_limits<float>::infinity();
+  }
+  ASSERT_TRUE(dist.finish_step(rec).ok());
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(rec.first_nonfinite, cl::nonfinite_site::grad_logit_scale);
+  EXPECT_EQ(dist.tau(), tau2);
+}
+
 /// A rank restored from another checkpoint (its step count differs) is refused on every rank at the next call.
 template <class Comm>
 void rank_restored_elsewhere(Comm comm)
@@ -677,6 +719,7 @@ TEST(Distributed, OutOfStepRanksAreRefusedOnEveryRank)
   ASSERT_GE(world_size(), 2);
   rank_skipping_a_step(comm_t{});
   rank_skipping_finish_step(comm_t{});
+  rank_finishing_a_stale_record(comm_t{});
   rank_restored_elsewhere(comm_t{});
   rank_with_other_scalars(comm_t{});
   mixed_step_forms(comm_t{});
@@ -699,6 +742,11 @@ TEST(ThreadRanks, OutOfStepRanksAreRefusedOnEveryRank)
                   [](ct::thread_comm c)
                   {
                     rank_skipping_finish_step(c);
+                  });
+    ct::run_ranks(ranks,
+                  [](ct::thread_comm c)
+                  {
+                    rank_finishing_a_stale_record(c);
                   });
     ct::run_ranks(ranks,
                   [](ct::thread_comm c)
