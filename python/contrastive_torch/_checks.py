@@ -33,9 +33,10 @@ def algorithm(value, allow_none=False):
 def resolve_algorithm(value, device, distributed=False):
     """The softmax objectives' algorithm (`value` checked: None or a name in ALGORITHMS). None is 'automatic' in one
     process: on the CPU the library's algorithm::automatic (float32 'materialized' where its buffers fit the memory
-    budget, else 'fused'; bfloat16 and float16 always 'fused'), on CUDA the device's (the chunked algorithm, its chunk chosen by a memory
-    budget: all logits in one chunk where they fit). Over a process group (`distributed`) None is 'fused' on the CPU
-    (the distributed engine's algorithm) and 'chunked' on CUDA. 'automatic' itself is never a user's value."""
+    budget, else 'fused'; bfloat16 and float16 always 'fused'), on CUDA the device's (the chunked algorithm, its
+    chunk chosen by a memory budget: all logits in one chunk where they fit). Over a process group (`distributed`)
+    None is 'fused' on the CPU (the distributed engine's algorithm) and 'chunked' on CUDA. 'automatic' itself is never
+    a user's value."""
     value = algorithm(value, allow_none=True)
     if value is not None:
         return value
@@ -138,10 +139,22 @@ def dense(name, x):
         raise TypeError(f"{name}: layout {layout}; a dense tensor is expected (call .to_dense())")
 
 
+def no_tangent(name, x):
+    """Refuses a dual tensor of torch.autograd.forward_ad (naming the argument): the losses' derivatives are reverse
+    mode only, and a tangent would otherwise be dropped without a word (a jvp of None, a jacfwd of zeros)."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) >= 0 and not compiling() and \
+            forward_ad.unpack_dual(x).tangent is not None:
+        raise NotImplementedError(f"{name}: has a forward-mode tangent (torch.autograd.forward_ad); the losses are "
+                                  "differentiable in reverse mode only (backward(), torch.autograd.grad)")
+
+
 def features(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     dense(name, x)
+    no_tangent(name, x)
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D tensor (batch x dim), got shape {tuple(x.shape)}")
     if x.device.type == "cuda" and not torch.cuda.is_available():
@@ -159,7 +172,12 @@ def feature_pair(q, k, names):
     features(names[0], q)
     features(names[1], k)
     if q.dtype != k.dtype:
-        raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype})")
+        from ._ops import autocast_dtype  # (_ops imports this module)
+
+        # Inside autocast both become the region's dtype (autocast_features), as torch.matmul's operands do.
+        if autocast_dtype(q.device.type) is None:
+            raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype}; inside torch.autocast both would run "
+                            "at its dtype)")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
     if q.device != k.device:
@@ -172,6 +190,7 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
     copy: the gradient reaches the parameter where it lives); an integer tensor becomes float32. Its value is not
     read."""
     if isinstance(value, torch.Tensor):
+        no_tangent(name, value)
         if value.numel() != 1:
             extra = " (a per-logit bias is not supported)" if name == "logit_bias" else ""
             raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")

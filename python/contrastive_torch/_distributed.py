@@ -270,6 +270,7 @@ class _EngineFunction(torch.autograd.Function):
             raise
         ctx.key, ctx.handle, ctx.group, ctx.scale, ctx.c, ctx.report = key, handle, group, scale, c, report
         ctx.params = (logit_scale, logit_bias)
+        ctx.anchors = (q, k)  # not_twice's: a second derivative towards the features or upstream reaches the refusal
         loss = torch.tensor(value, dtype=torch.float32)
         _report(report, loss, handle)
         if not any(ctx.needs_input_grad[:4]):
@@ -315,7 +316,8 @@ class _EngineFunction(torch.autograd.Function):
         if dbias is not None and ctx.needs_input_grad[3] and bias_param is not None:
             d_bias = (dbias / c).to(device=bias_param.device, dtype=bias_param.dtype).reshape(bias_param.shape)
         # Under create_graph=True: gradients whose second derivative raises (they hang off no graph).
-        grads = _ops.not_twice("distributed engine (exchange='engine')", (dq, dk, d_scale, d_bias), ctx.params)
+        grads = _ops.not_twice("distributed engine (exchange='engine')", (dq, dk, d_scale, d_bias),
+                               ctx.params + ctx.anchors)
         return grads + (None,) * 7
 
 

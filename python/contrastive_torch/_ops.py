@@ -96,13 +96,16 @@ def autocast_dtype(device_type):
 
 def autocast_features(q, k, device_type=None):
     """q and k as an autocast region runs them: float32 features on an autocast-enabled device type become its dtype
-    (a differentiable cast: their gradients come back float32); anything else is returned as it is. `device_type`:
+    (a differentiable cast: their gradients come back float32); features of two dtypes (a bfloat16 tower beside a
+    float32 one) both become it, as torch.matmul's operands do; anything else is returned as it is. `device_type`:
     the type whose autocast state is read (default: q's device type)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         return q, k
     dtype = autocast_dtype(device_type or q.device.type)
     if dtype is None:
         return q, k
+    if q.dtype != k.dtype and q.is_floating_point() and k.is_floating_point():
+        return q.to(dtype), k.to(dtype)
     return tuple(x.to(dtype) if x.dtype == torch.float32 else x for x in (q, k))
 
 
@@ -246,8 +249,9 @@ def _param_grad(value, param):
 
 def _rerun_inputs(q, k, *positives):
     """What a step saves for feature_grads' rerun: the features and what gives the positives (labels, or the two group
-    ids) when float16, else nothing (so that bfloat16 and float32 inputs are neither kept alive nor checked for
-    in-place changes by the backward, and ids made under torch.inference_mode() are accepted). float16 keeps its own
+    ids) when float16, else nothing (so that bfloat16 and float32 inputs are not checked for in-place changes by the
+    backward, and ids made under torch.inference_mode() are accepted; features that want gradients are referenced,
+    not saved, by _anchor_features). float16 keeps its own
     copy of the labels or ids (n integers): the rerun uses the forward's positives, as the other dtypes' backward
     does, whatever the caller does to its tensor in between (an in-place edit made autograd's version check raise),
     and ids made under torch.inference_mode(), which autograd cannot save, are taken."""
@@ -262,6 +266,13 @@ def _no_grads(ctx):
                            "ran), so it has no gradients to give")
 
 
+def _anchor_features(ctx, q, k):
+    """The features, kept (as references, not saved tensors: no version check) as anchors of not_twice, so that a
+    second derivative towards them or anything upstream (a gradient penalty on the towers' weights, a Hessian in the
+    features) passes through the refusing node instead of finding no path and silently dropping the loss's part."""
+    ctx.anchors = tuple(x for x in (q, k) if isinstance(x, torch.Tensor) and x.requires_grad)
+
+
 def _only_the_loss(ctx, output):
     """The loss is the steps' one differentiable output: the saved gradients and the diagnosis are not, and autograd
     does not make zero gradients for them (16 MiB at N = 4096, D = 512 in float32, a peak the backward needs not)."""
@@ -271,6 +282,7 @@ def _only_the_loss(ctx, output):
 
 def _softmax_setup_context(ctx, inputs, output):
     q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tiles, grads = inputs
+    _anchor_features(ctx, q, k)
     _loss, dq, dk, dlogs, _max_logit, _site = output
     _only_the_loss(ctx, output)
     ctx.grads = grads
@@ -291,6 +303,7 @@ def _softmax_backward(ctx, grad, *_unused):
 
 def _sigmoid_setup_context(ctx, inputs, output):
     q, k, logit_scale, logit_bias, algorithm, threads, grads = inputs
+    _anchor_features(ctx, q, k)
     _loss, dq, dk, dlogs, dbias, _max_logit, _site = output
     _only_the_loss(ctx, output)
     ctx.grads = grads
@@ -313,6 +326,7 @@ def _sigmoid_backward(ctx, grad, *_unused):
 
 def _grouped_softmax_setup_context(ctx, inputs, output):
     q, k, logit_scale, query_groups, key_groups, symmetric, algorithm, threads, grads = inputs
+    _anchor_features(ctx, q, k)
     _only_the_loss(ctx, output)
     ctx.grads = grads
     ctx.save_for_backward(*_rerun_inputs(q, k, query_groups, key_groups), *output[1:4], logit_scale)
@@ -332,6 +346,7 @@ def _grouped_softmax_backward(ctx, grad, *_unused):
 
 def _grouped_sigmoid_setup_context(ctx, inputs, output):
     q, k, logit_scale, logit_bias, query_groups, key_groups, algorithm, threads, grads = inputs
+    _anchor_features(ctx, q, k)
     _only_the_loss(ctx, output)
     ctx.grads = grads
     ctx.save_for_backward(*_rerun_inputs(q, k, query_groups, key_groups), *output[1:5], logit_scale, logit_bias)
@@ -447,7 +462,7 @@ def _differentiable_once(name, backward):
             return backward(ctx, *grads_in)
         with torch.no_grad():
             out = backward(ctx, *grads_in)
-        return not_twice(name, out, ctx.saved_tensors)
+        return not_twice(name, out, ctx.saved_tensors + getattr(ctx, "anchors", ()))
 
     formula.__name__ = backward.__name__
     return formula

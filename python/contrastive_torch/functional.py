@@ -13,7 +13,8 @@ tensors its device step; eager and torch.compile calls run the same operators (c
 
 Under torch.autocast (CPU or CUDA), float32 features run at the region's dtype, as torch.matmul's would: they are
 cast to it before the step (their gradients come back float32); logit_scale and logit_bias stay float32, 16-bit
-features are left as they are, and the loss is float32.
+features are left as they are (features of two dtypes both run at the region's dtype, as torch.matmul's operands),
+and the loss is float32.
 
 Common keyword arguments:
     algorithm  None (the default): the fastest path that fits. On CPU tensors float32 'materialized' where its

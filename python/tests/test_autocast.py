@@ -148,6 +148,35 @@ def test_the_modules_loss_dtype_is_open_clips(features, region):
         assert abs(float(got) - float(want)) <= tol * abs(float(want)) + 1e-2, (type(ours).__name__, features, region)
 
 
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.float16, torch.float32)], ids=["bf16-f32", "f32-bf16", "f16-f32"])
+def test_features_of_two_dtypes_run_at_the_autocast_dtype(dtypes):
+    """A bfloat16 tower beside a float32 one (a locked tower, a last op autocast keeps in float32): inside a bfloat16
+    region both features run at bfloat16, as torch.matmul's operands do and open_clip's loss accepts them; bit for bit
+    the loss on both cast beforehand, each gradient in its own features' dtype, the modules' loss of open_clip's dtype.
+    Outside autocast two dtypes stay refused, naming the features."""
+    q, k = unit(32, 24, 7).to(dtypes[0]), unit(40, 24, 8).to(dtypes[1])
+    for name, fn in losses():
+        call = (lambda q, k, s, b: fn(q, k, s, b, None))
+        got = run(call, q, k, autocast(torch.bfloat16))
+        want = run(call, q.to(torch.bfloat16), k.to(torch.bfloat16), autocast(torch.bfloat16))
+        assert (got[1].dtype, got[2].dtype) == dtypes, name
+        got[0] = got[0].to(want[0].dtype)
+        for i, (a, w) in enumerate(zip(got, want)):
+            assert (a is None and w is None) or torch.equal(a, w.to(a.dtype)), f"{name}, {dtypes}: output {i}"
+        with pytest.raises(TypeError, match=r"features: dtypes differ"):
+            call(q, k, torch.tensor(SCALE), torch.tensor(BIAS))
+    try:
+        import open_clip.loss as oc
+    except Exception as e:  # ImportError, or an open_clip that does not import on this torch
+        require("open_clip", False, f"{type(e).__name__}: {e}")
+    s, b = torch.tensor(SCALE), torch.tensor(BIAS)
+    for ours, theirs, args in ((ct.ClipLoss(), oc.ClipLoss(), (s,)), (ct.SigLipLoss(), oc.SigLipLoss(), (s, b))):
+        with autocast(torch.bfloat16):
+            got, want = ours(q, k[:32], *args), theirs(q, k[:32], *args)
+        assert got.dtype == want.dtype, (type(ours).__name__, dtypes, got.dtype, want.dtype)
+
+
 class OperatorCalls(TorchDispatchMode):
     """Records the dtypes of (q, k, logit_scale, and SigLIP's logit_bias) each loss operator receives: below the
     autocast keys, so after the rule."""

@@ -446,6 +446,10 @@ def test_one_rank_group_refuses_a_second_derivative(exchange, seed):
             assert torch.equal(a.detach(), b), f"{exchange} (seed {seed})"
         with pytest.raises(RuntimeError, match="the loss is differentiable once"):
             (loss + graphed[0].square().sum()).backward()
+        # torch.autograd.grad towards the features follows only their paths: it reaches the refusal too.
+        (g_img,) = torch.autograd.grad(fn(img, txt, s), img, create_graph=True)
+        with pytest.raises(RuntimeError, match="the loss is differentiable once"):
+            torch.autograd.grad(g_img.sum(), img)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")

@@ -63,10 +63,10 @@ def _double_backward_cases(dtype):
     b = torch.tensor(-2.0, requires_grad=True)
     ids = torch.tensor([0, 0, 1, 2, 3, 3])
     return (q, k, s, b), {
-        "softmax_step": lambda: CF.clip_loss(q, k, s),
-        "sigmoid_step": lambda: CF.siglip_loss(q, k, s, b),
-        "grouped_softmax_step": lambda: CF.info_nce_loss(q, k, s, query_groups=ids, key_groups=ids),
-        "grouped_sigmoid_step": lambda: CF.siglip_loss(q, k, s, b, image_groups=ids, text_groups=ids),
+        "softmax_step": lambda x, y: CF.clip_loss(x, y, s),
+        "sigmoid_step": lambda x, y: CF.siglip_loss(x, y, s, b),
+        "grouped_softmax_step": lambda x, y: CF.info_nce_loss(x, y, s, query_groups=ids, key_groups=ids),
+        "grouped_sigmoid_step": lambda x, y: CF.siglip_loss(x, y, s, b, image_groups=ids, text_groups=ids),
     }
 
 
@@ -78,17 +78,32 @@ def test_a_second_derivative_raises_naming_the_operator(dtype):
     inputs, calls = _double_backward_cases(dtype)
     q, k, s, b = inputs
     for name, call in calls.items():
+        refused = pytest.raises(RuntimeError, match=f"{name}: the loss is differentiable once")
         wanted = inputs if "sigmoid" in name else inputs[:3]
-        plain = torch.autograd.grad(call(), wanted)
-        graphed = torch.autograd.grad(call(), wanted, create_graph=True)
+        plain = torch.autograd.grad(call(q, k), wanted)
+        graphed = torch.autograd.grad(call(q, k), wanted, create_graph=True)
         for x, y in zip(graphed, plain):
             assert x.requires_grad and torch.equal(x.detach(), y)
-        with pytest.raises(RuntimeError, match=f"{name}: the loss is differentiable once"):
+        with refused:
             torch.autograd.grad(graphed[2], s)  # d2L / ds2
-        loss = call()
+        loss = call(q, k)
         (gq,) = torch.autograd.grad(loss, q, create_graph=True)
-        with pytest.raises(RuntimeError, match=f"{name}: the loss is differentiable once"):
+        with refused:
             (loss + gq.float().square().sum()).backward()  # a gradient penalty
+        # Towards the features or upstream of them by torch.autograd.grad, which follows only the paths to what it is
+        # asked for: the Hessian in the features, and a gradient penalty on a tower's weights (both came back zero or
+        # without the loss's part, the refusal on no path).
+        (gq,) = torch.autograd.grad(call(q, k), q, create_graph=True)
+        with refused:
+            torch.autograd.grad(gq.float().sum(), q)
+        with refused:
+            torch.autograd.functional.hessian(lambda x: call(x, k), q.detach().clone())
+        tower = torch.nn.Linear(8, 8).to(dtype)
+        features = torch.nn.functional.normalize(tower(torch.randn(6, 8).to(dtype)), dim=1)
+        weights = list(tower.parameters())
+        grads = torch.autograd.grad(call(features, k), weights, create_graph=True)
+        with refused:
+            torch.autograd.grad(sum(g.float().square().sum() for g in grads), weights)
 
 
 def test_refusals_of_the_adversarial_sweep_name_the_argument():
@@ -125,3 +140,24 @@ def test_refusals_of_the_adversarial_sweep_name_the_argument():
             call()
     # A bias that rounds to 0 is a bias of 0.
     assert torch.equal(CF.siglip_loss(q, q.clone(), 10.0, 1e-60), CF.siglip_loss(q, q.clone(), 10.0, 0.0))
+
+
+def test_forward_mode_ad_is_refused_naming_the_argument():
+    # Reverse mode only: a dual tensor's tangent would be dropped without a word (a jvp of None, or of the other
+    # terms only), so it is refused naming the argument; plain tensors inside a dual level run as ever.
+    import torch.autograd.forward_ad as fwAD
+
+    q = torch.nn.functional.normalize(torch.randn(6, 4), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(6, 4), dim=1)
+    want = CF.clip_loss(q, k, 3.0)
+    with fwAD.dual_level():
+        s = fwAD.make_dual(torch.tensor(3.0), torch.tensor(1.0))
+        dual_q = fwAD.make_dual(q, torch.ones_like(q))
+        for call, name in ((lambda: CF.clip_loss(q, k, s), "logit_scale"),
+                           (lambda: CF.clip_loss(dual_q, k, 3.0), "image_features"),
+                           (lambda: CF.info_nce_loss(q, fwAD.make_dual(k, torch.ones_like(k)), 3.0), "keys"),
+                           (lambda: ct.SigLipLoss()(q, k, 3.0, fwAD.make_dual(torch.tensor(-1.0), torch.tensor(1.0))),
+                            "logit_bias")):
+            with pytest.raises(NotImplementedError, match=f"{name}: has a forward-mode tangent"):
+                call()
+        assert torch.equal(CF.clip_loss(q, k, 3.0), want)
