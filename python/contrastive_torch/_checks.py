@@ -139,6 +139,12 @@ def dense(name, x):
         raise TypeError(f"{name}: layout {layout}; a dense tensor is expected (call .to_dense())")
 
 
+def report(value):
+    """The caller's report: None or a dict (filled after the step; anything else would fail only after it ran)."""
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"report: expected a dict to fill (or None), got {type(value).__name__}")
+
+
 def no_tangent(name, x):
     """Refuses a dual tensor of torch.autograd.forward_ad (naming the argument): the losses' derivatives are reverse
     mode only, and a tangent would otherwise be dropped without a word (a jvp of None, a jacfwd of zeros)."""

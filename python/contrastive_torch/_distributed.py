@@ -185,6 +185,7 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         algorithm = _checks.algorithm(algorithm, allow_none=True)
         _checks.threads(threads)
         _checks.boolean("fused_tiles", fused_tiles)
+        _checks.report(report)
         _checks.feature_pair(q, k, names)
         # Under torch.autocast, float32 features run at its dtype, as in one process (the operators' autocast rule):
         # cast here, before the exchange, so the ranks agree on and move the dtype the steps run at.

@@ -62,6 +62,7 @@ def softmax(q, k, logit_scale, labels, symmetric, algorithm, threads, fused_tile
     with `groups` (checked int64 group ids, _checks.groups). `names`: the caller's names of q, k and the two ids, for
     the operator's refusals (renamed)."""
     require_custom_ops()
+    _checks.report(report)
     s = _checks.scalar("logit_scale", logit_scale, q.device)
     labels = _checks.labels(labels, q.shape[0], q.device) if groups[0] is None else None
     try:
@@ -81,6 +82,7 @@ def sigmoid(q, k, logit_scale, logit_bias, algorithm, threads, report, groups=(N
     """The sigmoid objective (SigLIP) through contrastive_torch::sigmoid_step, or grouped_sigmoid_step with
     `groups`; `names` as softmax's."""
     require_custom_ops()
+    _checks.report(report)
     s = _checks.scalar("logit_scale", logit_scale, q.device)
     b = _checks.scalar("logit_bias", 0.0 if logit_bias is None else logit_bias, q.device,
                        "None, a number or a one-element tensor")

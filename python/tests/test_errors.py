@@ -161,3 +161,15 @@ def test_forward_mode_ad_is_refused_naming_the_argument():
             with pytest.raises(NotImplementedError, match=f"{name}: has a forward-mode tangent"):
                 call()
         assert torch.equal(CF.clip_loss(q, k, 3.0), want)
+
+
+def test_a_report_that_is_not_a_dict_is_refused_before_the_step():
+    q = torch.nn.functional.normalize(torch.randn(6, 4), dim=1)
+    for call in (lambda r: CF.clip_loss(q, q.clone(), 3.0, report=r),
+                 lambda r: CF.info_nce_loss(q, q.clone(), 3.0, report=r),
+                 lambda r: CF.siglip_loss(q, q.clone(), 3.0, -1.0, report=r)):
+        with pytest.raises(TypeError, match="report: expected a dict to fill"):
+            call([])
+        filled = {}
+        call(filled)
+        assert "loss" in filled
