@@ -11,7 +11,9 @@
 #include <contrastive/core.hpp>
 #include <contrastive/distributed/loss.hpp>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -553,6 +555,27 @@ TEST(Sigmoid, LearnableBiasTrainsAndIsCheckpointed)
   bad.bias.value = NAN;
   EXPECT_EQ(r.restore(bad).argument(), "checkpoint.bias");
   EXPECT_EQ(r.bias().value, after_two);
+}
+
+// A learnable bias stays finite whatever finite gradient a caller's record carries: an update past float's range
+// stops at -FLT_MAX (it reached -inf, and every later step and restore(save()) was refused), and the loss steps on.
+TEST(Sigmoid, LearnableBiasStaysFiniteAndUsable)
+{
+  const std::size_t n = 12, dim = 8;
+  const auto q = ct::random_rows<float>(n, dim, 17), k = ct::random_rows<float>(n, dim, 18);
+  const cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, cl::objective::sigmoid};
+  cl::loss<float, cl::temperature::learnable> l(cl::temperature::learnable(0.1f), cl::scaler::static_scale(1.0f), 1);
+  ASSERT_TRUE(l.set_logit_bias(cl::logit_bias::learnable(-10.0f, cl::optimizer::sgd(2.0f))).ok());
+  std::vector<float> dq(n * dim), dk(n * dim);
+  cl::step_record rec;
+  ASSERT_TRUE(l.forward_backward(p, dq.data(), dk.data(), rec).ok());
+  rec.grad_logit_bias = 3e38f; // finite: the step is not skipped
+  ASSERT_TRUE(l.finish_step(rec).ok());
+  EXPECT_FALSE(rec.skipped);
+  EXPECT_EQ(l.bias().value, -std::numeric_limits<float>::max());
+  EXPECT_TRUE(l.restore(l.save()).ok());
+  EXPECT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+  EXPECT_TRUE(std::isfinite(l.bias().value));
 }
 
 // Over 2-4 thread ranks each rank's slice equals one process on the concatenated batch (no cross-rank normaliser:

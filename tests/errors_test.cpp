@@ -3,6 +3,8 @@
 
 #include "test_util.hpp"
 
+#include <contrastive/core.hpp>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -403,6 +405,55 @@ TEST(BadInput, OutputsOverlappingLabelsOrGroupIdsAreRefused)
     EXPECT_TRUE(l.finish_step(rec).ok());
     ASSERT_TRUE(l.restore(before).ok());
   }
+}
+
+// A forward's statistics outputs (row_lse, col_lse) over an input or each other are refused naming the output, before
+// anything is written; the backward would read what they overwrote.
+TEST(BadInput, StatisticsOutputsOverlappingInputsAreRefused)
+{
+  fixture_data d;
+  half_loss l(cl::temperature::learnable(0.07f), cl::scaler::dynamic::torch());
+  const half_loss::checkpoint before = l.save();
+  std::vector<std::int32_t> labels(d.n);
+  for (std::size_t i = 0; i < d.n; ++i)
+  {
+    labels[i] = static_cast<std::int32_t>((i * 5) % d.n);
+  }
+  cl::problem<__half> p = d.problem();
+  p.obj = cl::objective::info_nce;
+  p.labels = labels.data();
+  const std::vector<std::int32_t> labels_before = labels;
+  const std::vector<__half> k_before = d.k;
+  std::vector<float> rows(d.n), cols(d.n);
+  float value = 0.0f;
+  struct bad_case
+  {
+    float* row;
+    float* col;
+    const char* output;
+    const char* input;
+  };
+  for (const bad_case c : {bad_case{reinterpret_cast<float*>(labels.data()), nullptr, "row_lse", "labels"},
+                           bad_case{reinterpret_cast<float*>(d.k.data()), nullptr, "row_lse", "k"},
+                           bad_case{rows.data(), reinterpret_cast<float*>(d.k.data()) + 3, "col_lse", "k"},
+                           bad_case{rows.data(), rows.data() + 1, "row_lse", "col_lse"}})
+  {
+    SCOPED_TRACE(std::string(c.output) + " over " + c.input);
+    const cl::status st = l.forward(p, value, c.row, c.col);
+    EXPECT_EQ(st.code(), cl::errc::invalid_argument) << st.message();
+    EXPECT_EQ(st.argument(), c.output);
+    EXPECT_NE(st.message().find(std::string("overlaps ") + c.input), std::string::npos) << st.message();
+    EXPECT_EQ(labels, labels_before);
+    EXPECT_EQ(std::memcmp(d.k.data(), k_before.data(), k_before.size() * sizeof(__half)), 0);
+    expect_unchanged(l, before);
+  }
+  EXPECT_TRUE(l.forward(p, value, rows.data(), cols.data()).ok());
+  // The policy-free core refuses the same.
+  cl::core<__half> core(1);
+  cl::step::forward_values fv;
+  EXPECT_EQ(core.forward(p, 14.0f, fv, reinterpret_cast<float*>(labels.data())).argument(), "row_lse");
+  EXPECT_EQ(labels, labels_before);
+  EXPECT_TRUE(core.forward(p, 14.0f, fv, rows.data()).ok());
 }
 
 // finish_step takes only the loss's own step in progress: a copy of a finished record, a record made up without a

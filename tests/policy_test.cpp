@@ -660,6 +660,16 @@ TEST(Temperature, BoundsOutsideTheDomainAreRefused)
   const cl::status st = l.restore(c);
   EXPECT_EQ(st.code(), cl::errc::invalid_temperature);
   EXPECT_EQ(st.argument(), "checkpoint.temperature");
+  // A clamped theta outside its own bounds (tau = 1.9e-22 for [0.01, 1]) is refused too: clamped never reaches it.
+  c = l.save();
+  c.temperature.theta = 50.0f;
+  EXPECT_EQ(l.restore(c).argument(), "checkpoint.temperature");
+  EXPECT_NEAR(l.temperature().tau(), 0.07f, 1e-6f);
+  tp::clamped hand_set(0.07f, 0.01f, 1.0f);
+  hand_set.theta = -5.0f; // tau = 148
+  EXPECT_STRNE(hand_set.validate(), "");
+  // freeze_then_learn's frozen start may lie outside its bounds (it is not clamped): accepted.
+  EXPECT_STREQ(tp::freeze_then_learn(0.001f, 10, sgd, 0.01f, 1.0f).validate(), "");
   // range_guard: a tau_max outside the domain (its ceiling could retreat below -80) is refused; inf is no bound.
   EXPECT_STRNE(tp::range_guard(0.07f, sgd, 16.0f, 0.5f, 1.0f, 1e36f).validate(), "");
   EXPECT_STRNE(tp::range_guard(0.07f, sgd, 16.0f, 0.5f, 1.0f, 0.0f).validate(), "");

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 namespace contrastive
@@ -74,6 +75,57 @@ status check_outputs(const problem<T>& p, const void* dq, const void* dk)
   };
   CONTRASTIVE_RETURN_IF_ERROR(over_ids(dq, qb, "dq"));
   return over_ids(dk, kb, "dk");
+}
+
+/// Checks that a forward's statistics outputs (`row_lse`: n_q floats, `col_lse`: n_k floats; null: not asked for)
+/// overlap neither each other nor an input (q, k, labels, group ids), which the backward reads after they are written.
+/// Sizes that do not fit size_t are left to check_problem (nothing is compared).
+template <class T>
+status check_statistics_outputs(const problem<T>& p, const float* row_lse, const float* col_lse)
+{
+  const auto bytes = [](std::size_t count, std::size_t size)
+  {
+    return detail::checked_size(count) * size;
+  };
+  const detail::checked_size row_bytes = bytes(p.n_q, sizeof(float)), col_bytes = bytes(p.n_k, sizeof(float));
+  const struct
+  {
+    const void* data;
+    detail::checked_size bytes;
+    const char* name;
+  } inputs[] = {{p.q, bytes(p.n_q, sizeof(T)) * p.dim, "q"},
+                {p.k, bytes(p.n_k, sizeof(T)) * p.dim, "k"},
+                {p.labels, bytes(p.n_q, sizeof(std::int32_t)), "labels"},
+                {p.query_groups, bytes(p.n_q, sizeof(std::int64_t)), "query_groups"},
+                {p.key_groups, bytes(p.n_k, sizeof(std::int64_t)), "key_groups"},
+                {col_lse, col_bytes, "col_lse"}};
+  const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
+  {
+    const auto x = reinterpret_cast<std::uintptr_t>(a);
+    const auto y = reinterpret_cast<std::uintptr_t>(b);
+    return x < y + b_bytes && y < x + a_bytes;
+  };
+  // row_lse against every input and col_lse; col_lse against the inputs.
+  for (const auto& [out, out_bytes, out_name, compared] :
+       {std::make_tuple(row_lse, row_bytes, "row_lse", std::size_t(6)),
+        std::make_tuple(col_lse, col_bytes, "col_lse", std::size_t(5))})
+  {
+    if (out == nullptr || !out_bytes.ok())
+    {
+      continue;
+    }
+    for (std::size_t i = 0; i < compared; ++i)
+    {
+      const auto& in = inputs[i];
+      if (in.data != nullptr && in.bytes.ok() && overlaps(out, out_bytes.value, in.data, in.bytes.value))
+      {
+        return {errc::invalid_argument,
+                out_name,
+                std::string(out_name) + " overlaps " + in.name + "; outputs must not alias inputs or each other"};
+      }
+    }
+  }
+  return {};
 }
 
 /// Every one of the n_q `labels` (null: the diagonal, nothing to read) indexes one of `n_keys` keys (`global`: the

@@ -13,6 +13,7 @@
 /// Over a communicator (`Comm` other than comm::self) every call is a collective of the global batch, as for
 /// `distributed::loss`: bad input on one rank is refused on every rank, naming it.
 
+#include <contrastive/checks.hpp>
 #include <contrastive/comm/communicator.hpp>
 #include <contrastive/objectives/objectives.hpp>
 #include <contrastive/problem.hpp>
@@ -103,8 +104,14 @@ public:
                  float* col_lse = nullptr,
                  std::int64_t iteration = distributed::no_iteration)
   {
-    CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(
-        p, logit_scale, logit_bias, check_scale(logit_scale), nullptr, nullptr, false, passes_, iteration, out));
+    // The outputs' overlap with the inputs is refused as a bad scale is: after the problem's checks, on every rank.
+    status settings = check_scale(logit_scale);
+    if (settings.ok())
+    {
+      settings = check_statistics_outputs(p, row_lse, col_lse);
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.forward(p, logit_scale, logit_bias, settings, nullptr, nullptr, false, passes_, iteration, out));
     biased_ = objectives::traits_of(p).has_bias;
     driver_.copy_lse(row_lse, col_lse);
     return {};

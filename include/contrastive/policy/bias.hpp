@@ -61,12 +61,16 @@ struct logit_bias
   }
 
   /// One optimiser step on d(loss)/d b, for a learnable bias (a finite step only: the caller skips otherwise). Host and
-  /// device (the device loss's finish_step).
+  /// device (the device loss's finish_step). The bias stays finite, as the temperature stays in its domain: an update
+  /// past float's range (a huge gradient or learning rate) stops at +-FLT_MAX, and one that is not a number leaves the
+  /// bias where it was, so the policy stays usable instead of refusing every later call (and its checkpoint).
   CONTRASTIVE_HOST_DEVICE void advance(float grad) noexcept
   {
     if (trained != 0)
     {
-      value = apply_update(opt, state, value, grad);
+      constexpr float largest = 3.40282347e38f; // FLT_MAX
+      const float next = apply_update(opt, state, value, grad);
+      value = next != next ? value : (next > largest ? largest : (next < -largest ? -largest : next));
     }
   }
 };

@@ -45,10 +45,11 @@ struct static_scale
   }
   /// Called once per step; changes nothing.
   CONTRASTIVE_HOST_DEVICE void update(bool) noexcept {}
-  /// Empty string when `scale` is finite and > 0, else what is wrong.
+  /// Empty string when 0 < `scale` < 3e38 (below float's largest value, so that scaled values have room), else what is
+  /// wrong.
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
-    return (scale > 0.0f && scale < 3.0e38f) ? "" : "loss scale must be finite and > 0";
+    return (scale > 0.0f && scale < 3.0e38f) ? "" : "loss scale must be > 0 and < 3e38";
   }
 };
 

@@ -240,8 +240,22 @@ struct clamped : learnable
     theta = clamp(theta);
   }
   /// Besides learnable's checks: each bound is a tau inside the domain, or none (tau_min = 0: max_theta = +inf;
-  /// tau_max = inf: min_theta = -inf), so that clamping can never move theta out of the domain.
+  /// tau_max = inf: min_theta = -inf), so that clamping can never move theta out of the domain; and theta within the
+  /// bounds, where construction and every update keep it (a checkpoint or a hand-set theta outside them is refused,
+  /// not run at a temperature the policy promises never to reach).
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
+  {
+    const char* why = validate_bounds();
+    if (why[0] == '\0' && !(theta >= min_theta && theta <= max_theta))
+    {
+      return "tau outside [tau_min, tau_max] (clamped keeps it inside at construction and after every update)";
+    }
+    return why;
+  }
+
+protected:
+  /// validate() but for theta within the bounds (freeze_then_learn's frozen start may lie outside them).
+  CONTRASTIVE_HOST_DEVICE const char* validate_bounds() const noexcept
   {
     if (!(min_theta <= max_theta))
     {
@@ -297,14 +311,15 @@ struct freeze_then_learn : clamped
     steps = detail::saturating_increment(steps);
   }
 
-  /// Besides clamped's checks: `unfreeze_step` >= 0.
+  /// Besides clamped's checks of the bounds: `unfreeze_step` >= 0. theta may lie outside the bounds (the initial tau
+  /// is not clamped; the first update after the frozen phase brings it inside).
   CONTRASTIVE_HOST_DEVICE const char* validate() const noexcept
   {
     if (unfreeze_step < 0)
     {
       return "unfreeze_step must be >= 0";
     }
-    return clamped::validate();
+    return validate_bounds();
   }
 };
 

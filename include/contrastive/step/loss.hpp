@@ -26,6 +26,7 @@
 /// step is only seen if the caller also gives `iteration` (its own step number, the same on every rank): the loss
 /// cannot know which batch a call is for.
 
+#include <contrastive/checks.hpp>
 #include <contrastive/comm/agreement.hpp>
 #include <contrastive/comm/communicator.hpp>
 #include <contrastive/numeric/element_traits.hpp>
@@ -201,8 +202,14 @@ public:
                  std::int64_t iteration = distributed::no_iteration)
   {
     step::forward_values fr;
-    CONTRASTIVE_RETURN_IF_ERROR(driver_.forward(
-        p, temperature_.scale(), bias_.value, policies(p), nullptr, nullptr, false, step_, iteration, fr));
+    // The outputs' overlap with the inputs is refused as the policies are: after the problem's checks, on every rank.
+    status settings = policies(p);
+    if (settings.ok())
+    {
+      settings = check_statistics_outputs(p, row_lse, col_lse);
+    }
+    CONTRASTIVE_RETURN_IF_ERROR(
+        driver_.forward(p, temperature_.scale(), bias_.value, settings, nullptr, nullptr, false, step_, iteration, fr));
     loss_value = fr.loss;
     driver_.copy_lse(row_lse, col_lse);
     return {};
