@@ -92,7 +92,7 @@ struct chunked
 /// features), and softmax(S) by that much relatively. On a batch the model has learned (each key next to its query) the
 /// gradient is the small difference softmax(S) - target, and that rounding is a large part of it: measured on bfloat16
 /// at s = 100 (docs/algorithms.md), dQ 0.079 off float64 on loss_test's AutomaticAccuracy learned batch and up to 1.0
-/// on closer keys (scripts/bf16_trained_accuracy.py), where fused, whose logits are float, is 0.004 off. So: float runs
+/// on closer keys (scripts/trained_accuracy.py), where fused, whose logits are float, is 0.004 off. So: float runs
 /// materialized whenever it fits (its logits are float); bfloat16 and __half always fused (float16's logits also
 /// overflow at large logit scales: the fp16 collapse); pick `materialized` explicitly for autocast's numerics and its
 /// 6/8 of fused's flops. `algorithm_used()` of the loss names the algorithm the last call ran, `materializes(p, s)` the
