@@ -173,8 +173,28 @@ def features(name, x):
         raise ValueError(f"{name}: not contiguous (call .contiguous())")
 
 
+def no_forward_transform():
+    """Refuses a call inside torch.func.jvp or jacfwd (functorch's forward mode), whose tangents the losses would drop
+    without a word (a jacfwd of zeros); vmap and no transform pass. Read from functorch's interpreter stack, where
+    this PyTorch has one."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if compiling() or functorch is None or getattr(functorch, "peek_interpreter_stack", lambda: None)() is None:
+        return
+    try:
+        from torch._functorch import pyfunctorch
+
+        jvp = functorch.TransformType.Jvp
+        levels = [i.key() for i in pyfunctorch.retrieve_all_functorch_interpreters()]
+    except (AttributeError, ImportError):
+        return
+    if jvp in levels:
+        raise NotImplementedError("contrastive_torch: called inside torch.func.jvp / jacfwd (forward mode); the "
+                                  "losses are differentiable in reverse mode only (backward(), torch.autograd.grad)")
+
+
 def feature_pair(q, k, names):
     """Both feature tensors and what they must share (dtype, embedding size, device)."""
+    no_forward_transform()
     features(names[0], q)
     features(names[1], k)
     if q.dtype != k.dtype:

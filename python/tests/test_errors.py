@@ -161,6 +161,13 @@ def test_forward_mode_ad_is_refused_naming_the_argument():
             with pytest.raises(NotImplementedError, match=f"{name}: has a forward-mode tangent"):
                 call()
         assert torch.equal(CF.clip_loss(q, k, 3.0), want)
+    # functorch's forward mode (jacfwd gave zeros) is refused too; vmap of the forward still runs.
+    for transform in (lambda f: torch.func.jacfwd(f)(q),
+                      lambda f: torch.func.jvp(f, (q,), (torch.ones_like(q),))):
+        with pytest.raises(NotImplementedError, match=r"inside torch.func.jvp / jacfwd \(forward mode\)"):
+            transform(lambda a: CF.clip_loss(a, k, 3.0))
+    batched = torch.func.vmap(lambda a: CF.clip_loss(a, k, 3.0))(torch.stack([q, q]))
+    assert torch.equal(batched, torch.stack([want, want]))
 
 
 def test_a_report_that_is_not_a_dict_is_refused_before_the_step():
