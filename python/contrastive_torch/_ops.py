@@ -263,7 +263,8 @@ def _rerun_inputs(q, k, *positives):
 def _no_grads(ctx):
     if not ctx.grads:
         raise RuntimeError("contrastive_torch: the step ran with grads=False (no input required a gradient when it "
-                           "ran), so it has no gradients to give")
+                           "ran, or it ran under torch.vmap, whose batched forward computes no gradients: "
+                           "differentiate a loss called outside vmap), so it has no gradients to give")
 
 
 def _anchor_features(ctx, q, k):
