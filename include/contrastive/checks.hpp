@@ -12,10 +12,10 @@
 #include <contrastive/problem.hpp>
 #include <contrastive/status.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
 namespace contrastive
@@ -23,6 +23,61 @@ namespace contrastive
 /// Whether `A` is one of the library's algorithm tags (algorithm::all).
 template <class A>
 inline constexpr bool is_algorithm_v = algorithm::is_algorithm_v<A>;
+
+namespace detail
+{
+/// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+inline bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept
+{
+  const auto x = reinterpret_cast<std::uintptr_t>(a);
+  const auto y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + b_bytes && y < x + a_bytes;
+}
+
+/// One input of a problem as a byte range: `data` null when not given; `bytes` not ok when its size does not fit
+/// size_t (check_problem refuses that problem).
+struct input_range
+{
+  const void* data;
+  checked_size bytes;
+  const char* name;
+};
+
+/// The inputs the backward reads: q, k, then the integer ones (labels, query_groups, key_groups).
+template <class T>
+std::array<input_range, 5> input_ranges(const problem<T>& p) noexcept
+{
+  const auto bytes = [](std::size_t count, std::size_t size)
+  {
+    return checked_size(count) * size;
+  };
+  return {{{p.q, bytes(p.n_q, sizeof(T)) * p.dim, "q"},
+           {p.k, bytes(p.n_k, sizeof(T)) * p.dim, "k"},
+           {p.labels, bytes(p.n_q, sizeof(std::int32_t)), "labels"},
+           {p.query_groups, bytes(p.n_q, sizeof(std::int64_t)), "query_groups"},
+           {p.key_groups, bytes(p.n_k, sizeof(std::int64_t)), "key_groups"}}};
+}
+
+/// invalid_argument naming `out` where the output [out, out + out_bytes) overlaps one of `inputs` (given, sized).
+template <std::size_t N>
+status refuse_overlap(const void* out,
+                      std::size_t out_bytes,
+                      const char* out_name,
+                      const std::array<input_range, N>& inputs,
+                      std::size_t first,
+                      const char* rule)
+{
+  for (std::size_t i = first; i < N; ++i)
+  {
+    const input_range& in = inputs[i];
+    if (in.data != nullptr && in.bytes.ok() && overlaps(out, out_bytes, in.data, in.bytes.value))
+    {
+      return {errc::invalid_argument, out_name, std::string(out_name) + " overlaps " + in.name + "; " + rule};
+    }
+  }
+  return {};
+}
+} // namespace detail
 
 /// Checks that the gradient outputs dq (n_q x dim) and dk (n_k x dim) do not overlap each other or the inputs: q, k,
 /// and the labels or group ids where given. dq == dk would silently lose dQ, and an output over an input would be read
@@ -32,12 +87,7 @@ inline constexpr bool is_algorithm_v = algorithm::is_algorithm_v<A>;
 template <class T>
 status check_outputs(const problem<T>& p, const void* dq, const void* dk)
 {
-  const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
-  {
-    const auto x = reinterpret_cast<std::uintptr_t>(a);
-    const auto y = reinterpret_cast<std::uintptr_t>(b);
-    return x < y + b_bytes && y < x + a_bytes;
-  };
+  using detail::overlaps;
   const std::size_t qb = p.n_q * p.dim * sizeof(T), kb = p.n_k * p.dim * sizeof(T);
   if (overlaps(dq, qb, dk, kb))
   {
@@ -51,30 +101,11 @@ status check_outputs(const problem<T>& p, const void* dq, const void* dk)
   {
     return {errc::invalid_argument, "dk", "dk overlaps an input (q or k); outputs must not alias inputs"};
   }
-  // The integer inputs, read again by the backward (null: not given, nothing to overlap).
-  const struct
-  {
-    const void* data;
-    std::size_t bytes;
-    const char* name;
-  } ids[] = {{p.labels, p.labels != nullptr ? p.n_q * sizeof(std::int32_t) : 0, "labels"},
-             {p.query_groups, p.query_groups != nullptr ? p.n_q * sizeof(std::int64_t) : 0, "query_groups"},
-             {p.key_groups, p.key_groups != nullptr ? p.n_k * sizeof(std::int64_t) : 0, "key_groups"}};
-  const auto over_ids = [&](const void* out, std::size_t out_bytes, const char* out_name) -> status
-  {
-    for (const auto& in : ids)
-    {
-      if (in.bytes != 0 && overlaps(out, out_bytes, in.data, in.bytes))
-      {
-        return {errc::invalid_argument,
-                out_name,
-                std::string(out_name) + " overlaps " + in.name + "; outputs must not alias inputs"};
-      }
-    }
-    return {};
-  };
-  CONTRASTIVE_RETURN_IF_ERROR(over_ids(dq, qb, "dq"));
-  return over_ids(dk, kb, "dk");
+  // The integer inputs (from index 2), read again by the backward.
+  const auto inputs = detail::input_ranges(p);
+  const char* rule = "outputs must not alias inputs";
+  CONTRASTIVE_RETURN_IF_ERROR(detail::refuse_overlap(dq, qb, "dq", inputs, 2, rule));
+  return detail::refuse_overlap(dk, kb, "dk", inputs, 2, rule);
 }
 
 /// Checks that a forward's statistics outputs (`row_lse`: n_q floats, `col_lse`: n_k floats; null: not asked for)
@@ -83,47 +114,20 @@ status check_outputs(const problem<T>& p, const void* dq, const void* dk)
 template <class T>
 status check_statistics_outputs(const problem<T>& p, const float* row_lse, const float* col_lse)
 {
-  const auto bytes = [](std::size_t count, std::size_t size)
-  {
-    return detail::checked_size(count) * size;
-  };
-  const detail::checked_size row_bytes = bytes(p.n_q, sizeof(float)), col_bytes = bytes(p.n_k, sizeof(float));
-  const struct
-  {
-    const void* data;
-    detail::checked_size bytes;
-    const char* name;
-  } inputs[] = {{p.q, bytes(p.n_q, sizeof(T)) * p.dim, "q"},
-                {p.k, bytes(p.n_k, sizeof(T)) * p.dim, "k"},
-                {p.labels, bytes(p.n_q, sizeof(std::int32_t)), "labels"},
-                {p.query_groups, bytes(p.n_q, sizeof(std::int64_t)), "query_groups"},
-                {p.key_groups, bytes(p.n_k, sizeof(std::int64_t)), "key_groups"},
-                {col_lse, col_bytes, "col_lse"}};
-  const auto overlaps = [](const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes)
-  {
-    const auto x = reinterpret_cast<std::uintptr_t>(a);
-    const auto y = reinterpret_cast<std::uintptr_t>(b);
-    return x < y + b_bytes && y < x + a_bytes;
-  };
+  const detail::checked_size row_bytes = detail::checked_size(p.n_q) * sizeof(float);
+  const detail::checked_size col_bytes = detail::checked_size(p.n_k) * sizeof(float);
+  const auto in = detail::input_ranges(p);
+  const char* rule = "outputs must not alias inputs or each other";
   // row_lse against every input and col_lse; col_lse against the inputs.
-  for (const auto& [out, out_bytes, out_name, compared] :
-       {std::make_tuple(row_lse, row_bytes, "row_lse", std::size_t(6)),
-        std::make_tuple(col_lse, col_bytes, "col_lse", std::size_t(5))})
+  if (row_lse != nullptr && row_bytes.ok())
   {
-    if (out == nullptr || !out_bytes.ok())
-    {
-      continue;
-    }
-    for (std::size_t i = 0; i < compared; ++i)
-    {
-      const auto& in = inputs[i];
-      if (in.data != nullptr && in.bytes.ok() && overlaps(out, out_bytes.value, in.data, in.bytes.value))
-      {
-        return {errc::invalid_argument,
-                out_name,
-                std::string(out_name) + " overlaps " + in.name + "; outputs must not alias inputs or each other"};
-      }
-    }
+    const std::array<detail::input_range, 6> with_col = {
+        in[0], in[1], in[2], in[3], in[4], {col_lse, col_bytes, "col_lse"}};
+    CONTRASTIVE_RETURN_IF_ERROR(detail::refuse_overlap(row_lse, row_bytes.value, "row_lse", with_col, 0, rule));
+  }
+  if (col_lse != nullptr && col_bytes.ok())
+  {
+    return detail::refuse_overlap(col_lse, col_bytes.value, "col_lse", in, 0, rule);
   }
   return {};
 }
