@@ -177,6 +177,66 @@ TEST(Core, BadScalesAreRefusedAndWriteNothing)
   EXPECT_EQ(core.passes(), 1);
 }
 
+namespace
+{
+// A loss scale near float's largest value, as a dynamic scaler reaches while the gradients are tiny (a trained batch:
+// each key near its query): loss_scale * s (6e38) is past float's range, the gradients of loss_scale * loss and
+// d(loss_scale * loss)/d log s are not. Each algorithm gives them finite and as at loss scale 1.
+template <class Algorithm>
+void huge_loss_scale_keeps_gradients_that_fit(cl::objective obj, std::uint32_t seed)
+{
+  SCOPED_TRACE(std::string(Algorithm::name) + " " + cl::to_string(obj));
+  const std::size_t n = 24, dim = 16;
+  const auto q = ct::random_rows<float>(n, dim, seed), noise = ct::random_rows<float>(n, dim, seed + 1);
+  std::vector<float> k(n * dim);
+  for (std::size_t i = 0; i < k.size(); ++i)
+  {
+    k[i] = q[i] + 0.3f * noise[i];
+  }
+  const cl::problem<float> p{q.data(), k.data(), n, n, dim, nullptr, obj};
+  const float s = 20.0f, b = obj == cl::objective::sigmoid ? -14.0f : 0.0f, big = 3e37f;
+  ASSERT_FALSE(std::isfinite(big * s));
+  cl::core<float, Algorithm> core(2);
+  if constexpr (std::is_same_v<Algorithm, cl::algorithm::chunked>)
+  {
+    ASSERT_TRUE(core.set_chunk({8, 0}).ok());
+  }
+  auto dq = poisoned<float>(n * dim), dk = poisoned<float>(n * dim);
+  auto dq1 = poisoned<float>(n * dim), dk1 = poisoned<float>(n * dim);
+  cl::core_values v, v1;
+  ASSERT_TRUE(core.step(p, s, b, big, dq.data(), dk.data(), v).ok());
+  ASSERT_TRUE(core.step(p, s, b, 1.0f, dq1.data(), dk1.data(), v1).ok());
+  ASSERT_LT(std::fabs(v1.grad_logit_scale) * big, 1e38f); // the test's premise: the scaled values fit in float
+  ASSERT_LT(std::fabs(v1.grad_logit_bias) * big, 1e38f);
+  EXPECT_EQ(v.first_nonfinite, cl::nonfinite_site::none);
+  const auto near = [&](const std::vector<float>& scaled, const std::vector<float>& one)
+  {
+    double worst = 0.0, top = 0.0;
+    for (std::size_t i = 0; i < one.size(); ++i)
+    {
+      top = std::max(top, std::fabs(double(one[i])));
+      worst = std::max(worst, std::fabs(double(scaled[i]) / double(big) - double(one[i])));
+    }
+    return worst / top;
+  };
+  EXPECT_LE(near(dq, dq1), 1e-6);
+  EXPECT_LE(near(dk, dk1), 1e-6);
+  EXPECT_NEAR(v.grad_logit_scale, v1.grad_logit_scale, 1e-5 * (1.0 + std::fabs(v1.grad_logit_scale)));
+  EXPECT_NEAR(v.grad_logit_bias, v1.grad_logit_bias, 1e-5 * (1.0 + std::fabs(v1.grad_logit_bias)));
+}
+} // namespace
+
+TEST(Core, ALossScaleNearFloatsLargestKeepsGradientsThatFit)
+{
+  std::uint32_t seed = 40;
+  for (cl::objective obj : {cl::objective::symmetric, cl::objective::info_nce, cl::objective::sigmoid})
+  {
+    huge_loss_scale_keeps_gradients_that_fit<cl::algorithm::fused>(obj, seed += 2);
+    huge_loss_scale_keeps_gradients_that_fit<cl::algorithm::chunked>(obj, seed += 2);
+    huge_loss_scale_keeps_gradients_that_fit<cl::algorithm::materialized>(obj, seed += 2);
+  }
+}
+
 // Over 2-4 thread ranks (tests/thread_comm.hpp) each rank's slice equals one process on the concatenated batch, and
 // a bad logit scale on one rank is refused on every rank, naming it.
 TEST(Core, RanksMatchOneProcess)

@@ -291,7 +291,7 @@ void chunk_dk(engine_state<T, Gemm>& st, std::size_t c0, std::size_t rows, float
 
 /// dK = out_scale * dk_acc stored in the output type, the non-finite flags into `parts`.
 template <class T, class Gemm, class Out>
-void store_dk(engine_state<T, Gemm>& st, backward_partials& parts, float out_scale, const float* dk_acc, Out* dk)
+void store_dk(engine_state<T, Gemm>& st, backward_partials& parts, double out_scale, const float* dk_acc, Out* dk)
 {
   parallel_for(st.pool,
                (st.n_k + 63) / 64,
@@ -311,7 +311,7 @@ template <class O, class T, class Gemm, class Out>
 backward_result
 chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
-  const float out_scale = loss_scale * st.scale;
+  const double out_scale = backward_output_factor(loss_scale, st.scale);
   backward_partials parts;
   float* dk_acc = st.dk_acc.data();
   std::fill(st.dk_acc.begin(), st.dk_acc.end(), 0.0f);
@@ -364,7 +364,7 @@ chunked_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coeffic
   st.chunk_cached = false; // the buffer now holds G
 
   store_dk(st, parts, out_scale, dk_acc, dk);
-  return parts.combine(st.workers, static_cast<double>(out_scale), static_cast<double>(loss_scale));
+  return parts.combine(st.workers, out_scale, static_cast<double>(loss_scale));
 }
 } // namespace host
 } // namespace contrastive

@@ -23,6 +23,7 @@
 #include <contrastive/problem.hpp>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -656,12 +657,17 @@ struct engine_state
     return r;
   }
 
-  /// Scales a float row by `factor`, rounds to Out (T, or float for partial gradients a caller sums further) and
-  /// writes d elements; returns whether any result is non-finite.
+  /// Scales a float row by `factor` (`backward_output_factor`: a float, or past float's range a double), rounds to
+  /// Out (T, or float for partial gradients a caller sums further) and writes d elements; returns whether any result
+  /// is non-finite.
   template <class Out>
-  bool store_row(const float* acc, float factor, Out* out) const noexcept
+  bool store_row(const float* acc, double factor, Out* out) const noexcept
   {
-    return store_scaled_row(acc, factor, out, d);
+    if (factor <= static_cast<double>(FLT_MAX) && factor >= -static_cast<double>(FLT_MAX))
+    {
+      return store_scaled_row(acc, static_cast<float>(factor), out, d);
+    }
+    return store_wide_scaled_row(acc, factor, out, d);
   }
 
   /// sum_c acc[c] * q_i[c] over d elements.

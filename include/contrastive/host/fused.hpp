@@ -99,7 +99,7 @@ template <class O, class T, class Gemm, class Out>
 backward_result
 fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
-  const float out_scale = loss_scale * st.scale;
+  const double out_scale = backward_output_factor(loss_scale, st.scale);
   const unsigned groups = fused_groups(st);
   const bool in_place = gemm_backend<Gemm, T>::in_place_ok(st.n_k, st.d);
   float* dq_acc = in_place ? reinterpret_cast<float*>(dq) : st.dq_acc.data();
@@ -120,7 +120,7 @@ fused_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficie
 
   // Scale, round and check; d loss / d log s = sum_i <dQ_i, q_i> (before the element-type rounding).
   const backward_partials parts = store_accumulators(st, dq_acc, dk_acc, ld, out_scale, dq, dk);
-  return parts.combine(st.workers, static_cast<double>(out_scale));
+  return parts.combine(st.workers, out_scale);
 }
 } // namespace host
 } // namespace contrastive

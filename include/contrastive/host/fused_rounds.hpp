@@ -93,7 +93,7 @@ void for_fused_rounds(State& st, unsigned groups, F&& f)
 /// d loss / d log s.
 template <class State, class Out>
 backward_partials
-store_accumulators(State& st, const float* dq_acc, const float* dk_acc, std::size_t ld, float factor, Out* dq, Out* dk)
+store_accumulators(State& st, const float* dq_acc, const float* dk_acc, std::size_t ld, double factor, Out* dq, Out* dk)
 {
   backward_partials parts;
   constexpr std::size_t chunk = 64;

@@ -206,6 +206,36 @@ bool store_scaled_row(const float* acc, float factor, Out* out, std::size_t d) n
   return poison != 0.0f;
 }
 
+/// out[0, d) = round_Out(factor * acc[c]) formed in double, for a factor past float's range (a loss scale near
+/// float's largest value times the logit scale) whose products may still fit; returns whether any stored value is not
+/// finite.
+template <class Out>
+bool store_wide_scaled_row(const float* acc, double factor, Out* out, std::size_t d) noexcept
+{
+  using out_traits = element_traits<Out>;
+  float poison = 0.0f;
+  for (std::size_t c = 0; c < d; ++c)
+  {
+    const Out v = out_traits::from_float(static_cast<float>(factor * static_cast<double>(acc[c])));
+    poison += out_traits::to_float(v) * 0.0f;
+    out[c] = v;
+  }
+  return poison != 0.0f;
+}
+
+/// The factor a fused backward scales its float accumulators by, loss_scale * s * coef: the float product as it has
+/// always been formed, or, where that overflows float, the double product (stored by `store_wide_scaled_row`), so
+/// that a gradient that fits is not turned into inf by its factor alone.
+inline double backward_output_factor(float loss_scale, float s, float coef = 1.0f) noexcept
+{
+  const float f = loss_scale * s * coef;
+  if (f - f == 0.0f)
+  {
+    return static_cast<double>(f);
+  }
+  return static_cast<double>(loss_scale) * static_cast<double>(s) * static_cast<double>(coef);
+}
+
 /// Rows [r0, r0 + rows) of src (row-major, d columns, element T) in panels of Width rows over the dimension,
 /// [rows_pad / Width][d][Width], zero beyond `rows`: an operand of the logits product, "columns" being rows.
 template <int Width, class T>

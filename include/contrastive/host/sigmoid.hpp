@@ -84,14 +84,14 @@ template <class T, class Gemm, class Out>
 backward_result
 fused_sigmoid_backward(engine_state<T, Gemm>& st, float loss_scale, const grad_coefficients& gc, Out* dq, Out* dk)
 {
-  const float out_scale = loss_scale * st.scale * gc.row_coef;
+  const double out_scale = backward_output_factor(loss_scale, st.scale, gc.row_coef);
   // Accumulated in place (the forward was given these outputs: each row is scaled where it lies) or in the engine.
   const bool in_place = st.out_dq != nullptr;
   const float* dq_acc = in_place ? st.out_dq : st.dq_acc.data();
   const float* dk_acc = in_place ? st.out_dk : st.dk_acc.data();
   const std::size_t ld = in_place ? st.d : st.dp;
   const backward_partials parts = store_accumulators(st, dq_acc, dk_acc, ld, out_scale, dq, dk);
-  backward_result r = parts.combine(st.workers, static_cast<double>(out_scale));
+  backward_result r = parts.combine(st.workers, out_scale);
   r.grad_logit_bias =
       static_cast<float>(static_cast<double>(loss_scale) * static_cast<double>(gc.row_coef) * st.sigmoid_g_sum);
   return r;
