@@ -564,6 +564,28 @@ TEST(DeviceChunked, DefaultChunkComesFromFreeMemory)
   EXPECT_EQ(L::chunk_rows_for(wide, {0, 0, true}, true, 0), L::floor_rows_for(wide, true));
 }
 
+// The grids' y dimension runs over a chunk's rows (one row of blocks per 128 rows for the tile kernels, per
+// chunked_phases::stat_rows for the statistics pass) and holds at most 65535 blocks: a chunk asked to hold more rows
+// (20 Mi queries of 64 keys, whose whole workspace fits an H200) holds what the grid reaches. No GPU needed.
+TEST(DeviceChunked, ChunkRowsFitTheGrid)
+{
+  using L = dloss<__nv_bfloat16>;
+  namespace cd = cl::device::chunked_phases;
+  const cl::problem<__nv_bfloat16> tall{
+      nullptr, nullptr, std::size_t(20) << 20, 64, 32, nullptr, cl::objective::info_nce};
+  for (const bool tiles : {false, true})
+  {
+    SCOPED_TRACE(tiles ? "tiles" : "statistics pass");
+    const std::size_t most = std::size_t(65535) * (tiles ? std::size_t(128) : std::size_t(cd::stat_rows));
+    cd::layout w{};
+    std::size_t cub = 1;
+    ASSERT_EQ(L::layout_for_rows(tall, tiles, tall.n_q, cub, w), cudaSuccess);
+    EXPECT_EQ(w.chunk_rows, most);
+    ASSERT_EQ(L::layout_for_rows(tall, tiles, 4096, cub, w), cudaSuccess);
+    EXPECT_EQ(w.chunk_rows, 4096u); // below the grid's reach: as asked
+  }
+}
+
 // algorithm::automatic on the device: the chunked loss whose default chunk holds every row where that whole
 // workspace fits a quarter of the free memory (the logits computed once), else chunked's default. No GPU needed.
 TEST(DeviceAutomatic, DefaultKeepsEveryRowWhereTheWorkspaceFits)

@@ -329,6 +329,8 @@ def device_values(q, k, labels32, objective, read=True):
     finiteness, the label range (one synchronisation), the shapes each objective needs. `read=False`: the shapes
     only (the sync-free device step reports bad values in its record instead)."""
     names = ("query", "keys") if objective == "info_nce" else ("image_features", "text_features")
+    if k.device != q.device:  # an operator called directly: the step would read k at an address that is not there
+        raise ValueError(f"{names[1]}: on {k.device}, expected {names[0]}'s device {q.device}")
     for name, x in zip(names, (q, k) if read else ()):
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name}: holds a non-finite value")

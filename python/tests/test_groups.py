@@ -213,6 +213,25 @@ def test_the_operators_check_the_ids_layout():
         softmax(q, unit(6, 4, 27), s, ids, ids, True, "fused", 0, False)
 
 
+def test_the_extension_refuses_tensors_on_another_device():
+    # The bindings read every tensor through a raw pointer at q's device: one elsewhere (here on the meta device, no
+    # storage) is refused naming it before anything is read, on the host binding as on the CUDA one.
+    from contrastive_torch import _host
+    q, k, s = unit(6, 8, 28), unit(6, 8, 29), 5.0
+    ids, labels = torch.arange(6) % 3, torch.arange(6, dtype=torch.int32)
+    meta = lambda t: t.to("meta")
+    for kw, match in (({"k": meta(k)}, "k: on meta, expected q's device cpu"),
+                      ({"labels32": meta(labels)}, "labels: on meta, expected q's device cpu"),
+                      ({"query_groups": meta(ids), "key_groups": ids}, "query_groups: on meta"),
+                      ({"query_groups": ids, "key_groups": meta(ids)}, "key_groups: on meta")):
+        args = {"k": k, "labels32": None, **kw}
+        groups = {n: args.pop(n) for n in ("query_groups", "key_groups") if n in args}
+        for objective in ("symmetric", "sigmoid"):
+            with pytest.raises(ValueError, match=match):
+                _host.step(q, args["k"], s, -1.0 if objective == "sigmoid" else 0.0, args["labels32"], objective,
+                           "fused", 0, True, **groups)
+
+
 def test_a_refused_call_keeps_the_modules_last_step():
     img, txt = unit(6, 8, 21), unit(12, 8, 22)
     ig, tg = torch.arange(6), torch.arange(12) % 6

@@ -207,10 +207,11 @@ struct chunked_loss
     using detail::checked_size;
     w.tiles = tiles && O::softmax; // the tile epilogues are the softmax's
     w.chunk_rows = std::min(rows, p.n_q);
-    if (w.tiles) // the tile kernels' grid has one row of blocks per 128 chunk rows, at most 65535 rows
-    {
-      w.chunk_rows = std::min(w.chunk_rows, std::size_t(65535) * logits_tile::config::bm);
-    }
+    // The grids' y dimension (at most 65535 blocks) runs over the chunk's rows: one row of blocks per 128 rows for
+    // the tile kernels, per chunked_phases::stat_rows for the cuBLAS path's statistics pass.
+    w.chunk_rows = std::min(w.chunk_rows,
+                            std::size_t(65535) * (w.tiles ? std::size_t(logits_tile::config::bm)
+                                                          : static_cast<std::size_t>(chunked_phases::stat_rows)));
     w.ld = (p.n_k + 31) / 32 * 32;
     constexpr std::size_t bm = logits_tile::config::bm;
     constexpr std::size_t bn = logits_tile::config::bn;

@@ -2,9 +2,10 @@
 //
 // The library's problem viewing PyTorch tensors, shared by the host and the CUDA binding. The Python side has checked
 // shapes, dtypes, devices and contiguity; labels are int32 (or undefined: the diagonal); group ids int64 CPU tensors
-// (or undefined: none). The view checks again what it reads through raw pointers (the tensors' layout, no value):
-// the operators (torch.ops.contrastive_torch.*) can be called without the Python checks, and a short or strided
-// tensor would otherwise be read past its end or in the wrong order.
+// (or undefined: none). The view checks again what it reads through raw pointers (the tensors' layout and device, no
+// value): the operators (torch.ops.contrastive_torch.*) can be called without the Python checks, and a short or
+// strided tensor would otherwise be read past its end or in the wrong order, one on another device at an address
+// that is not there.
 #pragma once
 
 #include <torch/extension.h>
@@ -77,6 +78,19 @@ contrastive::problem<T> problem_of(const torch::Tensor& q,
   {
     detail::refuse("k", "dtype or embedding size differs from q's");
   }
+  // Every tensor read through a raw pointer lives on q's device: a CUDA kernel given a host pointer (or the host one
+  // a device pointer) would read an address that is not there.
+  const auto on_q_device = [&](const char* name, const torch::Tensor& t)
+  {
+    if (t.defined() && t.device() != q.device())
+    {
+      detail::refuse(name, "on " + t.device().str() + ", expected q's device " + q.device().str());
+    }
+  };
+  on_q_device("k", k);
+  on_q_device("labels", labels);
+  on_q_device("query_groups", query_groups);
+  on_q_device("key_groups", key_groups);
   if (labels.defined())
   {
     detail::check_ids("labels", labels, q.size(0), torch::kInt32, "int32 labels");
