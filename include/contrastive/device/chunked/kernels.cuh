@@ -377,10 +377,10 @@ __device__ CONTRASTIVE_FORCEINLINE void store4(T* out, const float4& g, bool vec
     }
     else
     {
-      T h[4] = {element_traits<T>::from_float(g.x),
-                element_traits<T>::from_float(g.y),
-                element_traits<T>::from_float(g.z),
-                element_traits<T>::from_float(g.w)};
+      alignas(8) T h[4] = {element_traits<T>::from_float(g.x),
+                           element_traits<T>::from_float(g.y),
+                           element_traits<T>::from_float(g.z),
+                           element_traits<T>::from_float(g.w)};
       *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(h);
     }
     return;
