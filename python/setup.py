@@ -83,6 +83,15 @@ def want_cuda():
     has = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if mode == "1" and not has:
         sys.exit("contrastive_torch: CONTRASTIVE_TORCH_CUDA=1 but torch has no CUDA or nvcc was not found")
+    if has and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # torch picks the architectures from the visible GPUs: with none, its builder fails (an IndexError).
+        if mode == "1":
+            sys.exit("contrastive_torch: CONTRASTIVE_TORCH_CUDA=1 on a machine without a visible GPU: set "
+                     "TORCH_CUDA_ARCH_LIST to the architectures to compile for (e.g. 9.0 for H100/H200)")
+        print("contrastive_torch: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CPU extension only "
+              "(the CUDA one compiles on first use on a GPU machine; set TORCH_CUDA_ARCH_LIST, e.g. 9.0, to build it "
+              "here)", file=sys.stderr)
+        return False
     return has
 
 

@@ -380,8 +380,12 @@ TEST(Aliasing, OutputsThatOverlapAreRefused)
   std::vector<float> qq = q;
   st = l.step({qq.data(), k.data(), n, n, d}, qq.data(), buf.data(), rec);
   EXPECT_EQ(st.argument(), "dq");
+  EXPECT_EQ(st.message(), "dq: dq overlaps q; outputs must not alias inputs"); // naming the input
   st = l.step(p, buf.data(), k.data(), rec);
   EXPECT_EQ(st.argument(), "dk");
+  EXPECT_EQ(st.message(), "dk: dk overlaps k; outputs must not alias inputs");
+  st = l.step(p, k.data(), buf.data(), rec);
+  EXPECT_EQ(st.message(), "dq: dq overlaps k; outputs must not alias inputs");
   EXPECT_TRUE(all_equal(buf, 7.0f));
   EXPECT_EQ(l.steps(), 0);
   // Adjacent buffers are fine.

@@ -111,25 +111,46 @@ def _native():
     return os.environ.get("CONTRASTIVE_NATIVE", "1") != "0"
 
 
+def checkout_tag():
+    """A digest of where the headers the builds include live: each checkout (or installed copy) of the library has
+    its own builds in torch's extension cache, so two on one machine do not rebuild over each other (and wait on
+    each other's lock)."""
+    import hashlib
+
+    return hashlib.sha1(os.path.realpath(_include_dir()).encode()).hexdigest()[:8]
+
+
 def host_build_name():
     """The compile-on-first-use build's name in torch's extension cache: one per CPU instruction-set set where it is
-    compiled with -march=native (a cache shared by machines of different CPUs keeps one build for each), else one."""
-    return "contrastive_torch_ext" + (f"_{_cpu.build_tag()}" if _native() else "")
+    compiled with -march=native (a cache shared by machines of different CPUs keeps one build for each), else one;
+    and one per checkout (`checkout_tag`)."""
+    return "contrastive_torch_ext" + (f"_{_cpu.build_tag()}" if _native() else "") + f"_{checkout_tag()}"
+
+
+def cuda_build_name():
+    """The CUDA extension's compile-on-first-use build's name: one per checkout (`checkout_tag`)."""
+    return f"contrastive_torch_cuda_ext_{checkout_tag()}"
 
 
 def _announce(what, name):
-    """One line on stderr before a build that may take minutes (silent when torch's cache already holds it: the
-    load then takes about a second)."""
+    """One line on stderr before a build that may take minutes: silent when torch's cache holds a build of these
+    headers (its build.ninja carries their digest), whose load takes about a second."""
+    rebuild = False
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        if any(f.startswith(name) and f.endswith(".so") for f in os.listdir(_get_build_directory(name, False))):
-            return
-    except Exception:  # noqa: BLE001 - a private helper of torch's: without it, say it anyway
+        folder = _get_build_directory(name, False)
+        if any(f.startswith(name) and f.endswith(".so") for f in os.listdir(folder)):
+            with open(os.path.join(folder, "build.ninja")) as f:
+                if _digest_flag()[0] in f.read():
+                    return
+            rebuild = True
+    except Exception:  # noqa: BLE001 - a private helper of torch's, or no build yet: say it
         pass
     if os.environ.get("CONTRASTIVE_TORCH_QUIET") != "1":
-        print(f"contrastive_torch: loading the {what} (compiled on first use, then cached; `pip install "
-              "--no-build-isolation ./python` builds it ahead of time)", file=sys.stderr, flush=True)
+        why = f"rebuilding the {what} (the library's headers changed; " if rebuild else f"loading the {what} ("
+        print(f"contrastive_torch: {why}compiled on first use, then cached; `pip install --no-build-isolation "
+              "./python` builds it ahead of time)", file=sys.stderr, flush=True)
 
 
 def _build(name, **kwargs):
@@ -173,8 +194,13 @@ def cuda_extension():
         if "cuda" not in _loaded:
             ext = _prebuilt("_C_cuda")
             if ext is None:
-                _announce("CUDA extension", "contrastive_torch_cuda_ext")
-                ext = _build("contrastive_torch_cuda_ext", sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],
+                if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+                    # torch picks the architectures from the visible GPUs; with none its builder fails (IndexError).
+                    raise RuntimeError("contrastive_torch: no GPU is visible to choose the CUDA architectures to "
+                                       "compile the CUDA extension for: set TORCH_CUDA_ARCH_LIST (e.g. 9.0)")
+                name = cuda_build_name()
+                _announce("CUDA extension", name)
+                ext = _build(name, sources=[os.path.join(_HERE, "csrc", "binding_cuda.cu")],
                              extra_include_paths=[_include_dir()],
                              extra_cflags=["-O3", "-DNDEBUG"] + _std_flags() + _digest_flag(),
                              extra_cuda_cflags=["-O3", "-DNDEBUG", "--expt-relaxed-constexpr"] + _std_flags()

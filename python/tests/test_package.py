@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import contrastive_torch as ct
 
@@ -127,7 +128,46 @@ def test_an_extension_compiled_for_another_cpu_is_not_loaded(monkeypatch, capsys
     assert _extension.extension() == "installed"
     # Without -march=native the cached build has one name whatever the CPU.
     monkeypatch.setenv("CONTRASTIVE_NATIVE", "0")
-    assert _extension.host_build_name() == "contrastive_torch_ext"
+    assert _extension.host_build_name() == "contrastive_torch_ext_" + _extension.checkout_tag()
+
+
+def test_a_build_on_first_use_is_announced_when_it_compiles(monkeypatch, tmp_path, capsys):
+    # Silent where torch's cache holds a build of these headers; one line where it builds, naming a rebuild after the
+    # headers changed (a `git pull`), which torch's cache rebuilds as the build's flags carry the headers' digest.
+    from contrastive_torch import _extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("CONTRASTIVE_TORCH_QUIET", raising=False)
+    name = _extension.host_build_name()
+    _extension._announce("host extension", name)
+    assert "contrastive_torch: loading the host extension (compiled on first use" in capsys.readouterr().err
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = _get_build_directory(name, False)
+    open(os.path.join(folder, name + ".so"), "w").close()
+    for digest, said in (("-DCONTRASTIVE_HEADERS_DIGEST=0123456789abcdef", "rebuilding the host extension (the "
+                          "library's headers changed;"), (_extension._digest_flag()[0], "")):
+        with open(os.path.join(folder, "build.ninja"), "w") as f:
+            f.write(f"cflags = -O3 {digest}\n")
+        _extension._announce("host extension", name)
+        err = capsys.readouterr().err
+        assert (said in err) if said else "contrastive_torch:" not in err
+    # Each checkout has its own builds; the CUDA extension's name carries the tag too.
+    assert name.endswith("_" + _extension.checkout_tag())
+    assert _extension.cuda_build_name().endswith("_" + _extension.checkout_tag())
+
+
+def test_the_cuda_extension_without_a_gpu_asks_for_the_architectures(monkeypatch):
+    # torch picks the architectures from the visible GPUs: with none and no TORCH_CUDA_ARCH_LIST its builder fails
+    # with a bare IndexError; ours says what to set.
+    from contrastive_torch import _extension
+
+    monkeypatch.setattr(_extension, "_loaded", {})
+    monkeypatch.setattr(_extension, "_prebuilt", lambda name: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    with pytest.raises(RuntimeError, match="no GPU is visible .* set TORCH_CUDA_ARCH_LIST"):
+        _extension.cuda_extension()
 
 
 def test_the_source_distribution_carries_what_it_builds_from(tmp_path):
