@@ -175,21 +175,26 @@ def features(name, x):
 
 def no_forward_transform():
     """Refuses a call inside torch.func.jvp or jacfwd (functorch's forward mode), whose tangents the losses would drop
-    without a word (a jacfwd of zeros); vmap and no transform pass. Read from functorch's interpreter stack, where
-    this PyTorch has one."""
+    without a word (a jacfwd of zeros), and inside torch.func.grad, vjp or jacrev (functorch's reverse mode, which
+    PyTorch refuses for these autograd.Functions with a message about setup_context); vmap and no transform pass.
+    Read from functorch's interpreter stack, where this PyTorch has one."""
     functorch = getattr(torch._C, "_functorch", None)
     if compiling() or functorch is None or getattr(functorch, "peek_interpreter_stack", lambda: None)() is None:
         return
     try:
         from torch._functorch import pyfunctorch
 
-        jvp = functorch.TransformType.Jvp
+        jvp, grad = functorch.TransformType.Jvp, functorch.TransformType.Grad
         levels = [i.key() for i in pyfunctorch.retrieve_all_functorch_interpreters()]
     except (AttributeError, ImportError):
         return
     if jvp in levels:
         raise NotImplementedError("contrastive_torch: called inside torch.func.jvp / jacfwd (forward mode); the "
                                   "losses are differentiable in reverse mode only (backward(), torch.autograd.grad)")
+    if grad in levels:
+        raise NotImplementedError("contrastive_torch: called inside torch.func.grad / vjp / jacrev; the losses are "
+                                  "differentiated by torch.autograd (backward(), torch.autograd.grad), not by "
+                                  "torch.func's transforms")
 
 
 def feature_pair(q, k, names):
@@ -222,6 +227,8 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
             raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name}: dtype {value.dtype} is not a real number type")
+        if value.device.type not in ("cpu", "cuda"):  # a meta tensor has no value to move
+            raise ValueError(f"{name}: on {value.device}; CPU and CUDA tensors only")
         if not value.is_floating_point():
             value = value.float()
         if value.dtype == torch.float64 and value.device.type == "cpu" and not compiling():

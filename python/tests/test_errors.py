@@ -166,6 +166,14 @@ def test_forward_mode_ad_is_refused_naming_the_argument():
                       lambda f: torch.func.jvp(f, (q,), (torch.ones_like(q),))):
         with pytest.raises(NotImplementedError, match=r"inside torch.func.jvp / jacfwd \(forward mode\)"):
             transform(lambda a: CF.clip_loss(a, k, 3.0))
+    # A scale with no value (the meta device) is refused naming it (PyTorch's "Cannot copy out of meta tensor").
+    with pytest.raises(ValueError, match="logit_scale: on meta; CPU and CUDA tensors only"):
+        CF.clip_loss(q, k, torch.tensor(3.0, device="meta"))
+    # torch.func's reverse mode: PyTorch refuses these autograd.Functions there (setup_context); ours says what to use.
+    for transform in (lambda f: torch.func.grad(f)(q), lambda f: torch.func.jacrev(f)(q),
+                      lambda f: torch.func.vjp(f, q)):
+        with pytest.raises(NotImplementedError, match=r"inside torch.func.grad / vjp / jacrev; .*torch.autograd"):
+            transform(lambda a: CF.clip_loss(a, k, 3.0))
     batched = torch.func.vmap(lambda a: CF.clip_loss(a, k, 3.0))(torch.stack([q, q]))
     assert torch.equal(batched, torch.stack([want, want]))
 
