@@ -20,11 +20,14 @@ as on the device's sync-free step. With CUDA tensors for the features, ids, logi
 captures the step; a Python number or CPU tensor is copied to the device first (that copy waits), and float16's
 backward reads the incoming gradient on the host (as every float16 step does).
 
-Precision, the host engine's forms: each row's log-sum-exp as its largest logit m plus log1p(rest), rest the sum of
-exp(S - m) over the row's other logits (the columns' merged over the chunks), so a trained batch's loss keeps its
-small excess over the floor; the positives' distance below m summed directly; on a positive, G's softmax-minus-target
-formed as (a_i / |K|) expm1(log P + log |K|), exact where P is close to 1 / |K|; d loss / d log s from S - m (each
-direction's G sums to zero along it). The logits in float32 from the features (16-bit products are exact in float32;
+Precision, the host engine's forms: each row's (column's) positives kept apart from its negatives, measured from m,
+their largest logit: log-sum-exp = m + log |P| + pos_log, pos_log = log1p((deficit + rest) / |P|), with rest the
+negatives' sum of exp(S - m), deficit the positives' sum of expm1(S - m) and the positives' distance below m summed
+directly (the columns' statistics merged over the chunks, moved as their m grows), so a trained batch's loss keeps its
+small excess over log |P|; on a positive, G's softmax-minus-target formed as (a_i / |P|) expm1((S - m) - pos_log), a
+small difference without cancellation whatever |P|; d loss / d log s from S - m (each direction's G sums to zero along
+it). Measured on CPU tensors (64 images, 2-3 captions each 1e-3 from their image, s = 30 and 100): dQ, dK and
+d loss / d log s as close to float64 as the float64 gradients of the same float32 logits. The logits in float32 from the features (16-bit products are exact in float32;
 torch.mm's float32 output on CUDA, float32 copies elsewhere), the loss and d loss / d log s summed in float64. Before
 the gradient products dS is rounded to bfloat16 for bfloat16 features, as the device's tensor-core products and the
 host's chunked path do; float16 features keep it in float32 (dS ~ 1 / (R n_k) would fall below float16's range in a
@@ -94,37 +97,45 @@ def _check(q, k, query_groups, key_groups, objective):
                              f"{tuple(ids.shape)} [shape_mismatch]")
 
 
-def _max_rest(S, dim):
-    """Along `dim`: (m, rest), the largest entry and the sum of exp(S - m) over every entry but one at the maximum,
-    so that log-sum-exp = m + log1p(rest) keeps a row's tiny excess over its largest logit (a trained batch's)."""
-    m, at = S.max(dim)
-    e = torch.exp(S - m.unsqueeze(dim))
-    e.scatter_(dim, at.unsqueeze(dim), 0.0)
-    return m, e.sum(dim)
+# How far below a row's (column's) largest logit its reference point may sit: the positives' largest logit, unless a
+# negative lies more than this above it (exp(S - m) stays below e^64 whatever the batch).
+_GUARD = 64.0
 
 
-def _merge(m1, r1, m2, r2):
-    """Two (m, rest) pairs of disjoint parts as the pair of their union (NaN propagates through m)."""
-    first = m1 >= m2
-    big, small = torch.where(first, m1, m2), torch.where(first, m2, m1)
-    r_big, r_small = torch.where(first, r1, r2), torch.where(first, r2, r1)
-    weight = torch.where(small == -float("inf"), 0.0, torch.exp(small - big))
-    return big, r_big + (1.0 + r_small) * weight
+def _reference(S, pos, dim):
+    """Along `dim`: (m, largest logit, largest positive logit), m the point the statistics are measured from: the
+    positives' largest logit (where the precision after training lies), at least the largest logit less _GUARD."""
+    top = S.amax(dim)
+    top_pos = S.masked_fill(~pos, -float("inf")).amax(dim)
+    return torch.maximum(top_pos, top - _GUARD), top, top_pos
 
 
-def _softmax_part(S, m, lse_rest, pos, weight, pos_weight, log_count, dim):
-    """One direction's share of G: weight P off the positives and, on them, pos_weight (count P - 1) formed as
-    pos_weight expm1(log P + log count) (exact where P is close to 1 / count, as after training); P =
-    exp(S - m - log1p(rest)) along the direction's `dim` (1: rows, 0: columns). Returns it and its share of
-    d loss / d log s, sum G (S - m): the share sums to zero along `dim`, so measuring S from m loses nothing."""
-    shape = (-1, 1) if dim == 1 else (1, -1)
-    centred = S - m.reshape(shape)
-    log_p = centred - torch.log1p(lse_rest).reshape(shape)
-    part = torch.exp(log_p).mul_(weight.reshape(shape))
-    # On the positives the expm1 form, elsewhere weight P: selected in place (x * 1 and x + 0 are exact; both finite
-    # for finite logits).
-    on_pos = log_p.add_(log_count.reshape(shape)).expm1_().mul_(pos_weight.reshape(shape)).mul_(pos)
-    part = part.mul_(~pos).add_(on_pos)
+def _stats(S, pos, m, dim):
+    """Along `dim`, measured from m: (rest, deficit, gap), the negatives' sum of exp(S - m), the positives' sum of
+    expm1(S - m) and their sum of m - S. Finite for finite logits: S - m <= _GUARD."""
+    centred = S - m.unsqueeze(dim)
+    deficit = torch.expm1(centred).mul_(pos).sum(dim)
+    gap = centred.mul(pos).sum(dim).neg_()
+    rest = centred.exp_().mul_(~pos).sum(dim)
+    return rest, deficit, gap
+
+
+def _pos_log(rest, deficit, count):
+    """log(sum_j exp(S_j - m) / |P|) = log1p((deficit + rest) / |P|): with m at the positives' largest logit it keeps
+    a trained row's small excess over log |P| (rows without a positive: |P| taken as 1, their weight is 0)."""
+    return torch.log1p((deficit + rest) / count.clamp(min=1))
+
+
+def _softmax_part(S, m, pos_log, pos, weight, pos_weight, log_count):
+    """One direction's share of G along the rows of S (a direction's rows: S itself, or its transpose for the
+    columns): weight P off the positives and, on them, pos_weight (|P| P - 1) = pos_weight expm1((S - m) - pos_log),
+    a small difference after training formed without cancellation; log P = (S - m) - pos_log - log |P|. Returns it
+    and its share of d loss / d log s, sum G (S - m): the share sums to zero along each row, so measuring S from m
+    loses nothing."""
+    centred = S - m[:, None]
+    shifted = centred - pos_log[:, None]  # <= log |P|: expm1 and exp stay finite on every entry
+    on_pos = torch.expm1(shifted).mul_(pos_weight[:, None]).mul_(pos)
+    part = shifted.sub_(log_count[:, None]).exp_().mul_(weight[:, None]).mul_(~pos).add_(on_pos)
     return part, centred.mul_(part).sum(1).double().sum()
 
 
@@ -160,21 +171,25 @@ def _step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, gr
         has_row = keys_of_row > 0
         a = torch.where(has_row, (0.5 if sym else 1.0) / has_row.sum().to(torch.float64).clamp(min=1), 0.0)
         a_pos = (a / keys_of_row.clamp(min=1)).float()
-        a, log_keys = a.float(), keys_of_row.clamp(min=1).log().float()
+        a, log_keys, keys_of_row = a.float(), keys_of_row.clamp(min=1).log().float(), keys_of_row.float()
         row_m = torch.empty(n_q, **f32)
-        row_rest = torch.empty(n_q, **f32)
+        row_pos_log = torch.empty(n_q, **f32)
         if sym:
             queries_of_col = _sizes(kg, qg)
             has_col = queries_of_col > 0
             bc = torch.where(has_col, 0.5 / has_col.sum().to(torch.float64).clamp(min=1), 0.0)
             bc_pos = (bc / queries_of_col.clamp(min=1)).float()
             bc, log_queries = bc.float(), queries_of_col.clamp(min=1).log().float()
-            # The columns' running statistics over the chunks: (m, rest), and the positives' distance below the
-            # running m (their count, and the sum of m - S over them).
+            # The columns' running statistics over the chunks, measured from a running m (_reference's over the rows
+            # seen; it only grows): the largest logit and positive logit so far, the negatives' rest, the
+            # positives' deficit, gap and count.
             col_m = torch.full((n_k,), -inf, **f32)
+            col_top = torch.full((n_k,), -inf, **f32)
+            col_top_pos = torch.full((n_k,), -inf, **f32)
             col_rest = torch.zeros(n_k, **f32)
-            col_count = torch.zeros(n_k, **f32)
+            col_deficit = torch.zeros(n_k, **f32)
             col_gap = torch.zeros(n_k, **f32)
+            col_count = torch.zeros(n_k, **f32)
 
     loss = torch.zeros((), dtype=torch.float64, device=device)
     dlogs = torch.zeros((), dtype=torch.float64, device=device)
@@ -222,31 +237,38 @@ def _step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, gr
                 gradient_products(r0, r1, G)
             continue
         seen(S)
-        m, rest = _max_rest(S, 1)
-        row_m[r0:r1], row_rest[r0:r1] = m, rest
-        # Row i's term: lse_i - mean over P(i) of S_ij = log1p(rest_i) + (sum over P(i) of (m_i - S_ij)) / |P(i)|.
-        gap = (m[:, None] - S).mul_(pos).sum(1)
-        loss = loss + (a[r0:r1] * torch.log1p(rest) + a_pos[r0:r1] * gap).double().sum()
+        m = _reference(S, pos, 1)[0]
+        rest, deficit, gap = _stats(S, pos, m, 1)
+        pos_log = _pos_log(rest, deficit, keys_of_row[r0:r1])
+        row_m[r0:r1], row_pos_log[r0:r1] = m, pos_log
+        # Row i's term: lse_i - mean over P(i) of S_ij = log |P(i)| + pos_log_i + (sum over P(i) of m_i - S_ij) / |P(i)|.
+        loss = loss + (a[r0:r1] * (log_keys[r0:r1] + pos_log) + a_pos[r0:r1] * gap).double().sum()
         if sym:
-            cm, crest = _max_rest(S, 0)
+            _, top, top_pos = _reference(S, pos, 0)
+            col_top, col_top_pos = torch.maximum(col_top, top), torch.maximum(col_top_pos, top_pos)
+            new_m = torch.maximum(col_top_pos, col_top - _GUARD)
+            # The statistics so far, moved to the new m (delta <= 0; none so far: weight 0), plus this chunk's.
+            delta = col_m - new_m
+            weight = torch.where(col_m == -inf, 0.0, torch.exp(delta))
+            rest, deficit, gap = _stats(S, pos, new_m, 0)
             count = pos.sum(0).float()
-            cgap = (cm[None, :] - S).mul_(pos).sum(0)
-            new_m, new_rest = _merge(col_m, col_rest, cm, crest)
-            col_gap = (torch.where(col_count > 0, col_gap + col_count * (new_m - col_m), 0.0) +
-                       torch.where(count > 0, cgap + count * (new_m - cm), 0.0))
-            col_m, col_rest, col_count = new_m, new_rest, col_count + count
+            col_rest = col_rest * weight + rest
+            col_deficit = col_deficit * weight + torch.where(col_count > 0, col_count * torch.expm1(delta), 0.0) + deficit
+            col_gap = torch.where(col_count > 0, col_gap - col_count * delta, 0.0) + gap
+            col_m, col_count = new_m, col_count + count
         elif grads:  # InfoNCE: the row statistics are the chunk's own, so its gradient follows at once
-            G, share = _softmax_part(S, m, rest, pos, a[r0:r1], a_pos[r0:r1], log_keys[r0:r1], 1)
+            G, share = _softmax_part(S, m, pos_log, pos, a[r0:r1], a_pos[r0:r1], log_keys[r0:r1])
             dlogs = dlogs + share
             gradient_products(r0, r1, G)
     if sym:
-        loss = loss + (bc * torch.log1p(col_rest) + bc_pos * col_gap).double().sum()
+        col_pos_log = _pos_log(col_rest, col_deficit, col_count)
+        loss = loss + (bc * (log_queries + col_pos_log) + bc_pos * col_gap).double().sum()
         for r0 in range(0, n_q, chunk) if grads else ():
             r1 = min(n_q, r0 + chunk)
             S, pos = logits(r0, r1)
-            G, share = _softmax_part(S, row_m[r0:r1], row_rest[r0:r1], pos, a[r0:r1], a_pos[r0:r1],
-                                     log_keys[r0:r1], 1)
-            C, col_share = _softmax_part(S.t(), col_m, col_rest, pos.t(), bc, bc_pos, log_queries, 1)
+            G, share = _softmax_part(S, row_m[r0:r1], row_pos_log[r0:r1], pos, a[r0:r1], a_pos[r0:r1],
+                                     log_keys[r0:r1])
+            C, col_share = _softmax_part(S.t(), col_m, col_pos_log, pos.t(), bc, bc_pos, log_queries)
             dlogs = dlogs + share + col_share
             gradient_products(r0, r1, G.add_(C.t()))
 

@@ -724,6 +724,30 @@ def test_the_cuda_composition_keeps_a_trained_batchs_digits(objective):
             assert mine <= max(2 * theirs + 1e-6, floor), (name, s, mine, theirs)
 
 
+@pytest.mark.parametrize("objective", ["symmetric", "info_nce"])
+def test_the_cuda_composition_is_as_exact_as_its_logits_on_near_duplicate_captions(objective):
+    # Two or three captions per image, each 1e-3 from it (near duplicates), at s = 30 and 100: on a positive G is a
+    # small difference of softmax terms that each sit near 1 / |P|. Forming it from the row's log-sum-exp over every
+    # logit cancelled two float32 numbers near log |P| and lost 5x (3 captions: 20x) of dQ's digits; with the
+    # positives kept apart the gradients are as close to float64 as the float64 gradients of the same float32 logits.
+    for captions, s in ((2, 30.0), (3, 30.0), (3, 100.0)):
+        g = torch.Generator().manual_seed(73 + captions)
+        q = F.normalize(torch.randn(64, 32, generator=g), dim=1)
+        keys = torch.cat([F.normalize(q + 1e-3 * torch.randn(64, 32, generator=g), dim=1) for _ in range(captions)])
+        ids = torch.arange(64)
+        key_ids = ids.repeat(captions)
+        got = _composition(objective, q, keys, s, 0.0, ids, key_ids)
+        q64, k64 = q.double().requires_grad_(), keys.double().requires_grad_()
+        reference(objective, q64, k64, torch.tensor(s, dtype=torch.float64), ids, key_ids).backward()
+        # The floor: float64 gradients of the step's own float32 logits.
+        logits = (torch.mm(q, keys.t()) * s).double().requires_grad_()
+        reference_of_logits(objective, logits, ids, key_ids).backward()
+        floor_dq, floor_dk = s * logits.grad @ keys.double(), s * logits.grad.t() @ q.double()
+        for mine, floor, want, name in ((got[1], floor_dq, q64.grad, "dq"), (got[2], floor_dk, k64.grad, "dk")):
+            assert rel(mine, want) <= 1.5 * rel(floor, want) + 1e-5, (name, captions, s, rel(mine, want),
+                                                                        rel(floor, want))
+
+
 def test_the_cuda_composition_ignores_an_autocast_region():
     # float16's backward reruns the step, possibly inside the caller's autocast region: its float32 products must
     # not be cast down there.
