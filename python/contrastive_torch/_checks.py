@@ -173,13 +173,17 @@ def features(name, x):
         raise ValueError(f"{name}: not contiguous (call .contiguous())")
 
 
-def no_forward_transform():
+def no_forward_transform(*tensors):
     """Refuses a call inside torch.func.jvp or jacfwd (functorch's forward mode), whose tangents the losses would drop
     without a word (a jacfwd of zeros), and inside torch.func.grad, vjp or jacrev (functorch's reverse mode, which
-    PyTorch refuses for these autograd.Functions with a message about setup_context); vmap and no transform pass.
-    Read from functorch's interpreter stack, where this PyTorch has one."""
+    PyTorch refuses for these autograd.Functions with a message about setup_context), where one of `tensors` is
+    tracked by the transform; a loss of untracked tensors (a constant of the transformed function), vmap and no
+    transform pass. Read from functorch's interpreter stack, where this PyTorch has one."""
     functorch = getattr(torch._C, "_functorch", None)
     if compiling() or functorch is None or getattr(functorch, "peek_interpreter_stack", lambda: None)() is None:
+        return
+    tracked = getattr(functorch, "is_gradtrackingtensor", None)
+    if tracked is not None and not any(isinstance(t, torch.Tensor) and tracked(t) for t in tensors):
         return
     try:
         from torch._functorch import pyfunctorch
@@ -199,7 +203,7 @@ def no_forward_transform():
 
 def feature_pair(q, k, names):
     """Both feature tensors and what they must share (dtype, embedding size, device)."""
-    no_forward_transform()
+    no_forward_transform(q, k)
     features(names[0], q)
     features(names[1], k)
     if q.dtype != k.dtype:
@@ -222,6 +226,7 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
     read."""
     if isinstance(value, torch.Tensor):
         no_tangent(name, value)
+        no_forward_transform(value)
         if value.numel() != 1:
             extra = " (a per-logit bias is not supported)" if name == "logit_bias" else ""
             raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")

@@ -174,6 +174,14 @@ def test_forward_mode_ad_is_refused_naming_the_argument():
                       lambda f: torch.func.vjp(f, q)):
         with pytest.raises(NotImplementedError, match=r"inside torch.func.grad / vjp / jacrev; .*torch.autograd"):
             transform(lambda a: CF.clip_loss(a, k, 3.0))
+    with pytest.raises(NotImplementedError, match=r"inside torch.func.grad / vjp / jacrev"):
+        torch.func.grad(lambda s: CF.clip_loss(q, k, s))(torch.tensor(3.0))  # the scale tracked
+    # A loss of tensors the transform does not track is a constant of the transformed function, as PyTorch runs it.
+    x = torch.tensor([1.0, 2.0])
+    grad_x = torch.func.grad(lambda a: (a * a).sum() + CF.clip_loss(q, k, 3.0))(x)
+    assert torch.equal(grad_x, 2 * x)
+    value, aux = torch.func.grad(lambda a: ((a * a).sum(), CF.clip_loss(q, k, 3.0)), has_aux=True)(x)
+    assert torch.equal(value, 2 * x) and torch.equal(aux, want)
     batched = torch.func.vmap(lambda a: CF.clip_loss(a, k, 3.0))(torch.stack([q, q]))
     assert torch.equal(batched, torch.stack([want, want]))
 
