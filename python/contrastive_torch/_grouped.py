@@ -23,16 +23,16 @@ backward reads the incoming gradient on the host (as every float16 step does).
 Precision, the host engine's forms: each row's (column's) positives kept apart from its negatives, measured from m,
 their largest logit: log-sum-exp = m + log |P| + pos_log, pos_log = log1p((deficit + rest) / |P|), with rest the
 negatives' sum of exp(S - m), deficit the positives' sum of expm1(S - m) and the positives' distance below m summed
-directly (the columns' statistics merged over the chunks, moved as their m grows), so a trained batch's loss keeps its
-small excess over log |P|; on a positive, G's softmax-minus-target formed as (a_i / |P|) expm1((S - m) - pos_log), a
-small difference without cancellation whatever |P|; d loss / d log s from S - m (each direction's G sums to zero along
-it). Measured on CPU tensors (64 images, 2-3 captions each 1e-3 from their image, s = 30 and 100): dQ, dK and
-d loss / d log s as close to float64 as the float64 gradients of the same float32 logits. The logits in float32 from the features (16-bit products are exact in float32;
-torch.mm's float32 output on CUDA, float32 copies elsewhere), the loss and d loss / d log s summed in float64. Before
-the gradient products dS is rounded to bfloat16 for bfloat16 features, as the device's tensor-core products and the
-host's chunked path do; float16 features keep it in float32 (dS ~ 1 / (R n_k) would fall below float16's range in a
-large batch). float32 products follow torch.backends.cuda.matmul.allow_tf32 as torch.matmul does. dQ and dK are
-rounded once to the features' dtype, at the loss scale given."""
+directly (the columns' merged over the chunks, each sum kept from its own maximum until the last), so a trained batch's
+loss keeps its small excess over log |P|; on a positive, G's softmax-minus-target formed as (a_i / |P|) expm1((S - m) -
+pos_log), a small difference without cancellation whatever |P|; d loss / d log s from S - m (each direction's G sums to
+zero along it). Measured on CPU tensors (64 images, 2-3 captions each 1e-3 from their image, s = 30 and 100): dQ, dK and
+d loss / d log s as close to float64 as the float64 gradients of the same float32 logits. The logits in float32 from the
+features (16-bit products are exact in float32; torch.mm's float32 output on CUDA, float32 copies elsewhere), the loss
+and d loss / d log s summed in float64. Before the gradient products dS is rounded to bfloat16 for bfloat16 features, as
+the device's tensor-core products and the host's chunked path do; float16 features keep it in float32 (dS ~ 1 / (R n_k)
+would fall below float16's range in a large batch). float32 products follow torch.backends.cuda.matmul.allow_tf32 as
+torch.matmul does. dQ and dK are rounded once to the features' dtype, at the loss scale given."""
 
 import torch
 
@@ -120,6 +120,46 @@ def _stats(S, pos, m, dim):
     return rest, deficit, gap
 
 
+def _column_part(S, pos):
+    """One chunk's column statistics: (largest logit, the negatives' sum of exp(S - it), the positives' largest logit,
+    their sum of expm1(S - it) and of it - S, their count), each sum measured from its own maximum, so that merging
+    chunks (_merge_columns) only ever scales a sum down by exp of a non-positive distance."""
+    _, top, top_pos = _reference(S, pos, 0)
+    rest = (S - top).exp_().mul_(~pos).sum(0)
+    # The positives' distances below their maximum; 0 elsewhere (a negative may lie any distance above it).
+    centred = (S - torch.where(top_pos == -float("inf"), top, top_pos)).masked_fill_(~pos, 0.0)
+    deficit = torch.expm1(centred).sum(0)
+    gap = centred.sum(0).neg_()
+    return top, rest, top_pos, deficit, gap, pos.sum(0).float()
+
+
+def _moved(deficit, gap, count, delta):
+    """The positives' deficit and gap moved to a maximum `delta` (<= 0) below the new one; none (count 0): zeros."""
+    some = count > 0
+    return (torch.where(some, deficit * torch.exp(delta) + count * torch.expm1(delta), 0.0),
+            torch.where(some, gap - count * delta, 0.0))
+
+
+def _merge_columns(a, b):
+    """Two chunks' (or the running and a chunk's) column statistics as those of their union."""
+    top = torch.maximum(a[0], b[0])
+    rest = a[1] * torch.exp(a[0] - top) + b[1] * torch.exp(b[0] - top)
+    top_pos = torch.maximum(a[2], b[2])
+    deficit_a, gap_a = _moved(a[3], a[4], a[5], a[2] - top_pos)
+    deficit_b, gap_b = _moved(b[3], b[4], b[5], b[2] - top_pos)
+    return top, rest, top_pos, deficit_a + deficit_b, gap_a + gap_b, a[5] + b[5]
+
+
+def _finish_columns(cols):
+    """(m, pos_log, gap) of every column from its merged statistics, measured from _reference's point (the positives'
+    largest logit, at least the largest logit less _GUARD)."""
+    top, rest, top_pos, deficit, gap, count = cols
+    m = torch.maximum(top_pos, top - _GUARD)
+    deficit, gap = _moved(deficit, gap, count, top_pos - m)
+    rest = rest * torch.exp(top - m)  # top - m <= _GUARD
+    return m, _pos_log(rest, deficit, count), gap
+
+
 def _pos_log(rest, deficit, count):
     """log(sum_j exp(S_j - m) / |P|) = log1p((deficit + rest) / |P|): with m at the positives' largest logit it keeps
     a trained row's small excess over log |P| (rows without a positive: |P| taken as 1, their weight is 0)."""
@@ -180,16 +220,8 @@ def _step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, gr
             bc = torch.where(has_col, 0.5 / has_col.sum().to(torch.float64).clamp(min=1), 0.0)
             bc_pos = (bc / queries_of_col.clamp(min=1)).float()
             bc, log_queries = bc.float(), queries_of_col.clamp(min=1).log().float()
-            # The columns' running statistics over the chunks, measured from a running m (_reference's over the rows
-            # seen; it only grows): the largest logit and positive logit so far, the negatives' rest, the
-            # positives' deficit, gap and count.
-            col_m = torch.full((n_k,), -inf, **f32)
-            col_top = torch.full((n_k,), -inf, **f32)
-            col_top_pos = torch.full((n_k,), -inf, **f32)
-            col_rest = torch.zeros(n_k, **f32)
-            col_deficit = torch.zeros(n_k, **f32)
-            col_gap = torch.zeros(n_k, **f32)
-            col_count = torch.zeros(n_k, **f32)
+            # The columns' running statistics over the chunks (_column_part's), merged chunk by chunk.
+            cols = None
 
     loss = torch.zeros((), dtype=torch.float64, device=device)
     dlogs = torch.zeros((), dtype=torch.float64, device=device)
@@ -244,24 +276,14 @@ def _step(q, k, logit_scale, logit_bias, query_groups, key_groups, objective, gr
         # Row i's term: lse_i - mean over P(i) of S_ij = log |P(i)| + pos_log_i + (sum over P(i) of m_i - S_ij) / |P(i)|.
         loss = loss + (a[r0:r1] * (log_keys[r0:r1] + pos_log) + a_pos[r0:r1] * gap).double().sum()
         if sym:
-            _, top, top_pos = _reference(S, pos, 0)
-            col_top, col_top_pos = torch.maximum(col_top, top), torch.maximum(col_top_pos, top_pos)
-            new_m = torch.maximum(col_top_pos, col_top - _GUARD)
-            # The statistics so far, moved to the new m (delta <= 0; none so far: weight 0), plus this chunk's.
-            delta = col_m - new_m
-            weight = torch.where(col_m == -inf, 0.0, torch.exp(delta))
-            rest, deficit, gap = _stats(S, pos, new_m, 0)
-            count = pos.sum(0).float()
-            col_rest = col_rest * weight + rest
-            col_deficit = col_deficit * weight + torch.where(col_count > 0, col_count * torch.expm1(delta), 0.0) + deficit
-            col_gap = torch.where(col_count > 0, col_gap - col_count * delta, 0.0) + gap
-            col_m, col_count = new_m, col_count + count
+            part = _column_part(S, pos)
+            cols = part if cols is None else _merge_columns(cols, part)
         elif grads:  # InfoNCE: the row statistics are the chunk's own, so its gradient follows at once
             G, share = _softmax_part(S, m, pos_log, pos, a[r0:r1], a_pos[r0:r1], log_keys[r0:r1])
             dlogs = dlogs + share
             gradient_products(r0, r1, G)
     if sym:
-        col_pos_log = _pos_log(col_rest, col_deficit, col_count)
+        col_m, col_pos_log, col_gap = _finish_columns(cols)
         loss = loss + (bc * (log_queries + col_pos_log) + bc_pos * col_gap).double().sum()
         for r0 in range(0, n_q, chunk) if grads else ():
             r1 = min(n_q, r0 + chunk)

@@ -725,12 +725,18 @@ def test_the_cuda_composition_keeps_a_trained_batchs_digits(objective):
 
 
 @pytest.mark.parametrize("objective", ["symmetric", "info_nce"])
-def test_the_cuda_composition_is_as_exact_as_its_logits_on_near_duplicate_captions(objective):
+@pytest.mark.parametrize("chunk_rows", [None, 16])
+def test_the_cuda_composition_is_as_exact_as_its_logits_on_near_duplicate_captions(objective, chunk_rows,
+                                                                                   monkeypatch):
     # Two or three captions per image, each 1e-3 from it (near duplicates), at s = 30 and 100: on a positive G is a
     # small difference of softmax terms that each sit near 1 / |P|. Forming it from the row's log-sum-exp over every
     # logit cancelled two float32 numbers near log |P| and lost 5x (3 captions: 20x) of dQ's digits; with the
     # positives kept apart the gradients are as close to float64 as the float64 gradients of the same float32 logits.
+    # In chunks of 16 rows a caption's column sees its image in one chunk and only negatives in the others (the
+    # merged column statistics must not lose the positive's digits).
     for captions, s in ((2, 30.0), (3, 30.0), (3, 100.0)):
+        if chunk_rows:
+            monkeypatch.setattr(ct._grouped, "CHUNK_ELEMENTS", chunk_rows * 64 * captions)
         g = torch.Generator().manual_seed(73 + captions)
         q = F.normalize(torch.randn(64, 32, generator=g), dim=1)
         keys = torch.cat([F.normalize(q + 1e-3 * torch.randn(64, 32, generator=g), dim=1) for _ in range(captions)])
@@ -746,6 +752,28 @@ def test_the_cuda_composition_is_as_exact_as_its_logits_on_near_duplicate_captio
         for mine, floor, want, name in ((got[1], floor_dq, q64.grad, "dq"), (got[2], floor_dk, k64.grad, "dk")):
             assert rel(mine, want) <= 1.5 * rel(floor, want) + 1e-5, (name, captions, s, rel(mine, want),
                                                                         rel(floor, want))
+
+
+def test_the_cuda_composition_merges_column_statistics_over_chunks_without_losing_digits(monkeypatch):
+    # Each text's image lies 36 above every other logit of its column: in chunks of 2 rows a text's column sees only
+    # negatives in one chunk and its positive in the other. Its loss (1e-15 above the floor) and each positive's G (as
+    # small) keep their digits as in one chunk (a merge that scaled the first chunk's sum by a subnormal weight lost
+    # 1e-3 of both). K = I and s = 1, so dq is G itself.
+    S = torch.tensor([[36.0, 0.0, 0.5, 0.2], [0.1, 36.0, 0.0, 1.0], [0.3, 0.4, 36.0, 0.0], [0.0, 0.5, 0.2, 36.0]])
+    ids = torch.arange(4)
+    # float64 without cancellation: each row's and column's sum of exp(S - S_ii) over its negatives.
+    S64, off = S.double(), ~torch.eye(4, dtype=torch.bool)
+    rows = (S64 - S64.diagonal()[:, None]).exp().mul(off).sum(1)
+    cols = (S64 - S64.diagonal()[None, :]).exp().mul(off).sum(0)
+    want = float(0.5 * torch.log1p(rows).mean() + 0.5 * torch.log1p(cols).mean())
+    want_diag = -(rows / (1 + rows) + cols / (1 + cols)) / 8
+    for chunk in (None, 8):
+        if chunk:
+            monkeypatch.setattr(ct._grouped, "CHUNK_ELEMENTS", chunk)
+        got = _composition("symmetric", S, torch.eye(4), 1.0, 0.0, ids, ids)
+        assert abs(float(got[0]) - want) <= 1e-6 * want, (chunk, float(got[0]), want)
+        diag = got[1].double().diagonal()
+        assert float(((diag - want_diag).abs() / want_diag.abs()).max()) <= 1e-5, (chunk, diag, want_diag)
 
 
 def test_the_cuda_composition_ignores_an_autocast_region():
