@@ -776,6 +776,29 @@ def test_the_cuda_composition_merges_column_statistics_over_chunks_without_losin
         assert float(((diag - want_diag).abs() / want_diag.abs()).max()) <= 1e-5, (chunk, diag, want_diag)
 
 
+def test_the_cuda_composition_takes_negatives_far_above_the_positives(monkeypatch):
+    # Negatives 100 to 300 above a row's or column's positives (an untrained batch at a large scale, with duplicates):
+    # past exp's range from the positives, so every sum is measured from a point that keeps it finite; the loss and
+    # the gradients are the float64 ones, in one chunk and in chunks of 2 rows.
+    g = torch.Generator().manual_seed(76)
+    S = torch.randn(7, 6, generator=g)
+    S[torch.rand(7, 6, generator=g) < 0.25] += 300.0
+    S[0, 5] += 100.0
+    qg, kg = torch.tensor([0, 1, 1, 2, 3, 0, 4]), torch.tensor([1, 0, 2, 2, 3, 9])
+    for objective in ("symmetric", "info_nce"):
+        logits = S.double().requires_grad_()
+        want = reference_of_logits(objective, logits, qg, kg)
+        want.backward()
+        want = want.detach()
+        for chunk in (None, 12):
+            if chunk:
+                monkeypatch.setattr(ct._grouped, "CHUNK_ELEMENTS", chunk)
+            got = _composition(objective, S, torch.eye(6), 1.0, 0.0, qg, kg)
+            assert int(got[-1]) == 0, (objective, chunk)
+            assert abs(float(got[0]) - float(want)) <= 1e-6 * float(want), (objective, chunk)
+            assert rel(got[1], logits.grad) <= 1e-5, (objective, chunk)
+
+
 def test_the_cuda_composition_ignores_an_autocast_region():
     # float16's backward reruns the step, possibly inside the caller's autocast region: its float32 products must
     # not be cast down there.
