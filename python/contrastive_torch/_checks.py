@@ -232,8 +232,8 @@ def scalar(name, value, device, kinds="a number or a one-element tensor"):
             raise ValueError(f"{name}: expected one value{extra}, got shape {tuple(value.shape)}")
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name}: dtype {value.dtype} is not a real number type")
-        if value.device.type not in ("cpu", "cuda"):  # a meta tensor has no value to move
-            raise ValueError(f"{name}: on {value.device}; CPU and CUDA tensors only")
+        if value.device.type == "meta":  # no value to move to the features' device
+            raise ValueError(f"{name}: on the meta device, which holds no value")
         if not value.is_floating_point():
             value = value.float()
         if value.dtype == torch.float64 and value.device.type == "cpu" and not compiling():
