@@ -102,12 +102,17 @@ def _check(q, k, query_groups, key_groups, objective):
 _GUARD = 64.0
 
 
+def _point(top, top_pos):
+    """The point the statistics are measured from: the positives' largest logit (where the precision after training
+    lies), at least the largest logit less _GUARD."""
+    return torch.maximum(top_pos, top - _GUARD)
+
+
 def _reference(S, pos, dim):
-    """Along `dim`: (m, largest logit, largest positive logit), m the point the statistics are measured from: the
-    positives' largest logit (where the precision after training lies), at least the largest logit less _GUARD."""
+    """Along `dim`: (m, largest logit, largest positive logit), m = _point's."""
     top = S.amax(dim)
     top_pos = S.masked_fill(~pos, -float("inf")).amax(dim)
-    return torch.maximum(top_pos, top - _GUARD), top, top_pos
+    return _point(top, top_pos), top, top_pos
 
 
 def _stats(S, pos, m, dim):
@@ -151,10 +156,9 @@ def _merge_columns(a, b):
 
 
 def _finish_columns(cols):
-    """(m, pos_log, gap) of every column from its merged statistics, measured from _reference's point (the positives'
-    largest logit, at least the largest logit less _GUARD)."""
+    """(m, pos_log, gap) of every column from its merged statistics, measured from _point's m."""
     top, rest, top_pos, deficit, gap, count = cols
-    m = torch.maximum(top_pos, top - _GUARD)
+    m = _point(top, top_pos)
     deficit, gap = _moved(deficit, gap, count, top_pos - m)
     rest = rest * torch.exp(top - m)  # top - m <= _GUARD
     return m, _pos_log(rest, deficit, count), gap
