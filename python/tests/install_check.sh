@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's install line, checked: pip-installs contrastive_torch from this checkout into a fresh virtual
-# environment that sees the given Python's torch, then runs the test suite from outside the source tree against the
-# installed package (its prebuilt extension(s), its packaged headers).
+# environment that sees the given Python's torch, then runs the tests of what installing can break (below) from outside
+# the source tree against the installed package (its prebuilt extension(s), its packaged headers).
 #
 #   bash python/tests/install_check.sh .venv-torch/bin/python <scratch dir>
 #
