@@ -58,5 +58,6 @@ PY
 # build tree's run covers the rest on the same sources: 4 ranks, the torch.compile training steps (inductor compiles
 # C++ for each: about a minute), open_clip's training program (about 70 s) and the GPU side-by-side script's dry run.
 # (The whole suite a second time would make this the longest test in CI.)
-CONTRASTIVE_TORCH_DIST_WORLDS=${CONTRASTIVE_TORCH_DIST_WORLDS:-2} "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
-  -k "not compiled" --ignore="$src/tests/test_open_clip_train.py" --ignore="$src/tests/test_side_by_side.py" "$src/tests"
+CONTRASTIVE_TORCH_DIST_WORLDS=${CONTRASTIVE_TORCH_DIST_WORLDS:-2} "$work/venv/bin/python" -m pytest -q \
+  -p no:cacheprovider -k "not compiled" --ignore="$src/tests/test_open_clip_train.py" \
+  --ignore="$src/tests/test_side_by_side.py" "$src/tests"
