@@ -169,6 +169,14 @@ micro_kernel(std::size_t kc, const float* a, const float* b, float* c, std::size
 /// Offsets in elements are those of the float layouts (panel ic starts at ic * kc, slice p0 at p0 * MR), so
 /// gemm_packed works on either.
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+/// 1 where this build has the bfloat16 dot-product kernel (bf16_dot), for code that must not even name its pair-layout
+/// products elsewhere (gemm_packed<std::uint16_t> does not compile without it).
+#define CONTRASTIVE_HOST_BF16_DOT 1
+#else
+#define CONTRASTIVE_HOST_BF16_DOT 0
+#endif
+
+#if CONTRASTIVE_HOST_BF16_DOT
 inline constexpr bool bf16_dot = true;
 inline constexpr const char* bf16_kernel_isa = "avx512_bf16";
 #else
@@ -207,7 +215,7 @@ CONTRASTIVE_FORCEINLINE std::uint16_t bf16_round_bits(float f) noexcept
   return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+#if CONTRASTIVE_HOST_BF16_DOT
 namespace kernel
 {
 /// C[MR x NR] (ld ldc) = or += sum over kc / 2 pair steps of a[p][0..MR) (pairs) times b[p][0..NR) (pairs); the same
@@ -275,6 +283,8 @@ CONTRASTIVE_NOINLINE void gemm_packed(std::size_t m_pad,
                                       bool accumulate,
                                       std::size_t a_kc = 0) noexcept
 {
+  static_assert(std::is_same_v<E, float> || (std::is_same_v<E, std::uint16_t> && bf16_dot),
+                "gemm_packed: float operands, or bfloat16 pairs where this build has the bf16 kernel (bf16_dot)");
   a_kc = a_kc == 0 ? kc : a_kc;
 #if CONTRASTIVE_AMX_COMPILED
   if constexpr (std::is_same_v<E, std::uint16_t>)
