@@ -351,11 +351,9 @@ void register_type(contrastive::objective obj, pass ps, std::size_t n, std::size
   register_one<T, contrastive::algorithm::materialized>(obj, ps, n, d);
   register_one<T, contrastive::algorithm::fused>(obj, ps, n, d);
   register_one<T, contrastive::algorithm::chunked>(obj, ps, n, d);
-  if (obj != contrastive::objective::sigmoid)
-  {
-    // Materialized where it fits the budget (--contrastive_budget_mib, default the library's), else fused.
-    register_one<T, contrastive::algorithm::automatic>(obj, ps, n, d);
-  }
+  // Materialized where it fits the budget (--contrastive_budget_mib, default the library's) for float, else fused; the
+  // sigmoid objective too (what siglip_loss runs by default).
+  register_one<T, contrastive::algorithm::automatic>(obj, ps, n, d);
 }
 } // namespace
 

@@ -737,6 +737,59 @@ TEST(AutomaticAccuracy, Bf16GradientsAgainstFloat64AcrossLogitScales)
   }
 }
 
+// The sigmoid objective's fused step is one pass (the flops of materialized, no n_q x n_k logits), so automatic runs
+// it fused at any budget and scale, bit for bit (loss, bias gradient, dQ, dK, bytes held); the softmax objectives on
+// the same loss and budget still run materialized.
+TEST(AutomaticAlgorithm, SigmoidRunsFusedAtAnyBudget)
+{
+  const std::uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  const std::size_t n = 150, dim = 41;
+  const auto q = ct::random_rows<float>(n, dim, seed), k = ct::random_rows<float>(n, dim, seed + 1);
+  const cl::problem<float> sig{q.data(), k.data(), n, n, dim, nullptr, cl::objective::sigmoid};
+  const cl::problem<float> sym{q.data(), k.data(), n, n, dim, nullptr, cl::objective::symmetric};
+  using fixed = cl::temperature::fixed;
+  auto run = [&](auto& l, const cl::problem<float>& p, std::vector<float>& dq, std::vector<float>& dk)
+  {
+    EXPECT_TRUE(l.set_logit_bias(cl::logit_bias::fixed(p.obj == cl::objective::sigmoid ? -4.0f : 0.0f)).ok());
+    cl::step_record rec;
+    dq.assign(n * dim, std::numeric_limits<float>::quiet_NaN());
+    dk.assign(n * dim, std::numeric_limits<float>::quiet_NaN());
+    EXPECT_TRUE(l.step(p, dq.data(), dk.data(), rec).ok());
+    EXPECT_FALSE(rec.skipped);
+    return rec;
+  };
+  for (const float tau : {0.1f, 1.0f / 300.0f})
+  {
+    SCOPED_TRACE("tau " + std::to_string(tau));
+    for (const std::size_t budget : {std::size_t(1) << 40, std::size_t(1)})
+    {
+      SCOPED_TRACE("budget " + std::to_string(budget));
+      // Fresh losses: one that ran the symmetric objective keeps its column statistics' buffers.
+      cl::loss<float, fixed, cl::scaler::static_scale, cl::algorithm::automatic> a(
+          fixed(tau), cl::scaler::static_scale(2.0f), 2);
+      cl::loss<float, fixed, cl::scaler::static_scale, cl::algorithm::fused> f(
+          fixed(tau), cl::scaler::static_scale(2.0f), 2);
+      ASSERT_TRUE(a.set_memory_budget(budget).ok());
+      EXPECT_FALSE(a.materializes(sig));
+      std::vector<float> dq, dk, dq_ref, dk_ref;
+      const cl::step_record got = run(a, sig, dq, dk);
+      EXPECT_STREQ(a.algorithm_used(), "fused");
+      const cl::step_record ref = run(f, sig, dq_ref, dk_ref);
+      EXPECT_EQ(got.loss, ref.loss);
+      EXPECT_EQ(got.grad_logit_scale, ref.grad_logit_scale);
+      EXPECT_EQ(got.grad_logit_bias, ref.grad_logit_bias);
+      EXPECT_EQ(0, std::memcmp(dq.data(), dq_ref.data(), dq.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(dk.data(), dk_ref.data(), dk.size() * sizeof(float)));
+      EXPECT_EQ(a.bytes_held(), f.bytes_held());
+      // The symmetric objective on the same loss: materialized where it fits.
+      EXPECT_EQ(a.materializes(sym), budget > 1);
+      run(a, sym, dq, dk);
+      EXPECT_STREQ(a.algorithm_used(), budget > 1 ? "materialized" : "fused");
+    }
+  }
+}
+
 TEST(AutomaticAlgorithm, OtherAlgorithmsRefuseABudget)
 {
   cl::loss<float, cl::temperature::fixed> fused(cl::temperature::fixed(0.1f));

@@ -81,9 +81,11 @@ struct chunked
   static constexpr bool element_logits = false;  ///< float chunks of logits (on the device: device/chunked.cuh)
 };
 
-/// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget and its
-/// logits are float (float elements), else `fused`. Materialized executes 6 n_q n_k d flops to fused's 8 and is the
-/// faster host algorithm wherever its n_q n_k logits fit; fused needs O((n_q + n_k) d) memory at any batch. The budget
+/// Host, one process: per call, `materialized` where its buffers (the engine's `bytes_for`) fit a memory budget, its
+/// logits are float (float elements) and the objective is a softmax, else `fused`. For the softmax objectives
+/// materialized executes 6 n_q n_k d flops to fused's 8 and is the faster host algorithm wherever its n_q n_k logits
+/// fit; the sigmoid objective's fused step is one pass (6 to 6), faster than materialized, so it always runs fused.
+/// Fused needs O((n_q + n_k) d) memory at any batch. The budget
 /// is a quarter of the memory the operating system reports available at the call (Linux: MemAvailable within the
 /// cgroup's and the address-space limits; what the loss holds already counts as available to it), or what
 /// `set_memory_budget` sets.

@@ -121,12 +121,21 @@ public:
     const detail::checked_size b = bytes_for<algorithm::materialized>(p, outputs_known);
     return b.ok() && b.value <= memory_budget();
   }
-  /// algorithm::automatic's choice for `p` at logit scale `s`: materialized where both rules allow it
-  /// (materialized_accurate_at(s) and materialized_fits(p)), else fused.
+  /// algorithm::automatic's work rule: whether materialized does less work than fused for `p`'s objective. The softmax
+  /// objectives' fused backward forms the logits a second time (8 n_q n_k d flops to materialized's 6); the sigmoid
+  /// objective's fused step takes one pass over them (6 to 6) and stores none, so it is as fast or faster (measured
+  /// 0.86-0.94x materialized's time, docs/algorithms.md) at a fraction of the memory: automatic runs it fused.
+  template <class Problem>
+  static bool materialized_saves_work(const Problem& p) noexcept
+  {
+    return objectives::traits_of(p).softmax;
+  }
+  /// algorithm::automatic's choice for `p` at logit scale `s`: materialized where every rule allows it
+  /// (materialized_saves_work(p), materialized_accurate_at(s) and materialized_fits(p)), else fused.
   template <class Problem>
   bool materializes(const Problem& p, bool outputs_known, float s) const noexcept
   {
-    return materialized_accurate_at(s) && materialized_fits(p, outputs_known);
+    return materialized_saves_work(p) && materialized_accurate_at(s) && materialized_fits(p, outputs_known);
   }
   /// The algorithm the last `prepare` ran: Algorithm's, or automatic's choice ("none" before one, or after one that
   /// failed).
