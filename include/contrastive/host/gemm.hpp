@@ -172,14 +172,10 @@ micro_kernel(std::size_t kc, const float* a, const float* b, float* c, std::size
 /// 1 where this build has the bfloat16 dot-product kernel (bf16_dot), for code that must not even name its pair-layout
 /// products elsewhere (gemm_packed<std::uint16_t> does not compile without it).
 #define CONTRASTIVE_HOST_BF16_DOT 1
-#else
-#define CONTRASTIVE_HOST_BF16_DOT 0
-#endif
-
-#if CONTRASTIVE_HOST_BF16_DOT
 inline constexpr bool bf16_dot = true;
 inline constexpr const char* bf16_kernel_isa = "avx512_bf16";
 #else
+#define CONTRASTIVE_HOST_BF16_DOT 0
 inline constexpr bool bf16_dot = false;
 inline constexpr const char* bf16_kernel_isa = "none";
 #endif
