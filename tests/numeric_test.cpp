@@ -318,6 +318,87 @@ TEST(ElementTraits, VectorHalfStoresMatchTheScalarConversion)
 #endif
 }
 
+// The row conversions of host/element_rows.hpp (F16C for half where the build targets it, the materialized
+// algorithm's passes over its stored logits) give element_traits' values for every element type: every half to float,
+// and float to half or bfloat16 and rounded to it (all exponents and signs, mantissas around every rounding boundary,
+// random bit patterns; NaN to NaN), at lengths that leave a scalar tail.
+template <class T>
+void expect_rows_match_scalar_conversions()
+{
+  using traits = element_traits<T>;
+  std::vector<float> in;
+  for (std::uint32_t e = 0; e < 256; ++e)
+  {
+    for (std::uint32_t m : {0u,
+                            1u,
+                            0x7fffu,
+                            0x8000u,
+                            0x8001u,
+                            0xfffu,
+                            0x1000u,
+                            0x1001u,
+                            0x1fffu,
+                            0x2000u,
+                            0x3fffffu,
+                            0x400000u,
+                            0x400001u,
+                            0x7fffffu})
+    {
+      for (std::uint32_t sign : {0u, 0x80000000u})
+      {
+        in.push_back(float_of(sign | e << 23 | m));
+      }
+    }
+  }
+  std::mt19937 rng(91);
+  while (in.size() < (1u << 20) + 5) // not a multiple of 8
+  {
+    in.push_back(float_of(static_cast<std::uint32_t>(rng())));
+  }
+  const std::size_t n = in.size();
+  std::vector<T> stored(n);
+  contrastive::host::from_float_row(in.data(), n, stored.data());
+  std::vector<float> rounded = in;
+  contrastive::host::round_row<T>(rounded.data(), n);
+  for (std::size_t i = 0; i < n; ++i)
+  {
+    const T want = traits::from_float(in[i]);
+    if (std::isnan(in[i]))
+    {
+      ASSERT_TRUE(std::isnan(traits::to_float(stored[i]))) << i;
+      ASSERT_TRUE(std::isnan(rounded[i])) << i;
+      continue;
+    }
+    ASSERT_EQ(traits::bits(stored[i]), traits::bits(want)) << "x = " << in[i];
+    ASSERT_EQ(bits_of(rounded[i]), bits_of(traits::to_float(want))) << "x = " << in[i];
+  }
+  std::vector<T> every(65536 + 3);
+  for (std::size_t b = 0; b < every.size(); ++b)
+  {
+    every[b] = traits::from_bits(static_cast<std::uint16_t>(b));
+  }
+  std::vector<float> back(every.size());
+  contrastive::host::to_float_row(every.data(), every.size(), back.data());
+  for (std::size_t b = 0; b < every.size(); ++b)
+  {
+    const float want = traits::to_float(every[b]);
+    if (std::isnan(want))
+    {
+      ASSERT_TRUE(std::isnan(back[b])) << b;
+    }
+    else
+    {
+      ASSERT_EQ(bits_of(back[b]), bits_of(want)) << "bits " << b;
+    }
+  }
+}
+
+TEST(ElementTraits, RowConversionsMatchTheScalarOnes)
+{
+  expect_rows_match_scalar_conversions<__half>();
+  expect_rows_match_scalar_conversions<__nv_bfloat16>();
+}
+
 // The sigmoid objective's per-logit math (numeric/sigmoid_math.hpp): log1p_unit within 3 ulp of log1p over [0, 1],
 // and softplus / sigmoid of both signs of pair within a few ulp of float64, including tiny terms (e^-80) and the
 // masked slot z = -inf (exactly 0).

@@ -185,20 +185,29 @@ struct engine_state
     const float s = scale, b = bias;
     if constexpr (algorithm_traits<Algorithm>::stores_logits)
     {
+      // materialized_chain<T>::logit, then z = round_T(S + b), a row at a time (host/element_rows.hpp: vectorised
+      // conversions).
       for (std::size_t ii = 0; ii < rows; ++ii)
       {
-        const T* in = &logits[(i0 + ii) * n_k + j0];
         float* out = &ws.tile[ii * block_n];
+        to_float_row(&logits[(i0 + ii) * n_k + j0], cols, out);
+        for (std::size_t jj = 0; jj < cols; ++jj)
+        {
+          out[jj] *= s;
+        }
+        round_row<T>(out, cols);
+        if constexpr (Biased)
+        {
+          for (std::size_t jj = 0; jj < cols; ++jj)
+          {
+            out[jj] += b;
+          }
+          round_row<T>(out, cols);
+        }
         poison += lane_sum(cols,
                            [&](std::size_t jj)
                            {
-                             float x = materialized_chain<T>::logit(traits::to_float(in[jj]), s);
-                             if constexpr (Biased)
-                             {
-                               x = materialized_chain<T>::biased(x, b);
-                             }
-                             out[jj] = x;
-                             return x * 0.0f;
+                             return out[jj] * 0.0f;
                            });
       }
     }
@@ -377,12 +386,7 @@ struct engine_state
         mm.dot_tile(j0, rows, cols, ws);
         for (std::size_t ii = 0; ii < rows; ++ii)
         {
-          T* out = &logits[(i0 + ii) * n_k + j0];
-          const float* in = &tile[ii * block_n];
-          for (std::size_t jj = 0; jj < cols; ++jj)
-          {
-            out[jj] = traits::from_float(in[jj]);
-          }
+          from_float_row(&tile[ii * block_n], cols, &logits[(i0 + ii) * n_k + j0]);
         }
       }
       bad |= forward_tile<Algorithm, O>(i0, j0, rows, cols, ws, row_state, sig_loss, sig_max);

@@ -30,27 +30,36 @@ CONTRASTIVE_NOINLINE void materialized_chain_tile(engine_state<T, Gemm>& st,
                                                   backward_partials& parts,
                                                   unsigned w) noexcept
 {
-  using traits = element_traits<T>;
+  // materialized_chain<T>'s steps a row at a time (host/element_rows.hpp: vectorised conversions).
+  float ds[block_n], a[block_n];
   for (std::size_t ii = 0; ii < rows; ++ii)
   {
     T* m = &st.logits[(i0 + ii) * st.n_k + j0];
     const float* g = &ws.tile[ii * block_n];
+    for (std::size_t jj = 0; jj < cols; ++jj) // dS = round_T(loss_scale G)
+    {
+      ds[jj] = loss_scale * g[jj];
+    }
+    round_row<T>(ds, cols);
+    to_float_row(m, cols, a);
     if constexpr (Biased) // d b = sum dS (z = S + b: dz = dS), of the element-type values a framework sums
     {
       parts.dbias[w] += static_cast<double>(lane_sum(cols,
                                                      [&](std::size_t jj)
                                                      {
-                                                       return materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
+                                                       return ds[jj];
                                                      }));
     }
     parts.dlogs[w] += lane_sum(cols,
                                [&](std::size_t jj)
                                {
-                                 const float ds = materialized_chain<T>::scaled_gradient(g[jj], loss_scale);
-                                 const float prod = ds * traits::to_float(m[jj]);
-                                 m[jj] = traits::from_float(materialized_chain<T>::product_gradient(ds, st.scale));
-                                 return prod;
+                                 return ds[jj] * a[jj];
                                });
+    for (std::size_t jj = 0; jj < cols; ++jj) // dA = s dS, rounded to T in place of A
+    {
+      a[jj] = st.scale * ds[jj];
+    }
+    from_float_row(a, cols, m);
   }
 }
 

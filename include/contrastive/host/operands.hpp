@@ -5,6 +5,7 @@
 /// Operands of the host engine: the finiteness scan of the caller's arrays, their conversion from the element type to
 /// float straight into the packed layouts of host/gemm.hpp, and the 16-lane reductions the tile loops use.
 
+#include <contrastive/host/element_rows.hpp>
 #include <contrastive/host/gemm.hpp>
 #include <contrastive/host/thread_pool.hpp>
 #include <contrastive/numeric/element_traits.hpp>
@@ -150,20 +151,7 @@ CONTRASTIVE_FORCEINLINE const float* float_row(const T* src, std::size_t n, floa
   }
   else
   {
-    std::size_t e = 0;
-#if defined(__F16C__)
-    if constexpr (std::is_same_v<T, __half>)
-    {
-      for (; e + 8 <= n; e += 8)
-      {
-        _mm256_storeu_ps(buf + e, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e))));
-      }
-    }
-#endif
-    for (; e < n; ++e)
-    {
-      buf[e] = element_traits<T>::to_float(src[e]);
-    }
+    to_float_row(src, n, buf);
     return buf;
   }
 }

@@ -48,11 +48,8 @@ void load_tile(
     std::size_t jj = 0;
     if (ii < rows)
     {
-      const S* row = src + ii * ld;
-      for (; jj < cols; ++jj)
-      {
-        out[jj] = element_traits<S>::to_float(row[jj]);
-      }
+      to_float_row(src + ii * ld, cols, out);
+      jj = cols;
     }
     std::fill(out + jj, out + width, 0.0f);
   }

@@ -71,7 +71,8 @@ exact_positive_gradient(float row_loss, float col_loss, const grad_coefficients&
 
 /// The materialized algorithm's rounding chain, as a framework's autocast rounds (see algorithm::materialized):
 ///   A = round_T(q . k)  ->  S = round_T(s A)  ->  G in float  ->  dS = round_T(loss_scale G)  ->  dA = round_T(s dS)
-/// with d loss / d log s accumulated as sum dS * A. One definition for host and device.
+/// with d loss / d log s accumulated as sum dS * A. The device applies it per element; the host engine takes the same
+/// steps a row at a time (host/element_rows.hpp, for its vectorised conversions).
 template <class T>
 struct materialized_chain
 {
@@ -79,11 +80,6 @@ struct materialized_chain
   CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float logit(float a, float s) noexcept
   {
     return round_to<T>(s * a);
-  }
-  /// The sigmoid objective's z = round_T(S + b): the bias added to the element-type logits, as autocast adds it.
-  CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float biased(float logit, float b) noexcept
-  {
-    return round_to<T>(logit + b);
   }
   /// dS = round_T(loss_scale * G).
   CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE static float scaled_gradient(float g, float loss_scale) noexcept
