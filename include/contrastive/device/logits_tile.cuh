@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(config::threads) tile_kernel(tile_args a)
   Epilogue::template apply<T>(a, acc, raw, row0, col0);
 }
 
-/// Forward, after the statistics tiles: each row's statistics from its column tiles' partials and its positive (as
-/// chunked_phases::row_statistics). One warp per row.
+/// Forward, after the statistics tiles (or chunked_phases::chunk_statistics on float S_c): each row's statistics
+/// from its column tiles' partials and its positive. One warp per row.
 template <int = 0> // a template, like every kernel in a header: one definition across translation units
 __global__ void __launch_bounds__(256) finish_tile_rows(const float2* row_part,
                                                         int tiles,

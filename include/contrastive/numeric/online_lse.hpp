@@ -7,7 +7,7 @@
 /// The state keeps the *negatives* (every logit but the positive one) apart from the positive logit. The loss of a row
 /// is log(1 + sum_{j != p} exp(S_j - S_p)) = log1p(rest) when the positive is the largest logit, and the small
 /// `rest` is then never added to 1 before the logarithm: that is what keeps all digits of a loss like 2.51e-05 (the
-/// second row of tests/seed_test.cpp at tau = 0.05), where `lse - S_p` computed naively loses most of them.
+/// second row of tests/worked_example_test.cpp at tau = 0.05), where `lse - S_p` computed naively loses most of them.
 
 #include <contrastive/detail/config.hpp>
 #include <contrastive/numeric/math.hpp>

@@ -1,4 +1,5 @@
-// The problem statement's worked example: eight losses, one query against four keys, positive at 0.
+// A worked example: the InfoNCE loss of one query against four keys (positive at 0) over a sweep of temperatures,
+// eight values computed in float64.
 
 #include "test_util.hpp"
 
@@ -8,7 +9,7 @@
 
 namespace
 {
-struct seed_case
+struct example_case
 {
   float scores[4];
   float tau;
@@ -16,7 +17,7 @@ struct seed_case
 };
 
 template <class Algorithm>
-float seed_loss(const seed_case& c)
+float example_loss(const example_case& c)
 {
   // One query q = [1] against keys k_j = [score_j] (dim 1), so <q, k_j> is the score itself.
   const float q[1] = {1.0f};
@@ -37,7 +38,7 @@ float seed_loss(const seed_case& c)
   return value;
 }
 
-const seed_case cases[] = {
+const example_case cases[] = {
     {{0.2f, 0.3f, 0.25f, 0.25f}, 0.05f, 2.626523375036445},
     {{0.2f, 0.3f, 0.25f, 0.25f}, 0.5f, 1.4887933201471417},
     {{0.2f, 0.3f, 0.25f, 0.25f}, 1.0f, 1.4369192960265726},
@@ -49,27 +50,27 @@ const seed_case cases[] = {
 };
 } // namespace
 
-TEST(SeedTable, FusedMatchesAllEightValuesToOneMillionth)
+TEST(WorkedExample, FusedMatchesAllEightValuesToOneMillionth)
 {
-  for (const seed_case& c : cases)
+  for (const example_case& c : cases)
   {
-    const double got = seed_loss<contrastive::algorithm::fused>(c);
+    const double got = example_loss<contrastive::algorithm::fused>(c);
     EXPECT_LE(std::fabs(got - c.want), 1e-6 * c.want) << "tau " << c.tau << " got " << got << " want " << c.want;
   }
 }
 
-TEST(SeedTable, MaterializedFloatMatchesAllEightValuesToOneMillionth)
+TEST(WorkedExample, MaterializedFloatMatchesAllEightValuesToOneMillionth)
 {
-  for (const seed_case& c : cases)
+  for (const example_case& c : cases)
   {
-    const double got = seed_loss<contrastive::algorithm::materialized>(c);
+    const double got = example_loss<contrastive::algorithm::materialized>(c);
     EXPECT_LE(std::fabs(got - c.want), 1e-6 * c.want) << "tau " << c.tau << " got " << got << " want " << c.want;
   }
 }
 
 // What the naive formula does in float for the 2.51e-05 case: lse - S_p keeps only a couple of digits. This is the
 // failure the log1p form in finish_row avoids.
-TEST(SeedTable, NaiveLogSumExpMinusPositiveLosesDigits)
+TEST(WorkedExample, NaiveLogSumExpMinusPositiveLosesDigits)
 {
   const float s = 20.0f;
   const float x[4] = {0.7f * s, 0.1f * s, 0.05f * s, 0.15f * s};
