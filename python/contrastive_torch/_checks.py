@@ -114,7 +114,10 @@ def rank_and_world(rank, world_size):
     rank, world_size = index("rank", rank), index("world_size", world_size)
     if world_size < 1:
         raise ValueError(f"world_size: must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
+    if rank < 0:
+        raise ValueError(f"rank: must be >= 0, got {rank}")
+    # open_clip reads rank only when world_size > 1 (its constructors take any rank at world_size 1), so this does too.
+    if world_size > 1 and rank >= world_size:
         raise ValueError(f"rank: must be in [0, world_size) = [0, {world_size}), got {rank}")
     return rank, world_size
 
@@ -169,8 +172,9 @@ def features(name, x):
         raise ValueError(f"{name}: on {x.device}; CPU and CUDA tensors only")
     if x.dtype not in DTYPE_NAMES:
         raise TypeError(f"{name}: dtype {x.dtype} is not float32, bfloat16 or float16")
-    if not x.is_contiguous():
-        raise ValueError(f"{name}: not contiguous (call .contiguous())")
+    # Any strides are taken (a transposed, sliced or expanded tensor, as open_clip takes them): the steps run on a
+    # contiguous copy where the tensor is not contiguous (_steps, _distributed), and its gradient comes back in the
+    # caller's layout through autograd.
 
 
 def no_forward_transform(*tensors):
@@ -211,12 +215,12 @@ def feature_pair(q, k, names):
 
         # Inside autocast both become the region's dtype (autocast_features), as torch.matmul's operands do.
         if autocast_dtype(q.device.type) is None:
-            raise TypeError(f"features: dtypes differ ({q.dtype} and {k.dtype}; inside torch.autocast both would run "
-                            "at its dtype)")
+            raise TypeError(f"features: dtypes differ ({names[0]} {q.dtype}, {names[1]} {k.dtype}; inside "
+                            "torch.autocast both would run at its dtype)")
     if q.shape[1] != k.shape[1]:
-        raise ValueError(f"features: embedding sizes differ ({q.shape[1]} and {k.shape[1]})")
+        raise ValueError(f"features: embedding sizes differ ({names[0]} {q.shape[1]}, {names[1]} {k.shape[1]})")
     if q.device != k.device:
-        raise ValueError(f"features: on different devices ({q.device} and {k.device})")
+        raise ValueError(f"features: on different devices ({names[0]} on {q.device}, {names[1]} on {k.device})")
 
 
 def scalar(name, value, device, kinds="a number or a one-element tensor"):

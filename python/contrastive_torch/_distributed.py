@@ -190,6 +190,7 @@ def global_loss(objective, q, k, logit_scale, logit_bias, algorithm, threads, fu
         # Under torch.autocast, float32 features run at its dtype, as in one process (the operators' autocast rule):
         # cast here, before the exchange, so the ranks agree on and move the dtype the steps run at.
         q, k = autocast_features(q, k)
+        q, k = q.contiguous(), k.contiguous()  # the engine and the gather take rows in place
         for name, x in zip(names, (q, k)):  # group ids let the towers differ in length, not vanish on a rank
             if x.shape[0] == 0:
                 raise ValueError(f"{name}: no rows on this rank; every rank of the group needs at least one")
@@ -383,6 +384,21 @@ def _all_gather_with_grad(x, group):
     import torch.distributed.nn as dist_nn
 
     return torch.cat(dist_nn.all_gather(x, group=group), dim=0)
+
+
+def gather_features(x, group, with_grad, keep_own):
+    """Every rank's (equal-sized) rows in rank order, as open_clip's gather_features gives them: with gradients
+    (with_grad), else gathered without them, this rank's own rows put back differentiable where `keep_own`."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    if with_grad:
+        return _all_gather_with_grad(x, group)
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x.detach().contiguous(), group=group)
+    if keep_own:
+        parts[group.rank()] = x
+    return torch.cat(parts, dim=0)
 
 
 def _rank_order(rank, size):

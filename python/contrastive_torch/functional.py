@@ -7,9 +7,9 @@
     loss = CF.info_nce_loss(query, keys, logit_scale, labels)
 
 Each returns the loss (a 0-dim float32 tensor on the features' device) with gradients to the features, logit_scale
-and logit_bias. Features are 2-D (batch x dim), contiguous, float32, bfloat16 or float16, CPU or CUDA; logit_scale
-(s = 1/tau) and logit_bias are numbers or one-element tensors. CPU tensors run the library's host engine, CUDA
-tensors its device step; eager and torch.compile calls run the same operators (contrastive_torch._ops).
+and logit_bias. Features are 2-D (batch x dim; any strides: a non-contiguous tensor is copied), float32, bfloat16 or
+float16, CPU or CUDA; logit_scale (s = 1/tau) and logit_bias are numbers or one-element tensors. CPU tensors run the
+library's host engine, CUDA tensors its device step; eager and torch.compile calls run the same operators (contrastive_torch._ops).
 
 Under torch.autocast (CPU or CUDA), float32 features run at the region's dtype, as torch.matmul's would: they are
 cast to it before the step (their gradients come back float32); logit_scale and logit_bias stay float32, 16-bit

@@ -143,6 +143,38 @@ class ClipLoss(_Loss):
         loss = self._kept(report, _open_clip_dtype(loss, image_features))
         return {"contrastive_loss": loss} if output_dict else loss
 
+    def get_ground_truth(self, device, num_logits):
+        """open_clip's: each of `num_logits` rows' positive column, int64 on `device`: the diagonal, offset by rank x
+        num_logits with local_loss over world_size > 1 (the rank's rows against every rank's columns)."""
+        labels = torch.arange(num_logits, device=device, dtype=torch.long)
+        if self.world_size > 1 and self.local_loss:
+            labels = labels + num_logits * self.rank
+        return labels
+
+    def get_logits(self, image_features, text_features, logit_scale, logit_bias=None):
+        """open_clip's: (logits_per_image, logits_per_text) = s I T^T and s T I^T (+ logit_bias), formed with PyTorch
+        operations, N x N, for inspection or a loss of one's own; the loss itself never forms them. Over ranks
+        (world_size > 1 or `group`) as open_clip's: the towers gathered in rank order (with gradients under
+        gather_with_grad, else without, this rank's rows kept differentiable unless local_loss); with local_loss this
+        rank's rows against every rank's, else every row against every column."""
+        if not self.distributed:
+            per_image = logit_scale * image_features @ text_features.T
+            per_text = logit_scale * text_features @ image_features.T
+        else:
+            all_images = _distributed.gather_features(image_features, self.group, self.gather_with_grad,
+                                                      not self.local_loss)
+            all_texts = _distributed.gather_features(text_features, self.group, self.gather_with_grad,
+                                                     not self.local_loss)
+            if self.local_loss:
+                per_image = logit_scale * image_features @ all_texts.T
+                per_text = logit_scale * text_features @ all_images.T
+            else:
+                per_image = logit_scale * all_images @ all_texts.T
+                per_text = per_image.T
+        if logit_bias is not None:
+            per_image, per_text = per_image + logit_bias, per_text + logit_bias
+        return per_image, per_text
+
 
 class CoCaLoss(ClipLoss):
     """open_clip's CoCaLoss: same constructor, same call; the contrastive term is this package's ClipLoss, the
@@ -310,6 +342,22 @@ class SigLipLoss(_Loss):
                                           image_groups=image_groups, text_groups=text_groups)
         loss = self._kept(report, _open_clip_sigmoid_dtype(loss, image_features))
         return {"contrastive_loss": loss} if output_dict else loss
+
+    @staticmethod
+    def get_ground_truth(device, dtype, num_logits, negative_only=False):
+        """open_clip's: the num_logits x num_logits labels of `dtype` on `device`, +1 on the diagonal and -1 elsewhere
+        (-1 everywhere with negative_only: the pairs of two ranks' rows)."""
+        labels = torch.full((num_logits, num_logits), -1.0, device=device, dtype=dtype)
+        if not negative_only:
+            labels.fill_diagonal_(1.0)
+        return labels
+
+    @staticmethod
+    def get_logits(image_features, text_features, logit_scale, logit_bias=None):
+        """open_clip's: s I T^T (+ logit_bias), this rank's rows and columns, formed with PyTorch operations, for
+        inspection or a loss of one's own; the loss itself never forms them."""
+        logits = logit_scale * image_features @ text_features.T
+        return logits if logit_bias is None else logits + logit_bias
 
 
 class InfoNCELoss(_Loss):

@@ -333,3 +333,26 @@ def test_the_cuda_rule_runs_the_cuda_kernel_on_the_cast_features(monkeypatch):
             assert q.grad.dtype == k.grad.dtype == torch.float32
             assert torch.equal(q.grad, torch.full(q.shape, 3.0e-3).to(dtype).float()), (name, on)
             assert torch.equal(k.grad, -q.grad)
+
+
+def test_a_feature_past_the_autocast_dtype_is_named_as_passed():
+    # A float32 feature that is finite (1e5, -7e4) but past float16's 65504 becomes inf when a float16 region casts it:
+    # the refusal names the value the caller passed and the cast, not "not finite"; a feature that is not finite as
+    # passed keeps the library's message, and bfloat16 (float32's range) runs it.
+    q, k = unit(8, 4, 21), unit(8, 4, 22)
+    q[2, 3], k[5, 1] = 1e5, -7e4
+    calls = (("image_features[2][3] = 100000", lambda: CF.clip_loss(q, k, SCALE)),
+             ("image_features[2][3] = 100000", lambda: CF.siglip_loss(q, k, SCALE, BIAS)),
+             ("query[2][3] = 100000", lambda: CF.info_nce_loss(q, k, SCALE)),
+             ("text_features[5][1] = -70000", lambda: CF.clip_loss(unit(8, 4, 23), k, SCALE)))
+    for said, call in calls:
+        with autocast(torch.float16), pytest.raises(ValueError) as refused:
+            call()
+        assert said in str(refused.value) and "overflows float16 (largest finite 65504)" in str(refused.value)
+        assert "[non_finite_input]" in str(refused.value)
+    q[2, 3] = float("inf")
+    with autocast(torch.float16), pytest.raises(ValueError, match=r"image_features\[2\]\[3\] is not finite"):
+        CF.clip_loss(q, k, SCALE)
+    q[2, 3] = 1e5
+    with autocast(torch.bfloat16):
+        assert torch.isfinite(CF.clip_loss(q, k, SCALE))

@@ -178,6 +178,26 @@ def _worker(rank, world, port, seed, out_dir):
                         err = _rel(a, b)
                         check(err <= tol, f"{where}: {name} {err / eps:.1f} eps from open_clip (seed {seed})")
 
+        # open_clip's get_logits over ranks (the towers gathered: with gradients, or without and this rank's rows kept)
+        # and get_ground_truth: the same logits and gradients as open_clip's, per setting.
+        if oc is not None:
+            for local_loss, gwg in itertools.product((False, True), repeat=2):
+                runs = []
+                for cls in (ct.ClipLoss, oc.ClipLoss):
+                    fn = cls(local_loss=local_loss, gather_with_grad=gwg, rank=rank, world_size=world)
+                    i, t = img[mine].clone().requires_grad_(), txt[mine].clone().requires_grad_()
+                    s = torch.tensor(scale, requires_grad=True)
+                    per_image, per_text = fn.get_logits(i, t, s)
+                    (per_image.square().sum() + 2 * per_text.sum()).backward()
+                    runs.append((per_image.detach(), per_text.detach(), i.grad, t.grad, s.grad,
+                                 fn.get_ground_truth("cpu", n)))
+                # The gradients through a gather sum the ranks' parts in the collective's order (PyTorch's functional
+                # all-gather here, torch.distributed.nn's in open_clip 3.3): equal to float32's rounding.
+                for name, a, b in zip(("logits_per_image", "logits_per_text", "d image_features", "d text_features",
+                                       "d logit_scale", "labels"), *runs):
+                    same = torch.equal(a, b) if name.startswith(("logits", "labels")) else _rel(a, b) <= 4 * torch.finfo(torch.float32).eps
+                    check(same, f"get_logits local_loss={local_loss} gather_with_grad={gwg}: {name}")
+
         # Unequal rows per rank, against one process on the concatenated batch (open_clip needs equal rows).
         counts = [n - 2, n + 2] if world == 2 else [n - 3, n + 3, n, n]
         offset = sum(counts[:rank])
@@ -343,8 +363,9 @@ def test_global_batch_over_gloo(world, seed, tmp_path):
     assert not failures, "\n".join(failures[:20])
     # 2 exchanges x (2 dtypes x 3 algorithms x (4 settings x 5 vs one process + 15 vs open_clip) + unequal rows
     # (3 x 4)) + the refusals (7 engine, 6 gather, 1 exchange, 2 over torch's agreement, 2 after them, 2 x 4 found by
-    # review) + 2 float16 rerun counts + 2 names of the non-finite feature: every check ran on every rank.
-    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2 + 2 * 4 + 2 + 2] * world, \
+    # review) + 2 float16 rerun counts + 2 names of the non-finite feature + get_logits (4 settings x 6): every check
+    # ran on every rank.
+    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2 + 2 * 4 + 2 + 2 + 4 * 6] * world, \
         f"checks per rank: {checks}"
 
 

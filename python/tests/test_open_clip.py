@@ -304,8 +304,10 @@ def test_constructor_errors_name_the_argument():
     with pytest.raises(NotImplementedError, match="use_horovod"):
         ct.ClipLoss(use_horovod=True)
     assert ct.ClipLoss(rank=0, world_size=4).distributed  # the loss over torch.distributed (test_distributed.py)
-    with pytest.raises(ValueError, match="rank"):
-        ct.ClipLoss(rank=1, world_size=1)
+    # open_clip reads rank only with world_size > 1, and takes any rank at world_size 1: so does this loss.
+    assert not ct.ClipLoss(rank=1, world_size=1).distributed and not ct.SigLipLoss(rank=3).distributed
+    with pytest.raises(ValueError, match=r"rank: must be in \[0, world_size\) = \[0, 2\), got 2"):
+        ct.ClipLoss(rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank"):
         ct.ClipLoss(rank=-1)
     with pytest.raises(ValueError, match="world_size"):
@@ -396,3 +398,33 @@ def test_coca_loss_from_open_clips_factory_and_refusals(open_clip_loss, monkeypa
     with pytest.raises(ValueError, match="labels: .*out of bounds"):
         loss_fn(img, txt, logits, labels + logits.shape[2], torch.tensor(10.0))
     assert loss_fn.last_step is before
+
+
+def test_get_logits_and_get_ground_truth_are_open_clips(open_clip_loss):
+    # The helpers of open_clip's losses (user code that forms the logits through the loss object): the same tensors,
+    # dtypes and gradients as open_clip's, with and without a bias, for both losses (one process; over ranks:
+    # test_distributed.py).
+    img, txt = draw(12, 8, 31)
+    if not hasattr(open_clip_loss.SigLipLoss, "get_logits"):
+        require("open_clip", False, "this open_clip's losses have no get_logits")
+    for ours_fn, theirs_fn in ((ct.ClipLoss(), open_clip_loss.ClipLoss()),
+                               (ct.SigLipLoss(), open_clip_loss.SigLipLoss())):
+        for bias in (None, torch.tensor(-3.5)):
+            runs = []
+            for fn in (ours_fn, theirs_fn):
+                i, t = img.clone().requires_grad_(), txt.clone().requires_grad_()
+                s = torch.tensor(14.3, requires_grad=True)
+                out = fn.get_logits(i, t, s, bias)
+                out = out if isinstance(out, tuple) else (out,)
+                sum(o.square().sum() for o in out).backward()
+                runs.append(tuple(o.detach() for o in out) + (i.grad, t.grad, s.grad))
+            for a, b in zip(*runs):
+                assert a.dtype == b.dtype and torch.equal(a, b), (type(ours_fn).__name__, bias)
+    assert torch.equal(ct.ClipLoss().get_ground_truth("cpu", 7), open_clip_loss.ClipLoss().get_ground_truth("cpu", 7))
+    assert torch.equal(ct.ClipLoss(local_loss=True, rank=1, world_size=2).get_ground_truth("cpu", 5),
+                       open_clip_loss.ClipLoss(local_loss=True, rank=1, world_size=2).get_ground_truth("cpu", 5))
+    for dtype in (torch.float32, torch.bfloat16):
+        for negative_only in (False, True):
+            a = ct.SigLipLoss().get_ground_truth("cpu", dtype, 6, negative_only)
+            b = open_clip_loss.SigLipLoss().get_ground_truth("cpu", dtype, 6, negative_only)
+            assert a.dtype == b.dtype and torch.equal(a, b)

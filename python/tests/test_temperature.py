@@ -211,7 +211,7 @@ def test_a_dead_scale_as_torch_has_it():
 
 
 def collapse_run(monitor, scaler, theta, opt, steps_up=30, skipped=12):
-    """theta rises, then every step is skipped (logits overflowed), as in the problem statement's collapse."""
+    """theta rises, then every step is skipped (logits overflowed), as in the fp16 collapse (docs/collapse.md)."""
     for _ in range(steps_up):
         scaler_step(scaler, theta, opt, -1.0)
         monitor.step(loss=torch.tensor(1.0))
