@@ -1,6 +1,6 @@
 // Copyright (c) 2026 The contrastive authors. SPDX-License-Identifier: Apache-2.0
 //
-// collapse_demo: reproduces the problem statement's fp16 temperature collapse in a small CLIP-style training and
+// collapse_demo: reproduces the fp16 temperature collapse (docs/collapse.md) in a small CLIP-style training and
 // shows each remedy.
 // Prints the side-by-side table on stdout, writes one per-step CSV per run into --out, progress on stderr.
 // Plot with scripts/plot_demo.gp (see docs/demo.md). The parts live in examples/collapse/: options, data, model,

@@ -9,7 +9,7 @@
 //   - half + clamped and half + range_guard stay healthy at high accuracy, with tau bounded as their policies say;
 //   - half + scheduled is healthy while tau is frozen and collapses after unfreezing (18 of 18);
 //   - half + fused never has a non-finite logit and never collapses (it can still degrade: tau is not bounded);
-//   - wherever half + learnable collapses, it does so as the problem statement describes: logits overflow at
+//   - wherever half + learnable collapses, it does so as docs/collapse.md describes: logits overflow at
 //     1/tau > 65504, every later step is skipped with tau frozen, and the Paddle dygraph scale underflows to 0.
 // If this fails after a change in the library's rounding, re-run `python3 scripts/demo_seeds.py` on the ISAs the
 // machine has before editing the expectations or the docs.
@@ -83,7 +83,7 @@ static void check_HalfLearnableCollapsesAsTheSeedDescribes()
   ASSERT_TRUE(h.error.empty()) << h.error;
   // Seeds 1-6 x 3 ISAs at this length: collapsed in about half the runs (docs/demo.md), and a run can also be in the
   // middle of collapsing at its last step. A run whose logits never overflowed must be healthy; from its first logit
-  // overflow on, a run must die the way the problem statement describes.
+  // overflow on, a run must die the way docs/collapse.md describes.
   std::size_t first = h.rows.size();
   for (std::size_t i = 0; i < h.rows.size(); ++i)
   {

@@ -1,4 +1,4 @@
-# Draws the collapse demo's figure (like Fig. 5 of the problem statement): loss scale and tau over steps, one panel
+# Draws the collapse demo's figure (docs/collapse.png): loss scale and tau over steps, one panel
 # per run. The figure goes to dir/collapse.png unless png names another file; the committed docs/collapse.png is
 # drawn with
 #

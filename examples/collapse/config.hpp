@@ -66,7 +66,7 @@ struct run_config
 /// Parses "type:policy[:algorithm]" (algorithm defaults to materialized). On failure returns false and says why.
 bool parse_run(const std::string& s, run_config& out, std::string& why);
 
-/// The default table: the problem statement's failure, each remedy, and the range guard.
+/// The default table: the fp16 collapse, each remedy, and the range guard.
 std::vector<run_config> default_runs();
 
 /// Everything but the configuration: data, model, optimisation and policy settings.
@@ -90,7 +90,7 @@ struct settings
   float tau_init = 0.07f;    ///< CLIP's initial temperature
   float tau_min = 0.01f;     ///< clamped: open_clip's bound (logit scale <= 100)
   float tau_max = 1.0f;      ///< clamped and guard: open_clip's upper bound
-  float fixed_tau = 0.05f;   ///< fixed, and scheduled before its unfreeze step (the problem statement's value)
+  float fixed_tau = 0.05f;   ///< fixed, and scheduled before its unfreeze step (freeze-then-learn's warm-up tau)
   std::int64_t unfreeze_step = 600; ///< scheduled: finite steps at fixed_tau before tau becomes learnable
   float guard_headroom = 16.0f;
   float guard_retreat = 0.5f;

@@ -41,7 +41,7 @@ cl::temperature::clamped make_policy(const settings& s, cl::temperature::clamped
 }
 cl::temperature::freeze_then_learn make_policy(const settings& s, cl::temperature::freeze_then_learn*)
 {
-  // The problem statement's remedy: fixed at 0.05, then learnable with no bound.
+  // The freeze-then-learn remedy (docs/collapse.md): fixed at 0.05, then learnable with no bound.
   return cl::temperature::freeze_then_learn(s.fixed_tau, s.unfreeze_step, tau_adam(s));
 }
 cl::temperature::range_guard make_policy(const settings& s, cl::temperature::range_guard*)

@@ -11,7 +11,7 @@ transformer of width 64, registered here as a model config) on synthetic pairs: 
 tau keeps falling. Runs (--runs):
 
     float        float32, no autocast, no scaler
-    fp16         torch.autocast(float16) + torch.amp.GradScaler, open_clip's ClipLoss, learnable tau: the problem statement's setting
+    fp16         torch.autocast(float16) + torch.amp.GradScaler, open_clip's ClipLoss, learnable tau: the collapse
     fp16_clamp   the same, with open_clip's clamp of logit_scale to [0, ln 100] after every step (its default)
     fp16_guard   the same, with contrastive_torch.temperature.RangeGuard instead of the clamp
     fp16_fused   the same, with contrastive_torch.ClipLoss (fused: the logits stay in float32) instead of open_clip's
