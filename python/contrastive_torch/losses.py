@@ -145,10 +145,12 @@ class ClipLoss(_Loss):
 
     def get_ground_truth(self, device, num_logits):
         """open_clip's: each of `num_logits` rows' positive column, int64 on `device`: the diagonal, offset by rank x
-        num_logits with local_loss over world_size > 1 (the rank's rows against every rank's columns)."""
+        num_logits with local_loss over ranks (world_size > 1 or `group`: the rank's rows against every rank's
+        columns)."""
         labels = torch.arange(num_logits, device=device, dtype=torch.long)
-        if self.world_size > 1 and self.local_loss:
-            labels = labels + num_logits * self.rank
+        if self.distributed and self.local_loss:
+            rank = self.rank if self.group is None else self.group.rank()
+            labels = labels + num_logits * rank
         return labels
 
     def get_logits(self, image_features, text_features, logit_scale, logit_bias=None):
@@ -156,7 +158,10 @@ class ClipLoss(_Loss):
         operations, N x N, for inspection or a loss of one's own; the loss itself never forms them. Over ranks
         (world_size > 1 or `group`) as open_clip's: the towers gathered in rank order (with gradients under
         gather_with_grad, else without, this rank's rows kept differentiable unless local_loss); with local_loss this
-        rank's rows against every rank's, else every row against every column."""
+        rank's rows against every rank's, else every row against every column. The logits keep their dtype when a
+        bias is added (open_clip adds it in place). One difference: over ranks without local_loss open_clip's
+        logits_per_text is a view of logits_per_image, so its in-place bias reaches both twice (S + 2b); here each
+        gets it once."""
         if not self.distributed:
             per_image = logit_scale * image_features @ text_features.T
             per_text = logit_scale * text_features @ image_features.T
@@ -172,7 +177,7 @@ class ClipLoss(_Loss):
                 per_image = logit_scale * all_images @ all_texts.T
                 per_text = per_image.T
         if logit_bias is not None:
-            per_image, per_text = per_image + logit_bias, per_text + logit_bias
+            per_image, per_text = _biased(per_image, logit_bias), _biased(per_text, logit_bias)
         return per_image, per_text
 
 
@@ -287,6 +292,12 @@ class DistillClipLoss(ClipLoss):
         return contrastive, distill
 
 
+def _biased(logits, bias):
+    """logits + bias in the logits' dtype, as open_clip's in-place addition gives it (a float32 bias of shape [1] would
+    otherwise promote 16-bit logits)."""
+    return (logits + bias).to(logits.dtype)
+
+
 def _describe(x):
     """A value as an error message names it: a tensor's shape and dtype, else its type."""
     if isinstance(x, torch.Tensor):
@@ -357,7 +368,7 @@ class SigLipLoss(_Loss):
         """open_clip's: s I T^T (+ logit_bias), this rank's rows and columns, formed with PyTorch operations, for
         inspection or a loss of one's own; the loss itself never forms them."""
         logits = logit_scale * image_features @ text_features.T
-        return logits if logit_bias is None else logits + logit_bias
+        return logits if logit_bias is None else _biased(logits, logit_bias)
 
 
 class InfoNCELoss(_Loss):

@@ -195,8 +195,13 @@ def _worker(rank, world, port, seed, out_dir):
                 # all-gather here, torch.distributed.nn's in open_clip 3.3): equal to float32's rounding.
                 for name, a, b in zip(("logits_per_image", "logits_per_text", "d image_features", "d text_features",
                                        "d logit_scale", "labels"), *runs):
-                    same = torch.equal(a, b) if name.startswith(("logits", "labels")) else _rel(a, b) <= 4 * torch.finfo(torch.float32).eps
+                    exact = name.startswith(("logits", "labels"))
+                    same = torch.equal(a, b) if exact else _rel(a, b) <= 4 * torch.finfo(torch.float32).eps
                     check(same, f"get_logits local_loss={local_loss} gather_with_grad={gwg}: {name}")
+            # A loss given the group alone (world_size left at 1) offsets its labels by the group's rank.
+            check(torch.equal(ct.ClipLoss(local_loss=True, group=dist.group.WORLD).get_ground_truth("cpu", n),
+                              oc.ClipLoss(local_loss=True, rank=rank, world_size=world).get_ground_truth("cpu", n)),
+                  "get_ground_truth with group= only")
 
         # Unequal rows per rank, against one process on the concatenated batch (open_clip needs equal rows).
         counts = [n - 2, n + 2] if world == 2 else [n - 3, n + 3, n, n]
@@ -363,9 +368,9 @@ def test_global_batch_over_gloo(world, seed, tmp_path):
     assert not failures, "\n".join(failures[:20])
     # 2 exchanges x (2 dtypes x 3 algorithms x (4 settings x 5 vs one process + 15 vs open_clip) + unequal rows
     # (3 x 4)) + the refusals (7 engine, 6 gather, 1 exchange, 2 over torch's agreement, 2 after them, 2 x 4 found by
-    # review) + 2 float16 rerun counts + 2 names of the non-finite feature + get_logits (4 settings x 6): every check
-    # ran on every rank.
-    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2 + 2 * 4 + 2 + 2 + 4 * 6] * world, \
+    # review) + 2 float16 rerun counts + 2 names of the non-finite feature + get_logits (4 settings x 6, and group=):
+    # every check ran on every rank.
+    assert checks == [2 * (2 * 3 * (4 * 5 + 15) + 3 * 4) + 7 + 6 + 1 + 2 + 2 + 2 * 4 + 2 + 2 + 4 * 6 + 1] * world, \
         f"checks per rank: {checks}"
 
 

@@ -11,6 +11,7 @@ import argparse
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import os
 
@@ -402,24 +403,25 @@ def test_coca_loss_from_open_clips_factory_and_refusals(open_clip_loss, monkeypa
 
 def test_get_logits_and_get_ground_truth_are_open_clips(open_clip_loss):
     # The helpers of open_clip's losses (user code that forms the logits through the loss object): the same tensors,
-    # dtypes and gradients as open_clip's, with and without a bias, for both losses (one process; over ranks:
-    # test_distributed.py).
-    img, txt = draw(12, 8, 31)
+    # dtypes and gradients as open_clip's, with and without a bias (a float32 bias of shape [1] keeps 16-bit logits
+    # 16-bit: open_clip adds it in place), for both losses (one process; over ranks: test_distributed.py).
     if not hasattr(open_clip_loss.SigLipLoss, "get_logits"):
         require("open_clip", False, "this open_clip's losses have no get_logits")
-    for ours_fn, theirs_fn in ((ct.ClipLoss(), open_clip_loss.ClipLoss()),
-                               (ct.SigLipLoss(), open_clip_loss.SigLipLoss())):
-        for bias in (None, torch.tensor(-3.5)):
-            runs = []
-            for fn in (ours_fn, theirs_fn):
-                i, t = img.clone().requires_grad_(), txt.clone().requires_grad_()
-                s = torch.tensor(14.3, requires_grad=True)
-                out = fn.get_logits(i, t, s, bias)
-                out = out if isinstance(out, tuple) else (out,)
-                sum(o.square().sum() for o in out).backward()
-                runs.append(tuple(o.detach() for o in out) + (i.grad, t.grad, s.grad))
-            for a, b in zip(*runs):
-                assert a.dtype == b.dtype and torch.equal(a, b), (type(ours_fn).__name__, bias)
+    cases = itertools.product(((ct.ClipLoss(), open_clip_loss.ClipLoss()),
+                               (ct.SigLipLoss(), open_clip_loss.SigLipLoss())), (torch.float32, torch.bfloat16),
+                              (None, torch.tensor(-3.5), torch.tensor([-3.5]), -3.5))
+    for (ours_fn, theirs_fn), dtype, bias in cases:
+        img, txt = draw(12, 8, 31, dtype)
+        runs = []
+        for fn in (ours_fn, theirs_fn):
+            i, t = img.clone().requires_grad_(), txt.clone().requires_grad_()
+            s = torch.tensor(14.3, requires_grad=True)
+            out = fn.get_logits(i, t, s, bias)
+            out = out if isinstance(out, tuple) else (out,)
+            sum(o.float().square().sum() for o in out).backward()
+            runs.append(tuple(o.detach() for o in out) + (i.grad, t.grad, s.grad))
+        for a, b in zip(*runs):
+            assert a.dtype == b.dtype and torch.equal(a, b), (type(ours_fn).__name__, dtype, bias)
     assert torch.equal(ct.ClipLoss().get_ground_truth("cpu", 7), open_clip_loss.ClipLoss().get_ground_truth("cpu", 7))
     assert torch.equal(ct.ClipLoss(local_loss=True, rank=1, world_size=2).get_ground_truth("cpu", 5),
                        open_clip_loss.ClipLoss(local_loss=True, rank=1, world_size=2).get_ground_truth("cpu", 5))
