@@ -53,10 +53,15 @@ struct sigmoid_term
 /// The term of logit z of a negative pair (l = -1): softplus(z), sigmoid(z).
 CONTRASTIVE_HOST_DEVICE CONTRASTIVE_FORCEINLINE sigmoid_term sigmoid_negative(float z) noexcept
 {
-  const float a = z < 0.0f ? -z : z; // |z|; NaN stays NaN through e
+  // |z| by its sign bit (NaN stays NaN through e), and sigmoid(z)'s two forms merged as bit masks: a `?:` with a float
+  // operation in an arm keeps GCC from vectorising the loops under its default -ftrapping-math (exp_approx).
+  const float a = detail::bits_float(detail::float_bits(z) & 0x7fffffffu);
   const float e = detail::exp_approx(-a);
   const float inv = 1.0f / (1.0f + e);
-  return {(z > 0.0f ? z : 0.0f) + detail::log1p_unit(e), z >= 0.0f ? inv : e * inv};
+  const std::uint32_t nonnegative = 0u - static_cast<std::uint32_t>(z >= 0.0f);
+  const float grad =
+      detail::bits_float((detail::float_bits(inv) & nonnegative) | (detail::float_bits(e * inv) & ~nonnegative));
+  return {(z > 0.0f ? z : 0.0f) + detail::log1p_unit(e), grad};
 }
 
 /// The term of logit z of the positive pair (l = +1): softplus(-z), -sigmoid(-z).
