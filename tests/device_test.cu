@@ -212,8 +212,8 @@ TYPED_TEST(DeviceTyped, MatchesHostPathAndFloat64Reference)
   }
 }
 
-// The seed's failure on the GPU: materialized fp16 logits past 65504 are diagnosed, the step skipped, the
-// temperature untouched and the scaler backed off, all on the device.
+// The fp16 collapse's failure (docs/collapse.md) on the GPU: materialized fp16 logits past 65504 are diagnosed, the
+// step skipped, the temperature untouched and the scaler backed off, all on the device.
 TEST(Device, Fp16LogitsOverflowIsDiagnosedAndSkipped)
 {
   SKIP_WITHOUT_DEVICE();

@@ -456,6 +456,29 @@ TEST(BadInput, StatisticsOutputsOverlappingInputsAreRefused)
   EXPECT_TRUE(core.forward(p, 14.0f, fv, rows.data()).ok());
 }
 
+// A refused number is printed with its digits: a logit scale of -1e-7 is not "-0.000000", a bias of 1e-7 with an
+// objective that has none is not "0.000000 ... pass 0".
+TEST(BadInput, RefusedNumbersKeepTheirDigits)
+{
+  fixture_data d;
+  cl::core<__half> core(1);
+  cl::core_values out;
+  const cl::status scale = core.step(d.problem(), -1e-7f, 1.0f, d.dq.data(), d.dk.data(), out);
+  EXPECT_EQ(scale.argument(), "logit_scale");
+  EXPECT_NE(scale.message().find("logit_scale = -1"), std::string::npos) << scale.message();
+  const cl::status loss_scale = core.step(d.problem(), 14.0f, -1e-30f, d.dq.data(), d.dk.data(), out);
+  EXPECT_EQ(loss_scale.argument(), "loss_scale");
+  EXPECT_NE(loss_scale.message().find("loss_scale = -1"), std::string::npos) << loss_scale.message();
+  const cl::status bias = core.step(d.problem(), 14.0f, 1e-7f, 1.0f, d.dq.data(), d.dk.data(), out);
+  EXPECT_EQ(bias.argument(), "logit_bias");
+  EXPECT_NE(bias.message().find("logit_bias = 1"), std::string::npos) << bias.message();
+  for (const cl::status* st : {&scale, &loss_scale, &bias})
+  {
+    EXPECT_NE(st->message().find("e-"), std::string::npos) << st->message();
+    EXPECT_EQ(st->message().find("0.000000"), std::string::npos) << st->message();
+  }
+}
+
 // finish_step takes only the loss's own step in progress: a copy of a finished record, a record made up without a
 // forward_backward, or one from before a restore is refused and changes nothing; a record whose gradient the caller
 // made non-finite skips the step (the temperature's optimizer state stays finite) instead of moving the policies.
@@ -477,6 +500,17 @@ TEST(BadInput, FinishStepTakesOnlyTheStepInProgress)
   made_up.loss_scale = 65536.0f;
   EXPECT_EQ(l.finish_step(made_up).code(), cl::errc::invalid_argument);
   expect_unchanged(l, after_one);
+  // A second forward_backward replaces the step in progress: the first one's record is refused, the second finishes.
+  fixture_data other;
+  other.q = ct::random_rows<__half>(24, 12, 79);
+  cl::step_record first, second;
+  ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), first).ok());
+  ASSERT_TRUE(l.forward_backward(other.problem(), other.dq.data(), other.dk.data(), second).ok());
+  ASSERT_EQ(first.step, second.step);
+  EXPECT_EQ(l.finish_step(first).code(), cl::errc::invalid_argument);
+  expect_unchanged(l, after_one);
+  ASSERT_TRUE(l.finish_step(second).ok());
+  ASSERT_TRUE(l.restore(after_one).ok());
   // A restore abandons the step in progress.
   ASSERT_TRUE(l.forward_backward(d.problem(), d.dq.data(), d.dk.data(), rec).ok());
   ASSERT_TRUE(l.restore(after_one).ok());
@@ -496,9 +530,9 @@ TEST(BadInput, FinishStepTakesOnlyTheStepInProgress)
   EXPECT_FALSE(rec.skipped);
 }
 
-// The seed's failure on the materialized FP16 path: a scale large enough to push logits past 65504 is reported as a
-// logits overflow; the step is skipped; the temperature and its optimiser do not move; the scaler backs off per its
-// rule; the fused path computes the same logits in float and does not overflow there.
+// The fp16 collapse's failure (docs/collapse.md) on the materialized FP16 path: a scale large enough to push logits
+// past 65504 is reported as a logits overflow; the step is skipped; the temperature and its optimiser do not move; the
+// scaler backs off per its rule; the fused path computes the same logits in float and does not overflow there.
 TEST(Overflow, Fp16LogitsOverflowIsDiagnosedAndSkipped)
 {
   const std::size_t n = 16, dim = 8;

@@ -265,6 +265,15 @@ TEST(Temperature, ScheduleIsDeterministicWithNoOptimiser)
   cl::temperature::schedule bad = lin;
   bad.kind = static_cast<cl::temperature::schedule_kind>(0);
   EXPECT_STRNE(bad.validate(), "");
+  // Duration 0: tau_end from the first step on (tau_at(0)), not one step at tau_start.
+  for (auto kind : {cl::temperature::schedule_kind::linear, cl::temperature::schedule_kind::cosine})
+  {
+    cl::temperature::schedule now(kind, 1.0f, 0.01f, 0);
+    EXPECT_FLOAT_EQ(now.tau(), now.tau_at(0));
+    EXPECT_FLOAT_EQ(now.tau(), 0.01f);
+    now.advance(0.0f);
+    EXPECT_FLOAT_EQ(now.tau(), 0.01f);
+  }
 }
 
 TEST(Temperature, RangeGuardCeilingOnlyComesDown)

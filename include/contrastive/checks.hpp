@@ -148,7 +148,8 @@ inline status check_loss_scale(float s)
 {
   if (!(s > 0.0f) || !detail::finite(s))
   {
-    return {errc::invalid_scaler, "loss_scale", "loss_scale = " + std::to_string(s) + "; it must be finite and > 0"};
+    return {
+        errc::invalid_scaler, "loss_scale", "loss_scale = " + detail::number_text(s) + "; it must be finite and > 0"};
   }
   return {};
 }

@@ -193,7 +193,7 @@ private:
     {
       return {errc::invalid_temperature,
               "logit_scale",
-              "logit_scale = " + std::to_string(s) + "; it must be finite and > 0 (it is 1/tau)"};
+              "logit_scale = " + detail::number_text(s) + "; it must be finite and > 0 (it is 1/tau)"};
     }
     return {};
   }

@@ -5,6 +5,7 @@
 /// Error reporting for the host API: a status the caller tests, with a message naming the offending argument.
 /// The library never throws for bad input, never aborts and never prints.
 
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -158,6 +159,17 @@ private:
   std::string message_;
   native_error native_{};
 };
+
+namespace detail
+{
+/// A number as a message shows it: every digit a float has (%.9g), so that 1e-07 is not printed as 0.000000.
+inline std::string number_text(double v)
+{
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+} // namespace detail
 
 } // namespace contrastive
 

@@ -172,13 +172,13 @@ status check_logit_bias(float bias)
 {
   if (!detail::finite(bias))
   {
-    return {errc::invalid_argument, "logit_bias", "logit_bias = " + std::to_string(bias) + "; it must be finite"};
+    return {errc::invalid_argument, "logit_bias", "logit_bias = " + detail::number_text(bias) + "; it must be finite"};
   }
   if (!O::has_bias && bias != 0.0f)
   {
     return {errc::invalid_argument,
             "logit_bias",
-            "logit_bias = " + std::to_string(bias) + " with objective " + O::name +
+            "logit_bias = " + detail::number_text(bias) + " with objective " + O::name +
                 ": the bias applies to objective::sigmoid only (a softmax is invariant to it); pass 0"};
   }
   return {};

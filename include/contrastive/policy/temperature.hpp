@@ -374,7 +374,8 @@ struct schedule : theta_getters<schedule>
   constexpr schedule() = default;
   /// tau from `tau_start` to `tau_end` over `duration` finite steps, then `tau_end`.
   CONTRASTIVE_HOST_DEVICE schedule(schedule_kind k, float t_start, float t_end, std::int64_t steps_to_end) noexcept
-      : kind(k), tau_start(t_start), tau_end(t_end), duration(steps_to_end), theta(logit_scale_of(t_start))
+      : kind(k), tau_start(t_start), tau_end(t_end), duration(steps_to_end),
+        theta(logit_scale_of(steps_to_end > 0 ? t_start : t_end)) // tau_at(0): tau_end at once for duration 0
   {
   }
 

@@ -42,6 +42,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -263,6 +264,7 @@ public:
       rec.first_nonfinite = nonfinite_site::grad_logit_bias;
     }
     in_step_ = true;
+    issued_ = rec;
     return {};
   }
 
@@ -283,7 +285,9 @@ public:
   {
     // The record must be this loss's step in progress: a copy of an already finished record (or one made up)
     // would move the policies a second time.
-    const bool pending = rec.pending && in_step_ && rec.step == step_;
+    // A second forward_backward before finish_step replaces the step in progress (same index): the first one's record
+    // is told apart by the values the loss wrote into it.
+    const bool pending = rec.pending && in_step_ && rec.step == step_ && same_issue(rec, issued_);
     // The record is the caller's: a gradient edited to a non-finite value skips the step (on every rank) instead of
     // reaching the temperature's optimizer state; forward_backward already records its own non-finite gradients.
     nonfinite_site local = rec.first_nonfinite;
@@ -359,5 +363,15 @@ private:
   logit_bias bias_{};
   std::int64_t step_ = 0;
   bool in_step_ = false; ///< a forward_backward succeeded and its finish_step has not run (record step_)
+  step_record issued_{}; ///< the record of the step in progress, as forward_backward wrote it
+
+  /// Whether `rec` carries the values forward_backward wrote into `issued` (bit for bit; the fields a caller has no
+  /// reason to edit: the loss, tau, the loss scale, the largest logit, the bias).
+  static bool same_issue(const step_record& rec, const step_record& issued) noexcept
+  {
+    const float mine[5] = {rec.loss, rec.tau, rec.loss_scale, rec.max_logit, rec.logit_bias};
+    const float theirs[5] = {issued.loss, issued.tau, issued.loss_scale, issued.max_logit, issued.logit_bias};
+    return std::memcmp(mine, theirs, sizeof mine) == 0;
+  }
 };
 } // namespace contrastive
